@@ -1,0 +1,208 @@
+"""Decoder over real captured engine streams (vLLM 0.32, SGLang 0.5.23) and malformed input."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import msgspec
+import pytest
+
+from warply.protocol import (
+    PROTOCOL_VERSION,
+    AllCleared,
+    BlockRemoved,
+    BlockStored,
+    LoadSnapshot,
+    Rejection,
+    StreamDecoder,
+    Tier,
+    chain_keys,
+    encode_batch,
+    prefix_keys,
+    root_seed,
+)
+
+MODEL = "capture-model"
+
+
+def _decode_all(capture: dict[str, Any]) -> tuple[StreamDecoder, list[Any]]:
+    decoder = StreamDecoder(capture["path"].stem)
+    events = []
+    for frames in capture["frames"]:
+        batch = decoder.decode_frames(frames)
+        assert batch is not None, decoder.rejected
+        assert batch.source == "engine"
+        events.extend(batch.events)
+    return decoder, events
+
+
+def test_capture_decodes_without_rejections(capture: dict[str, Any]) -> None:
+    decoder, events = _decode_all(capture)
+    assert decoder.accepted == len(capture["frames"]) > 0
+    assert not decoder.rejected
+    kinds = {type(e) for e in events}
+    assert BlockStored in kinds and BlockRemoved in kinds
+    stored = [e for e in events if isinstance(e, BlockStored)]
+    assert all(e.block_size == capture["block_size"] for e in stored)
+    assert {e.tier for e in stored} == {Tier.GPU}
+
+
+def test_capture_sequence_numbers_are_contiguous(capture: dict[str, Any]) -> None:
+    seqs = [int.from_bytes(f[1], "big") for f in capture["frames"]]
+    assert seqs == list(range(seqs[0], seqs[0] + len(seqs)))
+
+
+def test_capture_key_parity_with_request_side(capture: dict[str, Any]) -> None:
+    """Keys rebuilt from the engine's events equal the keys the router computes from prompts."""
+    _, events = _decode_all(capture)
+    block_size = capture["block_size"]
+    key_of: dict[int, int] = {}
+    ns_of: dict[int, str] = {}
+    removed_unknown = 0
+    for ev in events:
+        if isinstance(ev, BlockStored):
+            if ev.parent_hash is None:
+                ns = ev.namespace or ""
+                seed = root_seed(MODEL, ns)
+            else:
+                ns, seed = ns_of[ev.parent_hash], key_of[ev.parent_hash]
+            for h, k in zip(
+                ev.block_hashes, chain_keys(ev.token_ids, block_size, seed), strict=True
+            ):
+                key_of[h], ns_of[h] = k, ns
+        elif isinstance(ev, BlockRemoved):
+            removed_unknown += sum(h not in key_of for h in ev.block_hashes)
+    assert removed_unknown == 0, "a removal named a block never reported stored"
+    reported = set(key_of.values())
+    for seq in capture["sequences"]:
+        expected = prefix_keys(seq["token_ids"], block_size, MODEL, seq.get("cache_salt") or "")
+        assert expected, f"sequence {seq['label']} is shorter than one block"
+        missing = [i for i, k in enumerate(expected) if k not in reported]
+        assert not missing, f"{seq['label']}: blocks {missing} of {len(expected)} not in the stream"
+
+
+def test_salted_sequences_get_their_own_namespace(capture: dict[str, Any]) -> None:
+    salted = [s for s in capture["sequences"] if s.get("cache_salt")]
+    if not salted:
+        pytest.skip(f"{capture['engine']} capture has no salted request")
+    _, events = _decode_all(capture)
+    roots = {e.namespace for e in events if isinstance(e, BlockStored) and e.parent_hash is None}
+    assert {s["cache_salt"] for s in salted} <= roots
+    assert "" in roots
+
+
+def test_vllm_capture_reports_reset_as_all_cleared() -> None:
+    from conftest import EVENTS_DIR, load_capture
+
+    for path in sorted(EVENTS_DIR.glob("vllm-*.msgpack")):
+        capture = load_capture(path)
+        capture["path"] = path
+        _, events = _decode_all(capture)
+        assert any(isinstance(e, AllCleared) for e in events), path.name
+
+
+def _frames(payload: bytes, seq: int = 0) -> list[bytes]:
+    return [b"kv", seq.to_bytes(8, "big"), payload]
+
+
+def test_warply_batch_round_trip() -> None:
+    events = [
+        BlockStored([11, 12], None, list(range(32)), 16, Tier.CPU, "tenant"),
+        BlockRemoved([11], Tier.GPU),
+        LoadSnapshot(running=2, waiting=1, kv_usage=0.25, kv_blocks_total=100),
+    ]
+    decoder = StreamDecoder()
+    batch = decoder.decode_frames(_frames(encode_batch(events, 1.5, "w0"), seq=7))
+    assert batch is not None and batch.source == "warply"
+    assert (batch.seq, batch.ts, batch.events) == (7, 1.5, events)
+
+
+@pytest.mark.parametrize(
+    ("frames", "reason"),
+    [
+        ([b"\x00" * 8, b"\xc1"], Rejection.BAD_MSGPACK),
+        ([b"kv", b"\x00" * 8], Rejection.BAD_FRAME),
+        ([b"kv", b"\x00" * 4, b"\x90"], Rejection.BAD_FRAME),
+        ([b"kv"], Rejection.BAD_FRAME),
+        ([b"a", b"b", b"c", b"d"], Rejection.BAD_FRAME),
+        (_frames(encode_batch([LoadSnapshot(1, 0, 0.1)], 1.0)[:-4]), Rejection.BAD_MSGPACK),
+        (_frames(b"\xc1"), Rejection.BAD_MSGPACK),
+        (
+            _frames(msgspec.msgpack.encode(["warply", PROTOCOL_VERSION + 1, 1.0, []])),
+            Rejection.UNSUPPORTED_VERSION,
+        ),
+        (
+            _frames(msgspec.msgpack.encode(["warply", PROTOCOL_VERSION, 1.0, [["nope"]]])),
+            Rejection.BAD_SCHEMA,
+        ),
+        (
+            _frames(
+                msgspec.msgpack.encode(
+                    ["warply", PROTOCOL_VERSION, 1.0, [["stored", [1], None, [1, 2], 16]]]
+                )
+            ),
+            Rejection.BAD_SCHEMA,
+        ),
+        (
+            _frames(msgspec.msgpack.encode({"ts": 1.0, "events": [{"type": "Mystery"}]})),
+            Rejection.BAD_SCHEMA,
+        ),
+        (
+            _frames(
+                msgspec.msgpack.encode(
+                    [1.0, [["BlockStored", [1], None, [1] * 16, 16, None, "TAPE"]]]
+                )
+            ),
+            Rejection.UNKNOWN_MEDIUM,
+        ),
+        (
+            _frames(msgspec.msgpack.encode([1.0, [["BlockStored", [1], None, [1] * 15, 16]]])),
+            Rejection.BAD_SCHEMA,
+        ),
+        (
+            _frames(msgspec.msgpack.encode([1.0, [["BlockRemoved", [1.5], "GPU"]]])),
+            Rejection.BAD_SCHEMA,
+        ),
+        (_frames(msgspec.msgpack.encode("hello")), Rejection.BAD_SCHEMA),
+    ],
+)
+def test_malformed_input_is_counted_not_raised(frames: list[bytes], reason: Rejection) -> None:
+    decoder = StreamDecoder("t")
+    assert decoder.decode_frames(frames) is None
+    assert decoder.rejected == {reason: 1}
+    good = decoder.decode_frames(_frames(encode_batch([LoadSnapshot(1, 0, 0.1)], time.time())))
+    assert good is not None and decoder.accepted == 1
+
+
+def test_engine_encodings_map_and_array_agree() -> None:
+    stored = {
+        "type": "BlockStored",
+        "block_hashes": [b"\x01" * 32],
+        "parent_block_hash": None,
+        "token_ids": [5] * 16,
+        "block_size": 16,
+        "lora_id": None,
+        "medium": "CPU_TIER1",
+        "lora_name": None,
+        "extra_keys": [["salt-1"]],
+    }
+    as_array = [
+        "BlockStored",
+        [b"\x01" * 32],
+        None,
+        [5] * 16,
+        16,
+        None,
+        "CPU_TIER1",
+        None,
+        [["salt-1"]],
+    ]
+    a = StreamDecoder().decode_frames(
+        _frames(msgspec.msgpack.encode({"ts": 1.0, "events": [stored]}))
+    )
+    b = StreamDecoder().decode_frames(_frames(msgspec.msgpack.encode([1.0, [as_array], 0])))
+    assert a is not None and b is not None and a.events == b.events
+    ev = a.events[0]
+    assert isinstance(ev, BlockStored)
+    assert (ev.tier, ev.namespace, ev.block_hashes[0] < 2**64) == (Tier.CPU, "salt-1", True)

@@ -1,0 +1,135 @@
+"""The router's stream subscriber over real ZMQ sockets: bad frames, gaps, replay, restarts."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import time
+
+import msgspec
+import zmq
+
+from warply.protocol import PROTOCOL_VERSION, DecodedBatch, LoadSnapshot, Rejection, encode_batch
+from warply.protocol.publisher import StatePublisher
+from warply.protocol.subscriber import StateSubscriber
+
+
+def _port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _load(i: int) -> list[LoadSnapshot]:
+    return [LoadSnapshot(running=i, waiting=0, kv_usage=0.0)]
+
+
+class _Sink:
+    def __init__(self) -> None:
+        self.batches: list[DecodedBatch] = []
+        self.stale: list[str] = []
+
+    def on_batch(self, worker: str, batch: DecodedBatch) -> None:
+        self.batches.append(batch)
+
+    def on_stale(self, worker: str) -> None:
+        self.stale.append(worker)
+
+
+async def _until(cond, timeout: float = 5.0) -> None:  # type: ignore[no-untyped-def]
+    deadline = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < deadline, "timed out waiting for the subscriber"
+        await asyncio.sleep(0.02)
+
+
+async def _start(sub: StateSubscriber) -> asyncio.Task[None]:
+    sub.open()
+    task = asyncio.create_task(sub.run())
+    await asyncio.sleep(0.3)  # let the SUB connect (ZMQ slow joiner)
+    return task
+
+
+def test_bad_frames_are_counted_and_the_subscriber_keeps_going() -> None:
+    async def main() -> None:
+        port = _port()
+        ctx = zmq.Context.instance()
+        pub = ctx.socket(zmq.PUB)
+        pub.bind(f"tcp://127.0.0.1:{port}")
+        sink = _Sink()
+        sub = StateSubscriber("w0", f"tcp://127.0.0.1:{port}", sink.on_batch, sink.on_stale)
+        task = await _start(sub)
+        good = encode_batch(_load(0), 1.0)
+        pub.send_multipart([b"", (0).to_bytes(8, "big"), good])
+        pub.send_multipart([b"", b"\x01\x02", good])  # bad frame: 2-byte seq
+        pub.send_multipart(
+            [
+                b"",
+                (1).to_bytes(8, "big"),
+                msgspec.msgpack.encode(["warply", PROTOCOL_VERSION + 1, 1.0, []]),
+            ]
+        )  # wrong version
+        pub.send_multipart([b"", (1).to_bytes(8, "big"), good[:-5]])  # truncated msgpack
+        pub.send_multipart([b"", (1).to_bytes(8, "big"), encode_batch(_load(1), 2.0)])
+        await _until(lambda: len(sink.batches) == 2)
+        task.cancel()
+        pub.close(linger=0)
+        assert [b.seq for b in sink.batches] == [0, 1]
+        assert sub.decoder.rejected == {
+            Rejection.BAD_FRAME: 1,
+            Rejection.UNSUPPORTED_VERSION: 1,
+            Rejection.BAD_MSGPACK: 1,
+        }
+        assert sink.stale == [] and sub.gaps == 0
+
+    asyncio.run(main())
+
+
+def test_late_joiner_recovers_history_from_replay() -> None:
+    async def main() -> None:
+        port, rport = _port(), _port()
+        publisher = StatePublisher(
+            f"tcp://127.0.0.1:{port}".replace("127.0.0.1", "*"),
+            replay_endpoint=f"tcp://127.0.0.1:{rport}",
+        )
+        for i in range(3):
+            publisher.publish(_load(i))
+        await asyncio.sleep(0.3)  # published before anyone listened
+        sink = _Sink()
+        sub = StateSubscriber(
+            "w0",
+            f"tcp://127.0.0.1:{port}",
+            sink.on_batch,
+            sink.on_stale,
+            replay_endpoint=f"tcp://127.0.0.1:{rport}",
+        )
+        task = await _start(sub)
+        for i in range(3, 6):
+            publisher.publish(_load(i))
+        await _until(lambda: len(sink.batches) == 6)
+        task.cancel()
+        publisher.close()
+        assert [b.seq for b in sink.batches] == list(range(6))
+        assert [b.events[0].running for b in sink.batches] == list(range(6))  # type: ignore[union-attr]
+        assert (sub.gaps, sub.replayed, sink.stale) == (1, 3, [])
+
+    asyncio.run(main())
+
+
+def test_unrecoverable_gap_and_restart_mark_the_worker_stale() -> None:
+    async def main() -> None:
+        port = _port()
+        pub = zmq.Context.instance().socket(zmq.PUB)
+        pub.bind(f"tcp://127.0.0.1:{port}")
+        sink = _Sink()
+        sub = StateSubscriber("w7", f"tcp://127.0.0.1:{port}", sink.on_batch, sink.on_stale)
+        task = await _start(sub)
+        for seq in (0, 1, 5, 0):  # 2..4 lost with no replay socket; then the engine restarts
+            pub.send_multipart([b"", seq.to_bytes(8, "big"), encode_batch(_load(seq), 1.0)])
+        await _until(lambda: len(sink.batches) == 4)
+        task.cancel()
+        pub.close(linger=0)
+        assert sink.stale == ["w7", "w7"] and sub.gaps == 1 and sub.resyncs == 2
+        assert [b.seq for b in sink.batches] == [0, 1, 5, 0]
+
+    asyncio.run(main())

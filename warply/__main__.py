@@ -1,0 +1,5 @@
+import sys
+
+from warply.cli import main
+
+sys.exit(main())

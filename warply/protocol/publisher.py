@@ -1,0 +1,104 @@
+"""Plugin-side state publisher: ZMQ PUB with a replay buffer behind a ROUTER socket.
+
+Same framing and replay protocol as the engines' own publishers, so one subscriber reads all of
+them: `[topic, seq (u64 BE), payload]` on PUB; a replay request `[seq]` (u64 BE) is answered
+with every buffered `[seq, payload]` from there on, then `[-1, b""]`. Sockets live on one
+background thread (ZMQ sockets are not thread-safe), so `publish` is cheap and never blocks the
+engine's scheduler.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections import deque
+
+import zmq
+
+from warply.protocol.events import Event, encode_batch
+
+_log = logging.getLogger(__name__)
+_END_SEQ = (-1).to_bytes(8, "big", signed=True)
+
+
+def _binds(endpoint: str) -> bool:
+    """Engines' convention: a wildcard host binds, a concrete address connects."""
+    return "*" in endpoint or endpoint.startswith(("ipc://", "inproc://"))
+
+
+class StatePublisher:
+    """Publishes event batches in order with sequence numbers and serves replays."""
+
+    def __init__(
+        self,
+        endpoint: str,
+        *,
+        replay_endpoint: str | None = None,
+        topic: str = "",
+        worker: str = "",
+        buffer_steps: int = 10_000,
+        context: zmq.Context[zmq.Socket[bytes]] | None = None,
+    ) -> None:
+        self.worker = worker
+        self.published = 0
+        self._topic = topic.encode()
+        self._queue: queue.SimpleQueue[list[Event] | None] = queue.SimpleQueue()
+        self._buffer: deque[tuple[int, bytes]] = deque(maxlen=buffer_steps)
+        self._ctx = context or zmq.Context.instance()
+        self._pub = self._ctx.socket(zmq.PUB)
+        self._pub.setsockopt(zmq.LINGER, 500)
+        (self._pub.bind if _binds(endpoint) else self._pub.connect)(endpoint)
+        self._replay: zmq.Socket[bytes] | None = None
+        if replay_endpoint:
+            self._replay = self._ctx.socket(zmq.ROUTER)
+            self._replay.setsockopt(zmq.LINGER, 0)
+            self._replay.bind(replay_endpoint)
+        self._thread = threading.Thread(target=self._loop, name="warply-publisher", daemon=True)
+        self._thread.start()
+
+    def publish(self, events: list[Event]) -> None:
+        """Queue one batch; it goes out with the next sequence number."""
+        if events:
+            self._queue.put(events)
+
+    def close(self, timeout_s: float = 2.0) -> None:
+        """Flush what is queued, then close the sockets."""
+        self._queue.put(None)
+        self._thread.join(timeout_s)
+
+    def _loop(self) -> None:
+        seq = 0
+        try:
+            while True:
+                if self._replay is not None and self._replay.poll(0):
+                    self._serve_replay()
+                try:
+                    events = self._queue.get(timeout=0.05)
+                except queue.Empty:
+                    continue
+                if events is None:
+                    break
+                payload = encode_batch(events, time.time(), self.worker)
+                self._pub.send_multipart((self._topic, seq.to_bytes(8, "big"), payload))
+                self._buffer.append((seq, payload))
+                self.published += 1
+                seq += 1
+        finally:
+            self._pub.close()
+            if self._replay is not None:
+                self._replay.close()
+
+    def _serve_replay(self) -> None:
+        assert self._replay is not None
+        frames = self._replay.recv_multipart()
+        if len(frames) != 3 or len(frames[2]) != 8:
+            _log.warning("ignoring malformed replay request (%d parts)", len(frames))
+            return
+        client, _, start_bytes = frames
+        start = int.from_bytes(start_bytes, "big")
+        for seq, payload in self._buffer:
+            if seq >= start:
+                self._replay.send_multipart((client, b"", seq.to_bytes(8, "big"), payload))
+        self._replay.send_multipart((client, b"", _END_SEQ, b""))

@@ -1,0 +1,130 @@
+"""One worker's state-stream subscription: decode, detect gaps, recover them, or resync.
+
+Sequence numbers come from the publisher (vLLM, SGLang and Warply plugins all number batches
+from 0). A gap is recovered from the publisher's replay socket (ZMQ ROUTER: request = the first
+missing seq as u64 BE; replies = `[seq, payload]` frames ending with seq -1). When replay cannot
+fill the gap (no replay endpoint, timeout, buffer already rotated), or the sequence goes
+backwards (the engine restarted), the worker's index entries are stale: `on_stale` tells the
+index to drop them so the stream rebuilds them.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+
+import zmq
+import zmq.asyncio
+
+from warply.protocol.decoder import DecodedBatch, StreamDecoder
+
+_log = logging.getLogger(__name__)
+_END_SEQ = -1
+
+
+class StateSubscriber:
+    """Reads one worker's state stream and hands every in-order batch to `on_batch`."""
+
+    def __init__(
+        self,
+        worker: str,
+        endpoint: str,
+        on_batch: Callable[[str, DecodedBatch], None],
+        on_stale: Callable[[str], None],
+        *,
+        replay_endpoint: str | None = None,
+        topic: bytes = b"",
+        bind: bool = False,
+        replay_timeout_s: float = 1.0,
+        context: zmq.asyncio.Context | None = None,
+    ) -> None:
+        self.worker = worker
+        self.endpoint = endpoint
+        self.replay_endpoint = replay_endpoint
+        self.decoder = StreamDecoder(worker)
+        self.last_seq: int | None = None
+        self.gaps = 0
+        self.replayed = 0
+        self.resyncs = 0
+        self._on_batch = on_batch
+        self._on_stale = on_stale
+        self._topic = topic
+        self._bind = bind
+        self._replay_timeout_s = replay_timeout_s
+        self._ctx = context or zmq.asyncio.Context.instance()
+        self._sub: zmq.asyncio.Socket | None = None
+
+    def open(self) -> None:
+        """Create and attach the SUB socket (bind for collectors, else connect to the engine)."""
+        sub = self._ctx.socket(zmq.SUB)
+        sub.setsockopt(zmq.SUBSCRIBE, self._topic)
+        sub.setsockopt(zmq.LINGER, 0)
+        (sub.bind if self._bind else sub.connect)(self.endpoint)
+        self._sub = sub
+
+    async def run(self) -> None:
+        """Receive until cancelled; never raises on bad input (the decoder counts it)."""
+        if self._sub is None:
+            self.open()
+        assert self._sub is not None
+        try:
+            while True:
+                frames = await self._sub.recv_multipart()
+                batch = self.decoder.decode_frames(frames)
+                if batch is not None:
+                    await self._accept(batch)
+        finally:
+            self._sub.close(linger=0)
+            self._sub = None
+
+    async def _accept(self, batch: DecodedBatch) -> None:
+        expected = 0 if self.last_seq is None else self.last_seq + 1
+        if batch.seq < expected:
+            if batch.seq != 0:
+                return  # a duplicate of something already applied (live after replay)
+            self._stale(f"sequence restarted at 0 after {self.last_seq} (publisher restarted)")
+        elif batch.seq > expected:
+            self.gaps += 1
+            if not await self._replay(expected, batch.seq):
+                self._stale(f"could not recover seq {expected}..{batch.seq - 1}")
+        self._deliver(batch)
+
+    def _deliver(self, batch: DecodedBatch) -> None:
+        self.last_seq = batch.seq
+        self._on_batch(self.worker, batch)
+
+    def _stale(self, why: str) -> None:
+        self.resyncs += 1
+        _log.warning("state stream %s: %s; dropping its index entries (resync)", self.worker, why)
+        self._on_stale(self.worker)
+
+    async def _replay(self, start: int, stop: int) -> bool:
+        """Fetch and deliver batches `start..stop-1` from the replay socket; True if complete."""
+        if not self.replay_endpoint:
+            return False
+        sock = self._ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.connect(self.replay_endpoint)
+        got = start
+        try:
+            await sock.send_multipart([b"", start.to_bytes(8, "big")])
+            while True:
+                ready = await sock.poll(int(self._replay_timeout_s * 1000))
+                if not ready:
+                    return False
+                frames = await sock.recv_multipart()
+                seq = int.from_bytes(frames[-2], "big", signed=True) if len(frames) >= 2 else None
+                if seq is None or seq == _END_SEQ:
+                    return got >= stop
+                if seq < got or seq >= stop:
+                    continue
+                if seq > got:
+                    return False  # the publisher's buffer no longer holds `got`
+                batch = self.decoder.decode_payload(seq, frames[-1])
+                if batch is None:
+                    return False
+                self.replayed += 1
+                self._deliver(batch)
+                got = seq + 1
+        finally:
+            sock.close(linger=0)

@@ -1,0 +1,46 @@
+"""Tier names and the map from engine storage media to Warply tiers."""
+
+from __future__ import annotations
+
+from enum import StrEnum
+
+
+class Tier(StrEnum):
+    """Where a KV block lives, fastest first."""
+
+    GPU = "gpu"
+    CPU = "cpu"
+    SSD = "ssd"
+    OBJECT_STORE = "object_store"
+
+
+# Engine `medium` strings as they appear in vLLM / SGLang / LMCache KV events. vLLM 0.32 reports
+# "GPU" for device blocks even on its CPU backend, so "GPU" always means "engine-resident".
+_MEDIUM_TO_TIER: dict[str, Tier] = {
+    "GPU": Tier.GPU,
+    "DEVICE": Tier.GPU,
+    "CUDA": Tier.GPU,
+    "CPU": Tier.CPU,
+    "CPU_PINNED": Tier.CPU,
+    "CPU_TIER1": Tier.CPU,
+    "HOST": Tier.CPU,
+    "DISK": Tier.SSD,
+    "NVME": Tier.SSD,
+    "SSD": Tier.SSD,
+    "CPU_TIER2": Tier.SSD,
+    "LOCAL_DISK": Tier.SSD,
+    "EXTERNAL": Tier.OBJECT_STORE,
+    "REMOTE": Tier.OBJECT_STORE,
+    "OBJECT_STORE": Tier.OBJECT_STORE,
+    "S3": Tier.OBJECT_STORE,
+}
+
+
+def tier_for_medium(medium: str | None) -> Tier | None:
+    """Map an engine medium to a tier; `None` (engines omit it for device blocks) means GPU.
+
+    Returns None for a medium no engine is known to send, so callers can reject it by name.
+    """
+    if medium is None or medium == "":
+        return Tier.GPU
+    return _MEDIUM_TO_TIER.get(medium.upper())
