@@ -1,0 +1,111 @@
+"""Prefix-index benchmarks: event ingestion rate, memory per entry, match latency.
+
+Streams synthetic vLLM-format `BlockStored` batches (16-token blocks, chained requests) for
+several workers through the real decoder and `router.index.MemoryIndex`, then times `match` on
+prompt key chains. Baseline in the same run: decoding alone (no index).
+
+    python bench/index_ingest.py [--blocks N] [--workers W]
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import random
+import statistics
+import time
+import tracemalloc
+
+import msgspec
+
+from router.index import MemoryIndex
+from warply.protocol import StreamDecoder, prefix_keys
+
+BS = 16
+
+
+def _frames(n_blocks: int, workers: int, blocks_per_event: int) -> list[tuple[str, list[bytes]]]:
+    rng = random.Random(0)
+    out = []
+    seq = dict.fromkeys(range(workers), 0)
+    made = 0
+    next_hash = 1
+    while made < n_blocks:
+        w = rng.randrange(workers)
+        tokens = [rng.randrange(50_000) for _ in range(BS * blocks_per_event)]
+        hashes = list(range(next_hash, next_hash + blocks_per_event))
+        next_hash += blocks_per_event
+        ev = ["BlockStored", hashes, None, tokens, BS, None, "GPU", None]
+        payload = msgspec.msgpack.encode([time.time(), [ev], 0])
+        out.append((f"w{w}", [b"kv", seq[w].to_bytes(8, "big"), payload]))
+        seq[w] += 1
+        made += blocks_per_event
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--blocks", type=int, default=1_000_000, help="blocks to ingest")
+    ap.add_argument("--workers", type=int, default=8)
+    ap.add_argument("--blocks-per-event", type=int, default=32)
+    args = ap.parse_args()
+    frames = _frames(args.blocks, args.workers, args.blocks_per_event)
+    n = len(frames) * args.blocks_per_event
+
+    dec = StreamDecoder()
+    t0 = time.perf_counter()
+    for _, f in frames:
+        dec.decode_frames(f)
+    t_decode = time.perf_counter() - t0
+    print(f"decode only:      {n / t_decode / 1e3:8.0f} k blocks/s")
+
+    def ingest() -> tuple[MemoryIndex, float]:
+        idx = MemoryIndex("m", max_entries=10 * n)
+        dec = StreamDecoder()
+        t0 = time.perf_counter()
+        for worker, f in frames:
+            batch = dec.decode_frames(f)
+            assert batch is not None
+            idx.apply(worker, batch.events)
+        return idx, time.perf_counter() - t0
+
+    idx, t_ingest = ingest()
+    del idx
+    gc.collect()
+    tracemalloc.start()
+    idx, _ = ingest()  # again under tracemalloc (slow), for memory only
+    mem, _ = tracemalloc.get_traced_memory()
+    tracemalloc.stop()
+    entries = idx.stats().entries
+    rate = n / t_ingest
+    print(
+        f"decode + index:   {rate / 1e3:8.0f} k blocks/s "
+        f"({t_ingest / t_decode:.2f}x decode-only time; target >= 300 k/s: "
+        f"{'meets' if rate >= 300e3 else 'MISSES'})"
+    )
+    print(
+        f"index memory:     {mem / entries:8.0f} bytes per (block, worker) entry "
+        f"({entries} entries, {mem / 2**20:.0f} MiB traced)"
+    )
+
+    rng = random.Random(1)
+    for prompt_len in (1024, 8192, 32768):
+        prompts = [[rng.randrange(50_000) for _ in range(prompt_len)] for _ in range(20)]
+        t_keys, t_match = [], []
+        for p in prompts:
+            t0 = time.perf_counter()
+            keys = prefix_keys(p, BS, "m")
+            t1 = time.perf_counter()
+            idx.match(keys)
+            t2 = time.perf_counter()
+            t_keys.append(t1 - t0)
+            t_match.append(t2 - t1)
+        q = statistics.quantiles(t_match, n=100)
+        print(
+            f"match {prompt_len:6d} tokens: p50 {q[49] * 1e6:7.1f} us  p99 {q[98] * 1e6:7.1f} us"
+            f"  (+ keys p50 {statistics.median(t_keys) * 1e6:7.1f} us)"
+        )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,214 @@
+"""Global prefix index: which worker holds which canonical block, on which tier.
+
+Fed by decoded state streams (Warply plugins or stock vLLM / SGLang KV events). Engine block
+hashes are seeded differently per engine, so the index rebuilds each block's canonical key from
+the token ids a `BlockStored` carries (`warply.protocol.keys`), chaining from the parent's key,
+and keeps per-worker `engine hash -> key` maps to resolve later removals.
+
+`PrefixIndex` is the small interface the router and the trace replayer use; `MemoryIndex` keeps
+everything in process, bounded by an LRU cap on (block, worker) entries with counted evictions.
+A shared backend for several router replicas implements the same interface.
+"""
+
+from __future__ import annotations
+
+import abc
+from collections import Counter, OrderedDict
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+
+from warply.protocol import (
+    AllCleared,
+    BlockRemoved,
+    BlockStored,
+    Event,
+    Tier,
+    TierMoved,
+    chain_keys,
+    root_seed,
+)
+
+_TIERS = tuple(Tier)
+_BIT = {tier: 1 << i for i, tier in enumerate(_TIERS)}
+_ALL_TIERS = (1 << len(_TIERS)) - 1
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerMatch:
+    """How much of a request's key chain one worker holds, from the first block on."""
+
+    blocks: int
+    """Leading blocks held on any tier."""
+    by_tier: dict[Tier, int]
+    """How many of those leading blocks sit on each tier (fastest tier that holds the block)."""
+
+
+@dataclass(slots=True)
+class IndexStats:
+    """Counters for metrics: what the index holds and what it refused."""
+
+    entries: int = 0
+    evictions: int = 0
+    entries_by_tier: Counter[Tier] = field(default_factory=Counter)
+    skipped: Counter[str] = field(default_factory=Counter)
+
+
+class PrefixIndex(abc.ABC):
+    """Where cached prefixes live, per worker and tier."""
+
+    @abc.abstractmethod
+    def apply(self, worker: str, events: Iterable[Event]) -> None:
+        """Apply one worker's state events, in stream order."""
+
+    @abc.abstractmethod
+    def drop_worker(self, worker: str) -> None:
+        """Forget everything a worker holds (stream gap it could not recover, or worker gone)."""
+
+    @abc.abstractmethod
+    def match(
+        self, keys: Sequence[int], workers: Iterable[str] | None = None
+    ) -> dict[str, WorkerMatch]:
+        """Per worker (all, or the given ones), the leading run of `keys` it holds."""
+
+    @abc.abstractmethod
+    def stats(self) -> IndexStats:
+        """Current size and lifetime counters."""
+
+
+class MemoryIndex(PrefixIndex):
+    """In-process index with an LRU cap on (block, worker) entries."""
+
+    def __init__(self, model: str, max_entries: int = 4_000_000) -> None:
+        if max_entries <= 0:
+            raise ValueError("max_entries must be positive")
+        self.model = model
+        self.max_entries = max_entries
+        # canonical key -> {worker: tier bits}; order = recency (oldest first).
+        self._blocks: OrderedDict[int, dict[str, int]] = OrderedDict()
+        # worker -> engine hash -> (canonical key, namespace).
+        self._engine: dict[str, dict[int, tuple[int, str]]] = {}
+        self._entries = 0
+        self._evictions = 0
+        self._skipped: Counter[str] = Counter()
+
+    def apply(self, worker: str, events: Iterable[Event]) -> None:
+        hashes = self._engine.setdefault(worker, {})
+        for ev in events:
+            if isinstance(ev, BlockStored):
+                self._stored(worker, hashes, ev)
+            elif isinstance(ev, BlockRemoved):
+                self._clear_bits(worker, hashes, ev.block_hashes, _BIT[ev.tier])
+            elif isinstance(ev, TierMoved):
+                self._moved(worker, hashes, ev)
+            elif isinstance(ev, AllCleared):
+                bits = _ALL_TIERS if ev.tier is None else _BIT[ev.tier]
+                self._clear_bits(worker, hashes, list(hashes), bits)
+        self._enforce_cap()
+
+    def _stored(self, worker: str, hashes: dict[int, tuple[int, str]], ev: BlockStored) -> None:
+        if ev.parent_hash is None:
+            namespace = ev.namespace or ""
+            seed = root_seed(self.model, namespace)
+        else:
+            parent = hashes.get(ev.parent_hash)
+            if parent is None:
+                # The parent was stored before we subscribed or was dropped: the prefix these
+                # tokens extend is unknown, so no canonical key can be computed.
+                self._skipped["unknown_parent"] += len(ev.block_hashes)
+                return
+            seed, namespace = parent
+        bit = _BIT[ev.tier]
+        blocks = self._blocks
+        for engine_hash, key in zip(
+            ev.block_hashes, chain_keys(ev.token_ids, ev.block_size, seed), strict=True
+        ):
+            hashes[engine_hash] = (key, namespace)
+            holders = blocks.get(key)
+            if holders is None:
+                blocks[key] = {worker: bit}
+                self._entries += 1
+            else:
+                blocks.move_to_end(key)
+                old = holders.get(worker, 0)
+                if not old:
+                    self._entries += 1
+                holders[worker] = old | bit
+
+    def _clear_bits(
+        self, worker: str, hashes: dict[int, tuple[int, str]], engine_hashes: list[int], bits: int
+    ) -> None:
+        for engine_hash in engine_hashes:
+            entry = hashes.get(engine_hash)
+            if entry is None:
+                self._skipped["unknown_block"] += 1
+                continue
+            key = entry[0]
+            holders = self._blocks.get(key)
+            left = (holders.get(worker, 0) & ~bits) if holders else 0
+            if left:
+                holders[worker] = left  # type: ignore[index]
+                continue
+            del hashes[engine_hash]
+            if holders and worker in holders:
+                del holders[worker]
+                self._entries -= 1
+                if not holders:
+                    del self._blocks[key]
+
+    def _moved(self, worker: str, hashes: dict[int, tuple[int, str]], ev: TierMoved) -> None:
+        for engine_hash in ev.block_hashes:
+            entry = hashes.get(engine_hash)
+            holders = self._blocks.get(entry[0]) if entry else None
+            if not holders or worker not in holders:
+                self._skipped["unknown_block"] += 1
+                continue
+            holders[worker] = (holders[worker] & ~_BIT[ev.src]) | _BIT[ev.dst]
+
+    def _enforce_cap(self) -> None:
+        while self._entries > self.max_entries:
+            key, holders = self._blocks.popitem(last=False)
+            self._entries -= len(holders)
+            self._evictions += len(holders)
+            # The engine-hash maps keep their entries: a later BlockRemoved for them is a no-op,
+            # and a child block stored later can still chain from them.
+
+    def drop_worker(self, worker: str) -> None:
+        hashes = self._engine.pop(worker, {})
+        for key, _ in hashes.values():
+            holders = self._blocks.get(key)
+            if holders and holders.pop(worker, None) is not None:
+                self._entries -= 1
+                if not holders:
+                    del self._blocks[key]
+
+    def match(
+        self, keys: Sequence[int], workers: Iterable[str] | None = None
+    ) -> dict[str, WorkerMatch]:
+        live = set(self._engine if workers is None else workers)
+        counts: dict[str, list[int]] = {w: [0] * len(_TIERS) for w in live}
+        depth: dict[str, int] = dict.fromkeys(live, 0)
+        blocks = self._blocks
+        for key in keys:
+            holders = blocks.get(key)
+            if not holders:
+                break
+            still = live & holders.keys()
+            if not still:
+                break
+            blocks.move_to_end(key)
+            for w in still:
+                bits = holders[w]
+                counts[w][(bits & -bits).bit_length() - 1] += 1  # fastest tier holding it
+                depth[w] += 1
+            live = still
+        return {
+            w: WorkerMatch(depth[w], {t: n for t, n in zip(_TIERS, counts[w], strict=True) if n})
+            for w in depth
+        }
+
+    def stats(self) -> IndexStats:
+        by_tier: Counter[Tier] = Counter()
+        for holders in self._blocks.values():
+            for bits in holders.values():
+                by_tier[_TIERS[(bits & -bits).bit_length() - 1]] += 1
+        return IndexStats(self._entries, self._evictions, by_tier, Counter(self._skipped))
