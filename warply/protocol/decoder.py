@@ -35,9 +35,9 @@ _U64 = (1 << 64) - 1
 _LOG_FIRST = 5
 _LOG_EVERY = 1000
 
-# Field order of the engines' event structs when encoded as arrays (after the tag). vLLM 0.32
-# (vllm/distributed/kv_events.py) and SGLang 0.5.23 (sglang/srt/disaggregation/kv_events.py)
-# share this prefix; trailing fields with defaults may be omitted on the wire.
+# Field order of the engines' event structs when encoded as tagged arrays (after the tag); vLLM
+# 0.32 and SGLang 0.5.23 both send maps (`{"type": ...}`), older releases sent these arrays.
+# Trailing fields with defaults may be omitted on the wire.
 _STORED_FIELDS = (
     "block_hashes",
     "parent_block_hash",
@@ -146,7 +146,11 @@ def _stored(raw: Any) -> BlockStored:
             f"{len(tokens)} token ids for {len(hashes)} blocks of {block_size}",
         )
     lora = f.get("lora_name")
-    namespace = _root_namespace(f.get("extra_keys"), lora) if parent is None else None
+    namespace = None
+    if parent is None:
+        # SGLang 0.5.23 sends the salt as its own `cache_salt` field; vLLM 0.32 in extra_keys.
+        salt = f.get("cache_salt")
+        namespace = salt if isinstance(salt, str) else _root_namespace(f.get("extra_keys"), lora)
     return BlockStored(
         block_hashes=hashes,
         parent_hash=parent,

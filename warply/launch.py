@@ -1,0 +1,158 @@
+"""Engine processes started by Warply (demo, benchmarks, tests): start, wait healthy, stop.
+
+Engines run as child processes in their own session, so `stop()` can end the whole process
+group (vLLM's API server plus its EngineCore children) by the PID we started. Nothing here
+imports an engine.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import IO, Any
+
+HOST = "127.0.0.1"
+
+# vLLM 0.32 on CPU: without VLLM_CPU_KVCACHE_SPACE the KV cache takes 0.9x RAM; two instances
+# must bind different cores (both default to core 0). No hub access exists here.
+_VLLM_CPU_ENV = {
+    "VLLM_CPU_KVCACHE_SPACE": "1",
+    "VLLM_HOST_IP": HOST,
+    "VLLM_NO_USAGE_STATS": "1",
+    "DO_NOT_TRACK": "1",
+    "HF_HUB_OFFLINE": "1",
+    "TRANSFORMERS_OFFLINE": "1",
+}
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that is free right now."""
+    with socket.socket() as s:
+        s.bind((HOST, 0))
+        return int(s.getsockname()[1])
+
+
+def http_json(method: str, url: str, body: Any = None, timeout: float = 120) -> tuple[int, Any]:
+    """One HTTP request with a JSON body; returns (status, parsed JSON or text)."""
+    data = None if body is None else json.dumps(body).encode()
+    req = urllib.request.Request(url, data=data, method=method,
+                                 headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as resp:
+            status, raw = resp.status, resp.read()
+    except urllib.error.HTTPError as err:
+        status, raw = err.code, err.read()
+    try:
+        return status, json.loads(raw)
+    except ValueError:
+        return status, raw.decode(errors="replace")
+
+
+class EngineProcess:
+    """One engine server process with its log file; a context manager that always stops it."""
+
+    def __init__(self, cmd: Sequence[str], *, url: str, log_path: Path,
+                 env: Mapping[str, str] | None = None) -> None:
+        self.cmd = list(cmd)
+        self.url = url
+        self.log_path = log_path
+        self._env = dict(os.environ, **(env or {}))
+        self._log: IO[bytes] | None = None
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.started_at = 0.0
+
+    def start(self) -> EngineProcess:
+        """Launch the process (in its own session, so its children share its process group)."""
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        self._log = open(self.log_path, "wb")  # noqa: SIM115 - closed in stop()
+        self.started_at = time.monotonic()
+        self.proc = subprocess.Popen(self.cmd, stdout=self._log, stderr=subprocess.STDOUT,
+                                     env=self._env, start_new_session=True)
+        return self
+
+    @property
+    def pid(self) -> int:
+        assert self.proc is not None, "not started"
+        return self.proc.pid
+
+    def wait_healthy(self, timeout_s: float = 240, path: str = "/health") -> float:
+        """Poll `path` until it answers 200; returns seconds since start (raises with the log)."""
+        assert self.proc is not None, "not started"
+        while time.monotonic() - self.started_at < timeout_s:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"{self.cmd[0]} exited with {self.proc.returncode}; "
+                                   f"log {self.log_path}:\n{self.log_tail()}")
+            try:
+                if http_json("GET", self.url + path, timeout=2)[0] == 200:
+                    return time.monotonic() - self.started_at
+            except OSError:
+                pass
+            time.sleep(0.5)
+        raise TimeoutError(f"not healthy after {timeout_s:.0f}s; log {self.log_path}:\n"
+                           f"{self.log_tail()}")
+
+    def log_tail(self, lines: int = 40) -> str:
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+        except OSError:
+            return ""
+
+    def stop(self) -> None:
+        """SIGINT, then SIGTERM, then SIGKILL to the process group we started; closes the log."""
+        if self.proc is not None and self.proc.poll() is None:
+            for sig, wait_s in ((signal.SIGINT, 20), (signal.SIGTERM, 10), (signal.SIGKILL, 5)):
+                try:
+                    os.killpg(self.pid, sig)
+                    self.proc.wait(timeout=wait_s)
+                    break
+                except ProcessLookupError:
+                    break
+                except subprocess.TimeoutExpired:
+                    continue
+        if self.proc is not None:
+            try:  # children outliving the leader (EngineCore) share its group
+                os.killpg(self.pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
+        if self._log is not None:
+            self._log.close()
+            self._log = None
+
+    def __enter__(self) -> EngineProcess:
+        return self.start() if self.proc is None else self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+def vllm_server(
+    vllm_bin: str | Path,
+    model: str | Path,
+    *,
+    log_path: Path,
+    port: int | None = None,
+    served_name: str = "tiny",
+    args: Sequence[str] = (),
+    kv_transfer_config: Mapping[str, Any] | None = None,
+    kv_events_config: Mapping[str, Any] | None = None,
+    cpu_core: int = 0,
+    env: Mapping[str, str] | None = None,
+) -> EngineProcess:
+    """A `vllm serve` process for the CPU build, bound to 127.0.0.1 (not yet started)."""
+    port = port or free_port()
+    cmd = [str(vllm_bin), "serve", str(model), "--served-model-name", served_name,
+           "--host", HOST, "--port", str(port), "--enforce-eager", *args]
+    if kv_transfer_config is not None:
+        cmd += ["--kv-transfer-config", json.dumps(kv_transfer_config)]
+    if kv_events_config is not None:
+        cmd += ["--kv-events-config", json.dumps(kv_events_config)]
+    full_env = dict(_VLLM_CPU_ENV, VLLM_CPU_OMP_THREADS_BIND=str(cpu_core), **(env or {}))
+    return EngineProcess(cmd, url=f"http://{HOST}:{port}", log_path=log_path, env=full_env)
