@@ -75,11 +75,13 @@ def test_capture_key_parity_with_request_side(capture: dict[str, Any]) -> None:
             removed_unknown += sum(h not in key_of for h in ev.block_hashes)
     assert removed_unknown == 0, "a removal named a block never reported stored"
     reported = set(key_of.values())
+    checked = 0
     for seq in capture["sequences"]:
         expected = prefix_keys(seq["token_ids"], block_size, MODEL, seq.get("cache_salt") or "")
-        assert expected, f"sequence {seq['label']} is shorter than one block"
+        checked += len(expected)  # a prompt shorter than one block has nothing to cache
         missing = [i for i, k in enumerate(expected) if k not in reported]
         assert not missing, f"{seq['label']}: blocks {missing} of {len(expected)} not in the stream"
+    assert checked > 0
 
 
 def test_salted_sequences_get_their_own_namespace(capture: dict[str, Any]) -> None:
