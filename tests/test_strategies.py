@@ -1,0 +1,84 @@
+"""Placement strategies: formulas, knobs validation, guards."""
+
+from __future__ import annotations
+
+import pydantic
+import pytest
+
+from router.index import WorkerMatch
+from router.strategies import (
+    BUILTIN,
+    KvReuse,
+    LeastLoaded,
+    NoCandidate,
+    PrefixAffinity,
+    RequestView,
+    RoundRobin,
+    TenantIsolated,
+    WorkerLoad,
+)
+from warply.protocol import Tier
+
+REQ = RequestView(keys=list(range(10)), prompt_tokens=160, block_size=16)
+
+
+def _workers(*loads: int) -> list[WorkerLoad]:
+    return [WorkerLoad(f"w{i}", in_flight=n, in_flight_tokens=100 * n) for i, n in enumerate(loads)]
+
+
+def test_round_robin_and_least_loaded() -> None:
+    rr = RoundRobin()
+    assert [rr.choose(REQ, _workers(0, 0, 0), {}) for _ in range(4)] == ["w0", "w1", "w2", "w0"]
+    assert LeastLoaded().choose(REQ, _workers(3, 1, 2), {}) == "w1"
+
+
+def test_prefix_affinity_prefers_longest_tier_weighted_prefix() -> None:
+    s = PrefixAffinity()
+    matches = {"w0": WorkerMatch(6, {Tier.SSD: 6}), "w1": WorkerMatch(4, {Tier.GPU: 4})}
+    assert s.choose(REQ, _workers(1, 1), matches) == "w1"  # 4 * 1.0 > 6 * 0.25
+    matches["w0"] = WorkerMatch(8, {Tier.GPU: 8})
+    assert s.choose(REQ, _workers(1, 1), matches) == "w0"
+
+
+def test_prefix_affinity_guard_and_overrides() -> None:
+    s = PrefixAffinity(PrefixAffinity.Knobs(balance_abs=2, balance_rel=1.5))
+    matches = {"w0": WorkerMatch(10, {Tier.GPU: 10})}
+    assert s.choose(REQ, _workers(2, 1), matches) == "w0"
+    assert s.choose(REQ, _workers(6, 1), matches) == "w1"  # imbalanced: load decides
+    no_reuse = RequestView(REQ.keys, REQ.prompt_tokens, REQ.block_size, prefix_reuse=False)
+    assert s.choose(no_reuse, _workers(2, 1), matches) == "w1"
+    assert s.choose(REQ, _workers(2, 1), {}) == "w1"  # nothing cached anywhere
+
+
+def test_kv_reuse_trades_cached_blocks_against_active_blocks() -> None:
+    s = KvReuse()
+    matches = {"w0": WorkerMatch(10, {Tier.GPU: 10})}
+    # w0: 0 to prefill + 100/16 active; w1: 10 to prefill + 0 active.
+    assert s.choose(REQ, [WorkerLoad("w0", 1, 100), WorkerLoad("w1")], matches) == "w0"
+    # w0 busy with 400 tokens (25 blocks) > 10 blocks of prefill saved.
+    assert s.choose(REQ, [WorkerLoad("w0", 2, 400), WorkerLoad("w1")], matches) == "w1"
+
+
+def test_tenant_isolated_routes_within_the_tenant() -> None:
+    s = TenantIsolated(TenantIsolated.Knobs(tenants={"a": ["w0"], "b": ["w1"]}))
+    matches = {"w1": WorkerMatch(10, {Tier.GPU: 10})}
+    req_a = RequestView(REQ.keys, REQ.prompt_tokens, REQ.block_size, namespace="a")
+    assert s.choose(req_a, _workers(5, 0, 0), matches) == "w0"
+    req_other = RequestView(REQ.keys, REQ.prompt_tokens, REQ.block_size, namespace="zzz")
+    assert s.choose(req_other, _workers(0, 0, 0), matches) == "w2"
+    with pytest.raises(NoCandidate):
+        s.choose(req_a, [WorkerLoad("w1")], matches)
+
+
+def test_knobs_are_validated_with_the_field_named() -> None:
+    with pytest.raises(pydantic.ValidationError, match="balance_rel"):
+        PrefixAffinity.Knobs(balance_rel=0.5)
+    with pytest.raises(pydantic.ValidationError, match="unknown_knob"):
+        KvReuse.Knobs(unknown_knob=1)  # type: ignore[call-arg]
+    assert set(BUILTIN) == {
+        "round_robin",
+        "least_loaded",
+        "prefix_affinity",
+        "kv-reuse",
+        "tenant_isolated",
+    }
