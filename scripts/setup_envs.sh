@@ -17,6 +17,13 @@ export PIP_CACHE_DIR="${PIP_CACHE_DIR:-$CACHE/pip}"
 
 log() { printf '[setup] %s\n' "$*" >&2; }
 
+# pip warns once per package about this machine's extra local index lacking it; drop that noise.
+pip() {
+    local venv="$1"
+    shift
+    "$venv/bin/pip" "$@" 2> >(grep -v "is ignored: it is neither a file nor a directory" >&2)
+}
+
 # The lock hash covers the requirements file and that environment's own recipe functions
 # (post_NAME / install_NAME: its workarounds), so editing one recipe rebuilds only its venv.
 lock_hash() {
@@ -72,10 +79,10 @@ ensure_venv() {
         log "creating venv '$name' in $dir (first time on this machine; cached afterwards)"
         rm -rf "$dir"
         "$PY" -m venv "$dir"
-        "$dir/bin/pip" install -q --upgrade "pip==26.0.1" >/dev/null
+        pip "$dir" install -q --upgrade "pip==26.0.1" >/dev/null
         case "$name" in
             sglang) install_sglang "$dir" ;;
-            *) "$dir/bin/pip" install -q -r "$ROOT/requirements/$name.txt" ;;
+            *) pip "$dir" install -q -r "$ROOT/requirements/$name.txt" ;;
         esac
         [[ "$name" == vllm ]] && post_vllm "$dir"
         touch "$dir/.complete"
@@ -87,8 +94,8 @@ ensure_venv() {
     fi
     # Setuptools for the editable install without build isolation (no network round trip).
     "$dir/bin/python" -c 'import setuptools' 2>/dev/null \
-        || "$dir/bin/pip" install -q "setuptools==80.9.0" "wheel==0.48.0"
-    "$dir/bin/pip" install -q --no-deps --no-build-isolation -e "$ROOT" >/dev/null
+        || pip "$dir" install -q "setuptools==80.9.0" "wheel==0.48.0"
+    pip "$dir" install -q --no-deps --no-build-isolation -e "$ROOT" >/dev/null
     ln -sfn "$dir" "$ROOT/.venvs/$name"
 }
 
