@@ -1,0 +1,192 @@
+"""SGLang venv: the real radix cache's events leave SGLang's scheduler pump as Warply events.
+
+Builds SGLang's `UnifiedRadixCache` on CPU (scripts/capture_sglang_events.py), installs the
+plugin's hooks with SGLang's own `HookRegistry`, and drives the real
+`SchedulerKvEventsPublisher` with `--kv-events-config '{"publisher": "warply", ...}'`. A SUB socket
+bound on 127.0.0.1 plays the router's collector; `router.index.MemoryIndex` is fed from it.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import socket
+from array import array
+from collections.abc import Iterator
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+import torch
+import zmq
+from sglang.srt.mem_cache.base_prefix_cache import EvictParams, InsertParams, MatchPrefixParams
+from sglang.srt.mem_cache.radix_cache import RadixKey
+from sglang.srt.plugins.hook_registry import HookRegistry
+from sglang.srt.runtime_context import get_parallel
+
+import warply_plugins.sglang as plugin
+from router.index import MemoryIndex
+from warply.protocol import BlockRemoved, BlockStored, LoadSnapshot, StreamDecoder, prefix_keys
+
+ROOT = Path(__file__).resolve().parents[2]
+MODEL = "tiny"
+
+
+def _capture_module() -> Any:
+    spec = importlib.util.spec_from_file_location(
+        "capture", ROOT / "scripts" / "capture_sglang_events.py"
+    )
+    assert spec and spec.loader
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+build_cache = _capture_module().build_cache
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def insert(cache: Any, alloc: Any, tokens: list[int], salt: str | None = None) -> None:
+    """Insert whole pages of `tokens` the way the scheduler caches a finished request."""
+    n = len(tokens) // cache.page_size * cache.page_size
+    key = RadixKey(array("q", tokens[:n]), cache_salt=salt)
+    match = cache.match_prefix(MatchPrefixParams(key=key))
+    new = alloc.alloc(n - match.device_prefix_len)
+    cached = cache.path_device_indices(match.last_device_node)[: match.device_prefix_len]
+    res = cache.insert(InsertParams(key=key, value=torch.cat([cached.long(), new.long()])))
+    if res.prefix_len > match.device_prefix_len:
+        alloc.free(new[: res.prefix_len - match.device_prefix_len])
+
+
+@pytest.fixture(scope="module", autouse=True)
+def hooks() -> None:
+    plugin.register()
+    HookRegistry.apply_hooks()
+
+
+@pytest.fixture
+def collectors() -> Iterator[dict[str, tuple[zmq.Socket[bytes], str]]]:
+    """One bound SUB per worker, as the router subscribes per worker (`StateSubscriber`)."""
+    out = {}
+    for worker in ("w0", "w1"):
+        sub = zmq.Context.instance().socket(zmq.SUB)
+        sub.setsockopt(zmq.SUBSCRIBE, b"")
+        sub.setsockopt(zmq.LINGER, 0)
+        port = free_port()
+        sub.bind(f"tcp://127.0.0.1:{port}")
+        out[worker] = (sub, f"tcp://127.0.0.1:{port}")
+    yield out
+    for sub, _ in out.values():
+        sub.close()
+
+
+def scheduler_publisher(cache: Any, router: str, worker: str, control: str | None = None) -> Any:
+    """SGLang's scheduler-side publisher, as `Scheduler.init_kv_events_publisher` makes it."""
+    from sglang.srt.managers.scheduler_components.kv_events_publisher import (
+        SchedulerKvEventsPublisher,
+    )
+
+    from sglang_hook.publisher import WarplyEventPublisher
+
+    WarplyEventPublisher.settings = plugin.WarplySettings(
+        router=router, worker=worker, model=MODEL, control=control, snapshot_interval_s=3600
+    )
+    stats = SimpleNamespace(
+        num_running_reqs=SimpleNamespace(total=1),
+        num_queue_reqs=SimpleNamespace(total=2),
+        token_usage=0.25,
+    )
+    with get_parallel().override(
+        pp_rank=0, attn_tp_rank=0, attn_cp_rank=0, attn_dp_size=1, attn_dp_rank=0, dp_rank=0
+    ):
+        kv = SchedulerKvEventsPublisher(
+            kv_events_config=plugin.kv_events_config(WarplyEventPublisher.settings),
+            tree_cache=cache,
+            send_metrics_from_scheduler=None,
+            max_running_requests=8,
+            max_total_num_tokens=2048,
+            get_stats=lambda: stats,
+        )
+    assert isinstance(kv.kv_event_publisher, WarplyEventPublisher)
+    kv.publish_kv_events()
+    return kv
+
+
+def handshake(kv: Any, sub: zmq.Socket[bytes]) -> None:
+    """Report until one batch arrives, then drain: the stream is live from here on."""
+    for _ in range(50):
+        kv.kv_event_publisher.report([LoadSnapshot(0, 0, 0.0)])
+        kv.kv_event_publisher.flush()
+        if sub.poll(100):
+            break
+    receive(sub, StreamDecoder("handshake"), 300)
+
+
+def receive(sub: zmq.Socket[bytes], decoder: StreamDecoder, timeout_ms: int = 3000) -> list[Any]:
+    """All batches that arrive until the stream is quiet."""
+    out = []
+    while sub.poll(timeout_ms):
+        batch = decoder.decode_frames(sub.recv_multipart())
+        assert batch is not None, decoder.rejected
+        out.append(batch)
+        timeout_ms = 300
+    return out
+
+
+SYSTEM = [(1000 + 3 * i) % 32000 for i in range(96)]
+CHAT_A = SYSTEM + [(5000 + 7 * i) % 32000 for i in range(104)]
+CHAT_B = SYSTEM + [(9000 + 7 * i) % 32000 for i in range(64)]
+DOC = [(20000 + 11 * i) % 32000 for i in range(300)]
+
+
+def pump(kv: Any, sub: zmq.Socket[bytes], index: MemoryIndex, worker: str) -> list[Any]:
+    """One scheduler pump on `kv`; the decoded events, applied to `index` as `worker`."""
+    kv.publish_kv_events()
+    decoder = StreamDecoder(worker)
+    events = [e for b in receive(sub, decoder) for e in b.events]
+    index.apply(worker, events)
+    return events
+
+
+@pytest.mark.parametrize("backend", ["rust", "python"])
+@pytest.mark.parametrize("page", [1, 16])
+def test_events_carry_router_keys_and_route(collectors: Any, backend: str, page: int) -> None:
+    caches = {w: build_cache(page, backend, 2048) for w in ("w0", "w1")}
+    pubs = {w: scheduler_publisher(caches[w][0], collectors[w][1], w) for w in caches}
+    for w, kv in pubs.items():
+        # libzmq reads a connecting PUB's subscriptions lazily: early batches can be dropped
+        # (the router recovers such a gap by replay); the test waits until the stream is live.
+        handshake(kv, collectors[w][0])
+    index = MemoryIndex(MODEL)
+    try:
+        insert(*caches["w0"], CHAT_A)
+        insert(*caches["w0"], CHAT_B)
+        insert(*caches["w1"], DOC)
+        insert(*caches["w1"], CHAT_A[:64], salt="tenant-1")
+        events = [e for w in pubs for e in pump(pubs[w], collectors[w][0], index, w)]
+        assert {type(e) for e in events} == {BlockStored}
+
+        for tokens, worker in ((CHAT_A, "w0"), (CHAT_B, "w0"), (DOC, "w1")):
+            keys = prefix_keys(tokens, page, MODEL)
+            match = index.match(keys)
+            assert match[worker].blocks == len(keys), (worker, match)
+            assert match["w1" if worker == "w0" else "w0"].blocks == 0
+        salted = prefix_keys(CHAT_A[:64], page, MODEL, "tenant-1")
+        assert index.match(salted)["w1"].blocks == len(salted)
+        assert index.match(prefix_keys(CHAT_A[:64], page, MODEL))["w1"].blocks == 0
+
+        # An eviction sweep on w1 comes out as removals; the index forgets what w1 held.
+        cache1, _ = caches["w1"]
+        assert cache1.evict(EvictParams(num_tokens=10_000)).num_tokens_evicted > 0
+        removed = pump(pubs["w1"], collectors["w1"][0], index, "w1")
+        assert any(isinstance(e, BlockRemoved) for e in removed)
+        assert index.match(prefix_keys(DOC, page, MODEL))["w1"].blocks == 0
+        assert index.match(salted)["w1"].blocks == 0
+    finally:
+        for kv in pubs.values():
+            kv.kv_event_publisher.shutdown()

@@ -1,0 +1,201 @@
+"""SGLang venv: the L3 backend round-trips pages through files and S3 (moto on 127.0.0.1).
+
+Built through SGLang's own `StorageBackendFactory.create_backend("dynamic", ...)`. Stores are
+reported on the worker's Warply stream as tier ssd / object_store, keyed from the device tier's
+events, so `MemoryIndex` sees the L3 tier.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from sglang.srt.mem_cache.base_prefix_cache import EvictParams
+from sglang.srt.mem_cache.hicache_storage import HiCacheStorageConfig
+from sglang.srt.mem_cache.utils import get_hash_str
+from test_hook_export import (
+    DOC,
+    MODEL,
+    build_cache,
+    collectors,  # noqa: F401  (fixture)
+    handshake,
+    hooks,  # noqa: F401  (fixture)
+    insert,
+    pump,
+    scheduler_publisher,
+)
+
+from router.index import MemoryIndex
+from warply.protocol import BlockRemoved, BlockStored, Tier, prefix_keys
+
+PAGE = 16
+
+
+def _moto_command(port: int) -> list[str] | None:
+    """moto's server from this venv, or the system's (the SGLang lock does not pin moto)."""
+    for python in (sys.executable, shutil.which("python3")):
+        if (
+            python
+            and subprocess.run([python, "-c", "import moto.server"], capture_output=True).returncode
+            == 0
+        ):
+            return [python, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)]
+    return None
+
+
+@pytest.fixture(scope="module")
+def s3_endpoint() -> Iterator[str]:
+    pytest.importorskip("boto3")
+    from test_hook_export import free_port
+
+    port = free_port()
+    cmd = _moto_command(port)
+    if cmd is None:
+        pytest.skip("moto is not installed (pip install moto[server])")
+    proc = subprocess.Popen(
+        cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True
+    )
+    url = f"http://127.0.0.1:{port}"
+    try:
+        for _ in range(100):
+            try:
+                urllib.request.urlopen(url, timeout=0.5)
+                break
+            except OSError:
+                time.sleep(0.1)
+        yield url
+    finally:
+        os.killpg(proc.pid, signal.SIGTERM)
+        proc.wait(10)
+
+
+def _backend(extra: dict[str, Any]) -> Any:
+    from sglang.srt.mem_cache.storage.backend_factory import StorageBackendFactory
+
+    config = HiCacheStorageConfig(
+        tp_rank=0,
+        tp_size=1,
+        pp_rank=0,
+        pp_size=1,
+        attn_cp_rank=0,
+        attn_cp_size=1,
+        is_mla_model=False,
+        enable_storage_metrics=False,
+        is_page_first_layout=True,
+        model_name=MODEL,
+        extra_config={
+            "backend_name": "warply",
+            "module_path": "sglang_hook.storage",
+            "class_name": "WarplyL3Storage",
+            **extra,
+        },
+    )
+    return StorageBackendFactory.create_backend("dynamic", config, None)
+
+
+def _page_keys(tokens: list[int]) -> list[str]:
+    """HiCache's L3 keys for unsalted pages: SGLang's own sha256 page chain."""
+    keys: list[str] = []
+    prior = None
+    for i in range(0, len(tokens) // PAGE * PAGE, PAGE):
+        prior = get_hash_str(tokens[i : i + PAGE], prior)
+        keys.append(prior)
+    return keys
+
+
+@pytest.fixture(params=["file", "s3"])
+def store(request: pytest.FixtureRequest, tmp_path: Path) -> dict[str, Any]:
+    if request.param == "file":
+        return {"store": "file", "path": str(tmp_path / "l3")}
+    endpoint = request.getfixturevalue("s3_endpoint")
+    import boto3
+
+    bucket = f"warply-{os.getpid()}-{time.monotonic_ns()}"
+    client = boto3.client(
+        "s3",
+        endpoint_url=endpoint,
+        region_name="us-east-1",
+        aws_access_key_id="test",
+        aws_secret_access_key="test",
+    )
+    client.create_bucket(Bucket=bucket)
+    os.environ.setdefault("AWS_ACCESS_KEY_ID", "test")
+    os.environ.setdefault("AWS_SECRET_ACCESS_KEY", "test")
+    return {
+        "store": "s3",
+        "bucket": bucket,
+        "prefix": "pages/",
+        "endpoint_url": endpoint,
+        "region_name": "us-east-1",
+    }
+
+
+def _held_on_store(extra: dict[str, Any]) -> int:
+    if extra["store"] == "file":
+        return sum(
+            p.stat().st_size for p in Path(extra["path"]).iterdir() if not p.name.startswith(".")
+        )
+    import boto3
+
+    client = boto3.client("s3", endpoint_url=extra["endpoint_url"], region_name="us-east-1")
+    listing = client.list_objects_v2(Bucket=extra["bucket"], Prefix=extra["prefix"])
+    return sum(int(o["Size"]) for o in listing.get("Contents", []))
+
+
+def test_pages_round_trip_and_bytes_match(store: dict[str, Any]) -> None:
+    backend = _backend(store)
+    keys = _page_keys(DOC)
+    pages = [torch.randn(2, 2, PAGE, 16, dtype=torch.float16) for _ in keys]
+    assert backend.batch_set(keys, pages)
+    for key, page in zip(keys, pages, strict=True):
+        assert backend.exists(key)
+        out = torch.empty_like(page)
+        assert torch.equal(backend.get(key, out), page)
+    assert backend.get("missing") is None and not backend.exists("missing")
+    per_page = pages[0].numel() * pages[0].element_size()
+    assert backend.bytes_held == len(keys) * per_page == _held_on_store(store)
+    assert _backend(store).bytes_held == backend.bytes_held  # a restart sees what is there
+    backend.delete(keys[:3])
+    assert backend.bytes_held == (len(keys) - 3) * per_page == _held_on_store(store)
+    backend.clear()
+    assert backend.bytes_held == 0 == _held_on_store(store)
+
+
+def test_l3_stores_reach_the_index_as_their_tier(store: dict[str, Any], collectors: Any) -> None:  # noqa: F811
+    cache, alloc = build_cache(PAGE, "rust", 2048)
+    sub, router = collectors["w0"]
+    kv = scheduler_publisher(cache, router, "w0")
+    handshake(kv, sub)
+    index = MemoryIndex(MODEL)
+    try:
+        insert(cache, alloc, DOC)
+        pump(kv, sub, index, "w0")  # device stores feed the page book
+        backend = _backend(store)
+        keys = _page_keys(DOC)
+        backend.batch_set(keys, [torch.zeros(PAGE, 8) for _ in keys])
+        tier = Tier.SSD if store["store"] == "file" else Tier.OBJECT_STORE
+        events = pump(kv, sub, index, "w0")
+        stored = [e for e in events if isinstance(e, BlockStored)]
+        assert stored and all(e.tier is tier for e in stored)
+        assert sum(len(e.block_hashes) for e in stored) == len(keys)
+        # The device copy goes; the L3 copy keeps the prefix routable, on its tier.
+        cache.evict(EvictParams(num_tokens=10_000))
+        pump(kv, sub, index, "w0")
+        match = index.match(prefix_keys(DOC, PAGE, MODEL))["w0"]
+        assert match.blocks == len(keys) and match.by_tier == {tier: len(keys)}
+        backend.delete(keys)
+        removed = pump(kv, sub, index, "w0")
+        assert any(isinstance(e, BlockRemoved) and e.tier is tier for e in removed)
+        assert index.match(prefix_keys(DOC, PAGE, MODEL))["w0"].blocks == 0
+    finally:
+        kv.kv_event_publisher.shutdown()
