@@ -4,7 +4,10 @@ Streams synthetic vLLM-format `BlockStored` batches (16-token blocks, chained re
 several workers through the real decoder and `router.index.MemoryIndex`, then times `match` on
 prompt key chains. Baseline in the same run: decoding alone (no index).
 
-    python bench/index_ingest.py [--blocks N] [--workers W]
+    python bench/index_ingest.py [--blocks N] [--workers W] [--replicas R]
+
+`--blocks` counts (block, worker) entries; with `--replicas R` each block is held by R workers,
+so memory per entry shows what sharing a block between workers costs.
 """
 
 from __future__ import annotations
@@ -24,22 +27,25 @@ from warply.protocol import StreamDecoder, prefix_keys
 BS = 16
 
 
-def _frames(n_blocks: int, workers: int, blocks_per_event: int) -> list[tuple[str, list[bytes]]]:
+def _frames(
+    n_blocks: int, workers: int, blocks_per_event: int, replicas: int = 1
+) -> list[tuple[str, list[bytes]]]:
+    """Stored-block events; each chain goes to `replicas` distinct workers (shared blocks)."""
     rng = random.Random(0)
     out = []
     seq = dict.fromkeys(range(workers), 0)
     made = 0
     next_hash = 1
     while made < n_blocks:
-        w = rng.randrange(workers)
         tokens = [rng.randrange(50_000) for _ in range(BS * blocks_per_event)]
-        hashes = list(range(next_hash, next_hash + blocks_per_event))
-        next_hash += blocks_per_event
-        ev = ["BlockStored", hashes, None, tokens, BS, None, "GPU", None]
-        payload = msgspec.msgpack.encode([time.time(), [ev], 0])
-        out.append((f"w{w}", [b"kv", seq[w].to_bytes(8, "big"), payload]))
-        seq[w] += 1
-        made += blocks_per_event
+        for w in rng.sample(range(workers), replicas):
+            hashes = list(range(next_hash, next_hash + blocks_per_event))
+            next_hash += blocks_per_event
+            ev = ["BlockStored", hashes, None, tokens, BS, None, "GPU", None]
+            payload = msgspec.msgpack.encode([time.time(), [ev], 0])
+            out.append((f"w{w}", [b"kv", seq[w].to_bytes(8, "big"), payload]))
+            seq[w] += 1
+            made += blocks_per_event
     return out
 
 
@@ -48,8 +54,11 @@ def main() -> None:
     ap.add_argument("--blocks", type=int, default=1_000_000, help="blocks to ingest")
     ap.add_argument("--workers", type=int, default=8)
     ap.add_argument("--blocks-per-event", type=int, default=32)
+    ap.add_argument(
+        "--replicas", type=int, default=1, help="workers holding each block (shared prefixes)"
+    )
     args = ap.parse_args()
-    frames = _frames(args.blocks, args.workers, args.blocks_per_event)
+    frames = _frames(args.blocks, args.workers, args.blocks_per_event, args.replicas)
     n = len(frames) * args.blocks_per_event
 
     dec = StreamDecoder()

@@ -51,6 +51,8 @@ class IndexStats:
     evictions: int = 0
     entries_by_tier: Counter[Tier] = field(default_factory=Counter)
     skipped: Counter[str] = field(default_factory=Counter)
+    entries_by_worker_tier: Counter[tuple[str, Tier]] = field(default_factory=Counter)
+    """Entries per (worker, fastest tier holding the block): bytes cached per pool and tier."""
 
 
 class PrefixIndex(abc.ABC):
@@ -207,8 +209,13 @@ class MemoryIndex(PrefixIndex):
         }
 
     def stats(self) -> IndexStats:
-        by_tier: Counter[Tier] = Counter()
+        by_worker: Counter[tuple[str, Tier]] = Counter()
         for holders in self._blocks.values():
-            for bits in holders.values():
-                by_tier[_TIERS[(bits & -bits).bit_length() - 1]] += 1
-        return IndexStats(self._entries, self._evictions, by_tier, Counter(self._skipped))
+            for worker, bits in holders.items():
+                by_worker[(worker, _TIERS[(bits & -bits).bit_length() - 1])] += 1
+        by_tier: Counter[Tier] = Counter()
+        for (_, tier), n in by_worker.items():
+            by_tier[tier] += n
+        return IndexStats(
+            self._entries, self._evictions, by_tier, Counter(self._skipped), by_worker
+        )

@@ -1,10 +1,11 @@
-"""Warply's main job on this machine: a real vLLM CPU engine, its cache state, the router's view.
+"""Warply's main job on this machine: two real vLLM CPU engines behind `warply-router`.
 
-Starts `vllm serve` (tiny local model) with its stock KV-event stream, subscribes to it with
-Warply's decoder, feeds a prefix index exactly as the router does, and sends a short chat
-workload (a conversation's turns, a repeat, and a salted tenant request). For every request it
-prints the engine's own cached-token count next to what the index predicted before sending —
-the prediction the router routes on — and ends with the decoded stream's counters.
+Starts two `vllm serve` processes (one per core, stock KV-event streams), then for each strategy
+(prefix_affinity, then round_robin) starts `warply-router` in front of them, clears both engines'
+prefix caches, and replays a multi-turn workload derived from the Mooncake conversation trace
+(../shared/traces/mooncake/conversation_trace.jsonl). Prompts are texts built from each
+request's `hash_ids` (one seeded line of words per id), so equal hash chains are equal token
+prefixes, as in the trace. Ends with the routers' /warply/cache_stats side by side.
 
     .venvs/core/bin/python scripts/demo.py --vllm .venvs/vllm/bin/vllm --model DIR
 """
@@ -13,110 +14,238 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
+import random
 import sys
 import tempfile
+import time
+from collections import defaultdict
 from pathlib import Path
+from typing import Any
 
-from router.index import MemoryIndex
+import aiohttp
+import yaml
+
 from warply.launch import HOST, EngineProcess, free_port, http_json, vllm_server
-from warply.protocol import DecodedBatch, prefix_keys
-from warply.protocol.subscriber import StateSubscriber
 
-BLOCK_SIZE = 32  # vLLM 0.32 CPU attention needs a multiple of 32
+ROOT = Path(__file__).resolve().parents[1]
+TRACE = ROOT.parent / "shared" / "traces" / "mooncake" / "conversation_trace.jsonl"
 MODEL_NAME = "tiny"
-SYSTEM = "You are a careful assistant for a storage team. " * 12
-TURNS = [
-    "Summarise how the prefix cache helps multi-turn chat.",
-    "Now list three risks of sharing a cache across tenants.",
-    "And how would you measure the hit rate per tier?",
-]
+BLOCK_SIZE = 32  # vLLM 0.32 CPU attention needs a multiple of 32
+TOKEN = "demo-admin"
+STRATEGIES = ("prefix_affinity", "round_robin")
+# Every trace request shares hash id 0 (a system prompt): without a floor, that one block would
+# pull every new conversation onto the worker that saw it first.
+KNOBS = {"prefix_affinity": {"min_match_ratio": 0.2}}
 
 
 def _log(msg: str) -> None:
     print(f"[demo] {msg}", file=sys.stderr, flush=True)
 
 
-async def _tokens(engine: EngineProcess, messages: list[dict[str, str]]) -> list[int]:
-    status, body = await asyncio.to_thread(
-        http_json, "POST", engine.url + "/tokenize",
-        {"model": MODEL_NAME, "messages": messages, "add_generation_prompt": True})
-    if status != 200:
-        raise RuntimeError(f"/tokenize answered {status}: {body}")
-    return list(body["tokens"])
+WORDS = (
+    "the of and to in is that for it as with was on be by this are from at or an which you not "
+    "have can all one cache block prefix token model request user system assistant please answer "
+    "question data value time page memory"
+).split()
 
 
-async def _chat(engine: EngineProcess, messages: list[dict[str, str]], salt: str | None) -> dict:
-    req: dict = {"model": MODEL_NAME, "messages": messages, "max_tokens": 24, "temperature": 0}
-    if salt:
-        req["cache_salt"] = salt
-    status, body = await asyncio.to_thread(http_json, "POST", engine.url + "/v1/chat/completions", req)
-    if status != 200:
-        raise RuntimeError(f"chat answered {status}: {body}")
-    return dict(body)
+def workload(
+    trace: Path, conversations: int, turns: int, words_per_id: int, max_ids: int
+) -> list[dict[str, Any]]:
+    """The first `conversations` multi-turn chains of the trace (≥ 2 turns), in trace order.
+
+    A conversation is the requests sharing their first two hash ids (id 0 is the trace's shared
+    system prompt). Each hash id becomes one line of `words_per_id` words drawn by a generator
+    seeded with the id, so equal hash chains are equal texts; each line ends in a newline, which
+    the byte-level pre-tokenizer always splits off, so equal chains are equal token prefixes too.
+    """
+    rows = [json.loads(line) for line in trace.read_text().splitlines() if line.strip()]
+    groups: dict[tuple[int, int], list[int]] = defaultdict(list)
+    for i, row in enumerate(rows):
+        ids = row["hash_ids"]
+        if len(ids) > 1:
+            groups[(ids[0], ids[1])].append(i)
+    chosen = [g[:turns] for g in groups.values() if len(g) >= 2][:conversations]
+    order = sorted((i, conv) for conv, idxs in enumerate(chosen) for i in idxs)
+    lines: dict[int, str] = {}
+    out = []
+    for i, conv in order:
+        for h in rows[i]["hash_ids"][:max_ids]:
+            if h not in lines:
+                rng = random.Random(h)
+                lines[h] = " ".join(rng.choice(WORDS) for _ in range(words_per_id)) + ".\n"
+        prompt = "".join(lines[h] for h in rows[i]["hash_ids"][:max_ids])
+        out.append({"conversation": conv, "prompt": prompt,
+                    "max_tokens": max(1, min(16, rows[i]["output_length"]))})
+    return out
+
+
+async def send(session: aiohttp.ClientSession, url: str, item: dict[str, Any]) -> dict[str, Any]:
+    """One streamed completion; returns TTFT and cached tokens as the client sees them."""
+    body = {"model": MODEL_NAME, "prompt": item["prompt"], "max_tokens": item["max_tokens"],
+            "temperature": 0, "ignore_eos": True, "stream": True,
+            "stream_options": {"include_usage": True}}
+    t0 = time.perf_counter()
+    ttft = None
+    usage: dict[str, Any] = {}
+    async with session.post(url + "/v1/completions", json=body) as r:
+        if r.status != 200:
+            raise RuntimeError(f"{url} answered {r.status}: {await r.text()}")
+        async for line in r.content:
+            if ttft is None:
+                ttft = time.perf_counter() - t0
+            if line.startswith(b"data: {") and b'"usage"' in line:
+                usage = json.loads(line[6:]).get("usage") or usage
+    details = usage.get("prompt_tokens_details") or {}
+    return {"ttft_s": ttft, "cached": details.get("cached_tokens") or 0,
+            "prompt": usage.get("prompt_tokens") or 0,
+            "worker": r.headers.get("X-Warply-Worker", "?")}
+
+
+async def replay(url: str, items: list[dict[str, Any]], in_flight: int) -> tuple[float, list[Any]]:
+    """Send `items` in order, at most `in_flight` at once; a conversation's turns never overlap.
+
+    Returns the wall time and each request's `send()` result."""
+    sem = asyncio.Semaphore(in_flight)
+    last: dict[int, asyncio.Task[dict[str, Any]]] = {}
+    t0 = time.perf_counter()
+    async with aiohttp.ClientSession() as session:
+
+        async def run(
+            item: dict[str, Any], before: asyncio.Task[dict[str, Any]] | None
+        ) -> dict[str, Any]:
+            if before is not None:
+                await before
+            async with sem:
+                return await send(session, url, item)
+
+        tasks = []
+        for item in items:
+            task = asyncio.create_task(run(item, last.get(item["conversation"])))
+            last[item["conversation"]] = task
+            tasks.append(task)
+        done = await asyncio.gather(*tasks)
+    return time.perf_counter() - t0, done
+
+
+def engine_pair(vllm: str, model: str, workdir: Path) -> list[tuple[EngineProcess, int, int]]:
+    """Two vLLM CPU engines (cores 0 and 1) with KV-event streams: (engine, pub, replay) each."""
+    engines = []
+    for i in range(2):
+        pub, replay_port = free_port(), free_port()
+        engine = vllm_server(
+            vllm, model, log_path=workdir / f"vllm-{i}.log", served_name=MODEL_NAME,
+            cpu_core=i, env={"VLLM_SERVER_DEV_MODE": "1"},
+            args=["--block-size", str(BLOCK_SIZE), "--max-model-len", "4096",
+                  "--enable-prefix-caching", "--enable-prompt-tokens-details", "--seed", "0"],
+            kv_events_config={"enable_kv_cache_events": True, "publisher": "zmq",
+                              "endpoint": f"tcp://*:{pub}",
+                              "replay_endpoint": f"tcp://{HOST}:{replay_port}", "topic": "kv"},
+        )
+        engines.append((engine, pub, replay_port))
+    return engines
+
+
+def router_process(strategy: str, engines: list[tuple[EngineProcess, int, int]], model: str,
+            workdir: Path) -> EngineProcess:
+    port = free_port()
+    workers = [
+        {"name": f"engine-{i}", "url": e.url, "events": f"tcp://{HOST}:{pub}",
+         "replay": f"tcp://{HOST}:{replay}", "topic": "kv"}
+        for i, (e, pub, replay) in enumerate(engines)
+    ]
+    config = {
+        "model": MODEL_NAME, "tokenizer": model, "port": port, "auth_token": TOKEN,
+        "strategy": {"name": strategy, "knobs": KNOBS.get(strategy, {})},
+        "pools": [{"name": "cpu", "block_size": BLOCK_SIZE, "workers": workers}],
+    }
+    path = workdir / f"router-{strategy}.yaml"
+    path.write_text(yaml.safe_dump(config))
+    return EngineProcess([sys.executable, "-m", "router", "--config", str(path)],
+                         url=f"http://{HOST}:{port}", log_path=workdir / f"router-{strategy}.log")
+
+
+def reset_caches(engines: list[tuple[EngineProcess, int, int]]) -> None:
+    """Empty both engines' prefix caches (VLLM_SERVER_DEV_MODE), so each run starts cold."""
+    for engine, _, _ in engines:
+        status, body = http_json("POST", engine.url + "/reset_prefix_cache")
+        if status != 200:
+            raise RuntimeError(f"reset_prefix_cache on {engine.url}: {status} {body}")
 
 
 async def _run(args: argparse.Namespace, workdir: Path) -> int:
-    pub, replay = free_port(), free_port()
-    engine = vllm_server(
-        args.vllm, args.model, log_path=workdir / "vllm.log", served_name=MODEL_NAME,
-        args=["--block-size", str(BLOCK_SIZE), "--max-model-len", "4096",
-              "--enable-prefix-caching", "--enable-prompt-tokens-details"],
-        kv_events_config={"enable_kv_cache_events": True, "publisher": "zmq",
-                          "endpoint": f"tcp://*:{pub}", "replay_endpoint": f"tcp://{HOST}:{replay}",
-                          "topic": "kv"},
-    )
-    index = MemoryIndex(MODEL_NAME)
-    counts: dict[str, int] = {}
-
-    def on_batch(worker: str, batch: DecodedBatch) -> None:
-        index.apply(worker, batch.events)
-        for ev in batch.events:
-            counts[type(ev).__name__] = counts.get(type(ev).__name__, 0) + 1
-
-    sub = StateSubscriber("engine-0", f"tcp://{HOST}:{pub}", on_batch, index.drop_worker,
-                          replay_endpoint=f"tcp://{HOST}:{replay}", topic=b"kv")
-    with engine:
-        _log(f"starting vLLM (pid {engine.pid}, log {engine.log_path}) ...")
-        _log(f"vLLM healthy after {engine.wait_healthy():.0f}s")
-        task = asyncio.create_task(sub.run())
-        print(f"{'request':34s} {'prompt':>6s} {'predicted':>9s} {'engine cached':>13s}")
-        plan: list[tuple[str, str | None, int]] = [("conversation", None, n) for n in (1, 2, 3)]
-        plan += [("conversation (repeat)", None, 3), ("same prompt, tenant-b salt", "tenant-b", 3)]
-        history: list[dict[str, str]] = [{"role": "system", "content": SYSTEM}]
-        answers: list[str] = []
-        for label, salt, turn in plan:
-            messages = list(history[:1])
-            for i in range(turn):
-                messages.append({"role": "user", "content": TURNS[i]})
-                if i < turn - 1:
-                    messages.append({"role": "assistant", "content": answers[i]})
-            tokens = await _tokens(engine, messages)
-            keys = prefix_keys(tokens, BLOCK_SIZE, MODEL_NAME, salt or "")
-            predicted = index.match(keys).get("engine-0")
-            body = await _chat(engine, messages, salt)
-            if salt is None and len(answers) < turn:
-                answers.append(body["choices"][0]["message"]["content"] or "")
-            usage = body.get("usage") or {}
-            cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0)
-            blocks = predicted.blocks if predicted else 0
-            print(f"{label + f' turn {turn}':34s} {len(tokens):6d} {blocks * BLOCK_SIZE:9d} "
-                  f"{cached:13d}")
-            await asyncio.sleep(0.5)  # let the events of this request arrive
-        task.cancel()
-        stats = index.stats()
-        print(f"\nstate stream: {counts} ; gaps {sub.gaps}, replayed {sub.replayed}, "
-              f"rejected {dict(sub.decoder.rejected)}")
-        print(f"index: {stats.entries} (block, worker) entries, by tier "
-              f"{ {str(t): n for t, n in stats.entries_by_tier.items()} }")
+    items = workload(args.trace, args.conversations, args.turns, args.words_per_id, args.max_ids)
+    chars = sum(len(i["prompt"]) for i in items)
+    _log(f"workload: {len(items)} requests in {args.conversations} conversations, "
+         f"{chars} prompt characters, from {args.trace}")
+    engines = engine_pair(args.vllm, args.model, workdir)
+    results: dict[str, dict[str, Any]] = {}
+    try:
+        for engine, _, _ in engines:
+            engine.start()
+            _log(f"starting vLLM (pid {engine.pid}, log {engine.log_path})")
+        for engine, _, _ in engines:
+            _log(f"vLLM {engine.url} healthy after {engine.wait_healthy():.0f}s")
+        for strategy in STRATEGIES:
+            reset_caches(engines)
+            with router_process(strategy, engines, args.model, workdir) as router:
+                router.wait_healthy(60)
+                _log(f"router ({strategy}, pid {router.pid}) up; replaying ...")
+                wall, _ = await replay(router.url, items, args.in_flight)
+                await asyncio.sleep(0.5)
+                req = aiohttp.ClientSession(headers={"Authorization": f"Bearer {TOKEN}"})
+                async with req, req.get(router.url + "/warply/cache_stats") as r:
+                    stats = await r.json()
+                stats["wall_s"] = wall
+                results[strategy] = stats
+    finally:
+        for engine, _, _ in engines:
+            engine.stop()
+    _print(results)
     return 0
+
+
+def _fmt(x: float | None, scale: float = 1.0, spec: str = ".3f") -> str:
+    return "-" if x is None else format(x * scale, spec)
+
+
+def _print(results: dict[str, dict[str, Any]]) -> None:
+    rows = [
+        ("requests", lambda s: str(s["requests"])),
+        ("prompt tokens", lambda s: str(s["prompt_tokens"])),
+        ("engine cached tokens", lambda s: str(s["engine_cached_tokens"])),
+        ("hit rate (engine-reported)", lambda s: _fmt(s["hit_rate"]["engine"])),
+        ("hit rate (router-predicted)", lambda s: _fmt(s["hit_rate"]["predicted"])),
+        ("TTFT p50 ms (at router)", lambda s: _fmt(s["ttft_s"]["p50"], 1e3, ".1f")),
+        ("TTFT p99 ms (at router)", lambda s: _fmt(s["ttft_s"]["p99"], 1e3, ".1f")),
+        ("router overhead p50 ms", lambda s: _fmt(s["overhead_s"]["p50"], 1e3, ".2f")),
+        ("requests per worker", lambda s: "/".join(
+            str(w.get("requests", 0)) for w in s["workers"].values())),
+        ("wall time s", lambda s: _fmt(s["wall_s"], 1.0, ".1f")),
+    ]
+    names = list(results)
+    print(f"\n{'cache_stats':30s}" + "".join(f"{n:>18s}" for n in names))
+    for label, get in rows:
+        print(f"{label:30s}" + "".join(f"{get(results[n]):>18s}" for n in names))
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--vllm", required=True, help="the vllm CLI of the engine venv")
     ap.add_argument("--model", required=True, help="model folder (scripts/tiny_model.py)")
+    ap.add_argument("--trace", type=Path, default=TRACE)
+    ap.add_argument("--conversations", type=int, default=16)
+    ap.add_argument("--turns", type=int, default=4, help="turns kept per conversation")
+    ap.add_argument("--words-per-id", type=int, default=24, help="words per trace hash id")
+    ap.add_argument("--max-ids", type=int, default=48, help="hash ids kept per prompt")
+    ap.add_argument("--in-flight", type=int, default=4)
     ap.add_argument("--workdir", type=Path, help="where logs go (default: a temp folder)")
     args = ap.parse_args()
+    if not args.trace.is_file():
+        print(f"demo: trace not found: {args.trace} (shared/ must sit beside the repo)",
+              file=sys.stderr)
+        return 1
     workdir = args.workdir or Path(tempfile.mkdtemp(prefix="warply-demo-"))
     try:
         return asyncio.run(_run(args, workdir))

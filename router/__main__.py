@@ -1,0 +1,121 @@
+"""`warply-router` / `python -m router`: the router process.
+
+    warply-router --config router.yaml
+    warply-router --model tiny --tokenizer MODEL_DIR --block-size 32 \\
+        --worker http://127.0.0.1:8001,events=tcp://127.0.0.1:5557,replay=tcp://127.0.0.1:5558 \\
+        --worker http://127.0.0.1:8002,events=tcp://127.0.0.1:5567 --strategy prefix_affinity
+
+Flags override the file's fields of the same name; `--worker` flags replace the file's pools
+with one pool named "default". A bad configuration prints one message naming the field and
+exits with status 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+from pathlib import Path
+from typing import Any
+
+from aiohttp import web
+
+from router.app import Router
+from router.config import CLI_FIELDS, ConfigError, RouterConfig, load_config
+
+_WORKER_KEYS = {"name", "events", "replay", "topic", "control", "bind"}
+
+
+def _worker_flag(spec: str, n: int) -> dict[str, Any]:
+    """`URL[,key=value...]` → a worker mapping (validated later with the rest)."""
+    url, *parts = spec.split(",")
+    worker: dict[str, Any] = {"name": f"w{n}", "url": url}
+    for part in parts:
+        key, sep, value = part.partition("=")
+        if not sep or key not in _WORKER_KEYS:
+            raise ConfigError(
+                f"--worker {spec!r}: expected key=value with key in {sorted(_WORKER_KEYS)}"
+            )
+        worker[key] = value.lower() in ("1", "true", "yes") if key == "bind" else value
+    return worker
+
+
+def _parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(
+        prog="warply-router", description=__doc__, formatter_class=argparse.RawTextHelpFormatter
+    )
+    ap.add_argument("--config", type=Path, help="YAML (.yaml/.yml) or TOML (.toml) config file")
+    for name, kind in CLI_FIELDS.items():
+        ap.add_argument(f"--{name.replace('_', '-')}", dest=name, type=kind)
+    ap.add_argument("--strategy", help="builtin name, warply.strategies entry point, module:Class")
+    ap.add_argument("--knobs", help="strategy knobs as a JSON object")
+    ap.add_argument("--min-hit-ratio", type=float, help="alert below this windowed hit rate")
+    ap.add_argument("--worker", action="append", default=[], help="URL[,name=,events=,replay=]")
+    ap.add_argument("--block-size", type=int, help="block size of the --worker pool")
+    ap.add_argument("--kv-bytes-per-token", type=int, default=0, help="for bytes-cached metrics")
+    ap.add_argument("--log-level", default="INFO")
+    return ap
+
+
+def config_from_args(args: argparse.Namespace) -> RouterConfig:
+    """The flags and the config file as one validated config; raises `ConfigError`."""
+    overrides: dict[str, Any] = {name: getattr(args, name) for name in CLI_FIELDS}
+    if args.worker:
+        overrides["pools"] = [
+            {
+                "name": "default",
+                "block_size": args.block_size,
+                "kv_bytes_per_token": args.kv_bytes_per_token,
+                "workers": [_worker_flag(s, i) for i, s in enumerate(args.worker)],
+            }
+        ]
+    elif args.block_size is not None:
+        raise ConfigError("--block-size applies to --worker flags; set pools[].block_size instead")
+    knobs = None
+    if args.knobs is not None:
+        try:
+            knobs = json.loads(args.knobs)
+        except ValueError as exc:
+            raise ConfigError(f"--knobs is not valid JSON: {exc}") from None
+    return load_config(
+        args.config,
+        overrides,
+        strategy=args.strategy,
+        knobs=knobs,
+        min_hit_ratio=args.min_hit_ratio,
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Validate, build, serve until SIGINT/SIGTERM."""
+    args = _parser().parse_args(argv)
+    try:
+        config = config_from_args(args)
+        router = Router(config)
+    except ConfigError as exc:
+        print(f"warply-router: {exc}", file=sys.stderr)
+        return 2
+    except FileNotFoundError as exc:
+        print(f"warply-router: tokenizer: {exc}", file=sys.stderr)
+        return 2
+    logging.basicConfig(
+        level=args.log_level.upper(),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+    logging.getLogger("warply.router").info(
+        "serving %s on http://%s:%d (%d workers, strategy %s)",
+        config.model,
+        config.host,
+        config.port,
+        len(router.placement.workers),
+        config.strategy.name,
+    )
+    web.run_app(
+        router.app, host=config.host, port=config.port, handler_cancellation=True, print=None
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,234 @@
+"""The router's aiohttp application: routes, admin auth, worker health, start-up and shutdown.
+
+Client API: /v1/completions, /v1/chat/completions, /v1/models, /health, /metrics.
+Admin API (Bearer token when `auth_token` is set): /warply/cache_stats, /warply/workers,
+POST /warply/workers/{name} (`{"enabled": false}` drains a worker), POST /warply/directives.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hmac
+import logging
+import time
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import aiohttp
+import msgspec
+from aiohttp import web
+
+from router.config import RouterConfig
+from router.directives import send_directive
+from router.errors import ApiError, json_object
+from router.feed import IndexFeed
+from router.index import MemoryIndex
+from router.metrics import RouterMetrics
+from router.placement import Placement, Worker
+from router.proxy import Proxy
+from router.tokenize import RouterTokenizer
+from warply.protocol import Directive
+
+_log = logging.getLogger("warply.router")
+_HEALTH_TIMEOUT = aiohttp.ClientTimeout(total=2)
+_Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+class Router:
+    """Everything one router process holds; `app` is what aiohttp serves."""
+
+    def __init__(self, config: RouterConfig, tokenizer: RouterTokenizer | None = None) -> None:
+        self.config = config
+        self.index = MemoryIndex(config.model, max_entries=config.index_max_entries)
+        self.placement = Placement(config, self.index)
+        self.metrics = RouterMetrics(config, self.placement, self.index)
+        self.feed = IndexFeed(self.placement, self.index, self.metrics)
+        self.proxy = Proxy(
+            config.model,
+            tokenizer or RouterTokenizer(config.tokenizer),
+            self.placement,
+            self.metrics,
+            config.request_timeout_s,
+        )
+        self.proxy.max_model_len = config.max_model_len
+        self._health_task: asyncio.Task[None] | None = None
+        self.app = web.Application(middlewares=[self._errors, self._auth])
+        self.app.add_routes(
+            [
+                web.post("/v1/completions", self._completions),
+                web.post("/v1/chat/completions", self._chat),
+                web.get("/v1/models", self._models),
+                web.get("/health", self._health),
+                web.get("/metrics", self._metrics),
+                web.get("/warply/cache_stats", self._cache_stats),
+                web.get("/warply/workers", self._workers),
+                web.post("/warply/workers/{name}", self._set_worker),
+                web.post("/warply/directives", self._directive),
+            ]
+        )
+        self.app.on_startup.append(self._startup)
+        self.app.on_cleanup.append(self._cleanup)
+
+    # -- lifecycle -------------------------------------------------------------------------------
+
+    async def _startup(self, _: web.Application) -> None:
+        self.feed.start()
+        await self.check_health()
+        if self.proxy.max_model_len is None:
+            self.proxy.max_model_len = await self._discover_max_model_len()
+        self._health_task = asyncio.create_task(self._health_loop(), name="health")
+
+    async def _cleanup(self, _: web.Application) -> None:
+        if self._health_task is not None:
+            self._health_task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._health_task
+        await self.feed.stop()
+        await self.proxy.close()
+
+    async def _probe(self, worker: Worker) -> None:
+        try:
+            async with self.proxy.session.get(
+                worker.config.url + "/health", timeout=_HEALTH_TIMEOUT
+            ) as resp:
+                healthy = resp.status == 200
+        except (aiohttp.ClientError, TimeoutError):
+            healthy = False
+        if healthy != worker.healthy:
+            _log.info("worker %s is %s", worker.name, "healthy" if healthy else "unhealthy")
+        worker.healthy = healthy
+
+    async def check_health(self) -> None:
+        """Probe every worker's /health once (concurrently)."""
+        await asyncio.gather(*(self._probe(w) for w in self.placement.workers.values()))
+
+    async def _health_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.config.health_interval_s)
+            await self.check_health()
+
+    async def _discover_max_model_len(self) -> int | None:
+        """The engines' context limit from their /v1/models (vLLM reports `max_model_len`)."""
+        for w in self.placement.workers.values():
+            if not w.healthy:
+                continue
+            try:
+                async with self.proxy.session.get(
+                    w.config.url + "/v1/models", timeout=_HEALTH_TIMEOUT
+                ) as resp:
+                    data = await resp.json()
+                limits = [m.get("max_model_len") for m in data.get("data", [])]
+                found = [n for n in limits if isinstance(n, int)]
+                if found:
+                    return min(found)
+            except (aiohttp.ClientError, TimeoutError, ValueError, AttributeError):
+                continue
+        return None
+
+    # -- middleware ------------------------------------------------------------------------------
+
+    @web.middleware
+    async def _errors(self, request: web.Request, handler: _Handler) -> web.StreamResponse:
+        """Router errors and aiohttp's own (404 route, 405 method) in the OpenAI error shape."""
+        try:
+            return await handler(request)
+        except ApiError as err:
+            return err.response()
+        except web.HTTPException as exc:
+            if exc.status < 400:
+                raise
+            return ApiError(exc.status, exc.reason, exc.reason.lower().replace(" ", "_")).response()
+
+    @web.middleware
+    async def _auth(self, request: web.Request, handler: _Handler) -> web.StreamResponse:
+        token = self.config.auth_token
+        if token and request.path.startswith("/warply/"):
+            given = request.headers.get("Authorization", "")
+            if not hmac.compare_digest(given.encode(), f"Bearer {token}".encode()):
+                msg = "a valid 'Authorization: Bearer <token>' is required"
+                raise ApiError(401, msg, "invalid_api_key")
+        return await handler(request)
+
+    # -- client API ------------------------------------------------------------------------------
+
+    async def _completions(self, request: web.Request) -> web.StreamResponse:
+        return await self.proxy.handle(request, "completion")
+
+    async def _chat(self, request: web.Request) -> web.StreamResponse:
+        return await self.proxy.handle(request, "chat")
+
+    async def _models(self, _: web.Request) -> web.Response:
+        card: dict[str, Any] = {
+            "id": self.config.model,
+            "object": "model",
+            "created": int(time.time()),
+            "owned_by": "warply",
+        }
+        if self.proxy.max_model_len is not None:
+            card["max_model_len"] = self.proxy.max_model_len
+        return web.json_response({"object": "list", "data": [card]})
+
+    async def _health(self, _: web.Request) -> web.Response:
+        healthy = sum(w.available for w in self.placement.workers.values())
+        status = 200 if healthy else 503
+        body = {"status": "ok" if healthy else "no healthy worker", "healthy_workers": healthy}
+        return web.json_response(body, status=status)
+
+    async def _metrics(self, _: web.Request) -> web.Response:
+        return web.Response(body=self.metrics.render(), content_type="text/plain", charset="utf-8")
+
+    # -- admin API -------------------------------------------------------------------------------
+
+    async def _cache_stats(self, _: web.Request) -> web.Response:
+        return web.json_response(self.metrics.cache_stats())
+
+    async def _workers(self, _: web.Request) -> web.Response:
+        out = []
+        for w in self.placement.workers.values():
+            out.append(
+                {
+                    "name": w.name,
+                    "pool": w.pool.name,
+                    "url": w.config.url,
+                    "healthy": w.healthy,
+                    "enabled": w.enabled,
+                    "in_flight": w.load.in_flight,
+                    "in_flight_tokens": w.load.in_flight_tokens,
+                    "engine_waiting": w.load.engine_waiting,
+                    "kv_usage": w.load.kv_usage,
+                    "stream": self.feed.stream_stats(w.name),
+                }
+            )
+        return web.json_response({"workers": out})
+
+    def _worker(self, name: str) -> Worker:
+        worker = self.placement.workers.get(name)
+        if worker is None:
+            raise ApiError(404, f"no worker named {name!r}", "worker_not_found")
+        return worker
+
+    async def _set_worker(self, request: web.Request) -> web.Response:
+        worker = self._worker(request.match_info["name"])
+        body = json_object(await request.read())
+        enabled = body.get("enabled")
+        if not isinstance(enabled, bool):
+            raise ApiError(400, "'enabled' must be true or false", "invalid_value", "enabled")
+        worker.enabled = enabled
+        return web.json_response({"name": worker.name, "enabled": worker.enabled})
+
+    async def _directive(self, request: web.Request) -> web.Response:
+        body = json_object(await request.read())
+        worker = self._worker(str(body.get("worker", "")))
+        if not worker.config.control:
+            raise ApiError(400, f"worker {worker.name!r} has no control endpoint", "no_control")
+        try:
+            directive = msgspec.convert(body.get("directive"), Directive)
+        except (msgspec.ValidationError, ValueError) as exc:
+            raise ApiError(400, f"invalid directive: {exc}", "invalid_value", "directive") from None
+        try:
+            ack = await send_directive(worker.config.control, directive)
+        except TimeoutError as exc:
+            raise ApiError(504, str(exc), "directive_timeout") from None
+        return web.json_response(msgspec.structs.asdict(ack))
+

@@ -1,0 +1,168 @@
+"""The router's configuration: one validated file (YAML or TOML) plus matching CLI flags.
+
+Every model forbids unknown fields, so a typo is an error naming the field, not a silent
+default. CLI flags override the file's top-level scalars (`--port`, `--strategy`, ...).
+"""
+
+from __future__ import annotations
+
+import tomllib
+from pathlib import Path
+from typing import Any
+
+import yaml  # type: ignore[import-untyped]
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+
+class ConfigError(ValueError):
+    """The configuration is invalid; the message names the offending field(s)."""
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class WorkerConfig(_Strict):
+    """One engine server: where requests go and where its cache state comes from."""
+
+    name: str = Field(min_length=1)
+    url: str = Field(pattern=r"^https?://")
+    """OpenAI-compatible HTTP base URL (no trailing /v1)."""
+    events: str | None = None
+    """State-stream endpoint (stock `--kv-events-config` or the WarplyConnector's)."""
+    replay: str | None = None
+    """Replay endpoint of that stream (gap recovery)."""
+    topic: str = ""
+    """Topic prefix to subscribe to ("" = all)."""
+    bind: bool = False
+    """Bind the SUB socket (the engine connects to us) instead of connecting to the engine."""
+    control: str | None = None
+    """Directive endpoint of the Warply plugin (ZMQ ROUTER), if any."""
+
+    @field_validator("url")
+    @classmethod
+    def _strip_slash(cls, url: str) -> str:
+        return url.rstrip("/")
+
+
+class PoolConfig(_Strict):
+    """Workers that share a block size and KV layout."""
+
+    name: str = Field(min_length=1)
+    block_size: int = Field(gt=0)
+    """Must equal the engines' own block (page) size, or keys will never match."""
+    kv_bytes_per_token: int = Field(0, ge=0)
+    """KV bytes one token takes on these engines (2·layers·kv_heads·head_dim·dtype bytes)."""
+    workers: list[WorkerConfig] = Field(min_length=1)
+
+
+class StrategyConfig(_Strict):
+    """A strategy by name (builtin, `warply.strategies` entry point, or `module:Class`)."""
+
+    name: str = "prefix_affinity"
+    knobs: dict[str, Any] = Field(default_factory=dict)
+
+
+class AlertConfig(_Strict):
+    """Hit-rate alert: fires when the windowed hit rate drops below `min_hit_ratio`."""
+
+    min_hit_ratio: float = Field(0.0, ge=0, le=1)
+    window: int = Field(200, gt=0)
+    """Requests in the sliding window."""
+    min_requests: int = Field(20, gt=0)
+    """No alert before the window holds this many requests."""
+    callback: str | None = Field(None, pattern=r"^[\w.]+:\w+$")
+    """Optional `module:function` called with (hit_ratio, threshold) when the alert fires."""
+
+
+class RouterConfig(_Strict):
+    """Everything `warply-router` needs."""
+
+    model: str = Field(min_length=1)
+    """Served model name clients send (and the engines serve); also seeds the key chains."""
+    tokenizer: Path
+    """Folder with the engine's tokenizer.json + tokenizer_config.json (the model folder)."""
+    host: str = "127.0.0.1"
+    port: int = Field(8000, ge=0, le=65535)
+    pools: list[PoolConfig] = Field(min_length=1)
+    strategy: StrategyConfig = StrategyConfig()
+    auth_token: str | None = None
+    """When set, /warply/* admin endpoints require `Authorization: Bearer <token>`."""
+    index_max_entries: int = Field(4_000_000, gt=0)
+    max_model_len: int | None = Field(None, gt=0)
+    """Longest prompt accepted (None: ask the workers' /v1/models at start-up)."""
+    alerts: AlertConfig = AlertConfig()
+    health_interval_s: float = Field(2.0, gt=0)
+    request_timeout_s: float = Field(600.0, gt=0)
+
+    @model_validator(mode="after")
+    def _unique_names(self) -> RouterConfig:
+        seen: set[str] = set()
+        for pool in self.pools:
+            for w in pool.workers:
+                if w.name in seen:
+                    raise ValueError(f"worker name {w.name!r} is used twice")
+                seen.add(w.name)
+        return self
+
+
+CLI_FIELDS: dict[str, type] = {
+    "model": str,
+    "tokenizer": str,
+    "host": str,
+    "port": int,
+    "auth_token": str,
+    "index_max_entries": int,
+    "max_model_len": int,
+}
+"""Top-level fields settable by a `--flag` of the same name (dashes for underscores)."""
+
+
+def _read(path: Path) -> dict[str, Any]:
+    try:
+        text = path.read_text()
+    except OSError as exc:
+        raise ConfigError(f"cannot read config {path}: {exc.strerror}") from None
+    try:
+        data = tomllib.loads(text) if path.suffix == ".toml" else yaml.safe_load(text)
+    except (tomllib.TOMLDecodeError, yaml.YAMLError) as exc:
+        raise ConfigError(f"config {path} is not valid {path.suffix.lstrip('.')}: {exc}") from None
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"config {path}: the top level must be a mapping")
+    return data
+
+
+def _describe(err: ValidationError) -> str:
+    lines = []
+    for e in err.errors():
+        loc = ".".join(str(p) for p in e["loc"]) or "(top level)"
+        lines.append(f"  {loc}: {e['msg']}")
+    return "invalid router config:\n" + "\n".join(lines)
+
+
+def load_config(
+    path: Path | None,
+    overrides: dict[str, Any] | None = None,
+    *,
+    strategy: str | None = None,
+    knobs: dict[str, Any] | None = None,
+    min_hit_ratio: float | None = None,
+) -> RouterConfig:
+    """Read `path` (if any), apply CLI overrides, validate; raises `ConfigError`."""
+    data = _read(path) if path is not None else {}
+    data.update({k: v for k, v in (overrides or {}).items() if v is not None})
+    if strategy is not None or knobs is not None:
+        current = dict(data.get("strategy") or {})
+        if strategy is not None:
+            current["name"] = strategy
+        if knobs is not None:
+            current["knobs"] = knobs
+        data["strategy"] = current
+    if min_hit_ratio is not None:
+        data["alerts"] = dict(data.get("alerts") or {}, min_hit_ratio=min_hit_ratio)
+    try:
+        return RouterConfig.model_validate(data)
+    except ValidationError as err:
+        raise ConfigError(_describe(err)) from None

@@ -1,0 +1,53 @@
+"""Errors in the OpenAI JSON shape: `{"error": {"message", "type", "param", "code"}}`."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+from aiohttp import web
+
+_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    404: "invalid_request_error",
+    502: "upstream_error",
+    503: "service_unavailable",
+    504: "timeout",
+}
+
+
+class ApiError(Exception):
+    """An error the router answers itself, before or instead of an engine."""
+
+    def __init__(
+        self, status: int, message: str, code: str | None = None, param: str | None = None
+    ) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.code = code
+        self.param = param
+
+    def response(self) -> web.Response:
+        body = {
+            "error": {
+                "message": self.message,
+                "type": _TYPES.get(self.status, "api_error"),
+                "param": self.param,
+                "code": self.code,
+            }
+        }
+        headers = {"WWW-Authenticate": "Bearer"} if self.status == 401 else None
+        return web.json_response(body, status=self.status, headers=headers)
+
+
+def json_object(raw: bytes) -> dict[str, Any]:
+    """A request body that must be a JSON object; malformed JSON is a 400."""
+    try:
+        body = msgspec.json.decode(raw)
+    except msgspec.DecodeError as exc:
+        raise ApiError(400, f"request body is not valid JSON: {exc}", "invalid_json") from None
+    if not isinstance(body, dict):
+        raise ApiError(400, "request body must be a JSON object", "invalid_json")
+    return body

@@ -1,0 +1,75 @@
+"""Index feeding: one `StateSubscriber` per worker with a state stream, into the prefix index.
+
+Stock vLLM `--kv-events-config` streams and the WarplyConnector's stream speak the same
+protocol. A gap the subscriber cannot recover drops that worker's entries (`on_stale`);
+`LoadSnapshot` events update the load the strategies see; removals count as engine evictions.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+
+from router.index import PrefixIndex
+from router.metrics import RouterMetrics
+from router.placement import Placement
+from warply.protocol import BlockRemoved, DecodedBatch, LoadSnapshot
+from warply.protocol.subscriber import StateSubscriber
+
+
+class IndexFeed:
+    """Owns the subscribers and their tasks."""
+
+    def __init__(self, placement: Placement, index: PrefixIndex, metrics: RouterMetrics) -> None:
+        self._placement = placement
+        self._index = index
+        self._metrics = metrics
+        self.subscribers: dict[str, StateSubscriber] = {}
+        self._tasks: list[asyncio.Task[None]] = []
+        for w in placement.workers.values():
+            if w.config.events:
+                self.subscribers[w.name] = StateSubscriber(
+                    w.name,
+                    w.config.events,
+                    self._on_batch,
+                    index.drop_worker,
+                    replay_endpoint=w.config.replay,
+                    topic=w.config.topic.encode(),
+                    bind=w.config.bind,
+                )
+
+    def start(self) -> None:
+        """Open every socket now (so no event is missed) and start reading."""
+        for sub in self.subscribers.values():
+            sub.open()
+            self._tasks.append(asyncio.create_task(sub.run(), name=f"feed-{sub.worker}"))
+
+    async def stop(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        for task in self._tasks:
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        self._tasks.clear()
+
+    def _on_batch(self, worker: str, batch: DecodedBatch) -> None:
+        self._index.apply(worker, batch.events)
+        for ev in batch.events:
+            if isinstance(ev, LoadSnapshot):
+                self._placement.engine_load(worker, ev.waiting, ev.kv_usage)
+            elif isinstance(ev, BlockRemoved):
+                self._metrics.engine_removed(worker, len(ev.block_hashes))
+
+    def stream_stats(self, worker: str) -> dict[str, object] | None:
+        """The subscriber's counters for /warply/workers (None: the worker has no stream)."""
+        sub = self.subscribers.get(worker)
+        if sub is None:
+            return None
+        return {
+            "endpoint": sub.endpoint,
+            "last_seq": sub.last_seq,
+            "gaps": sub.gaps,
+            "replayed": sub.replayed,
+            "resyncs": sub.resyncs,
+            "rejected": dict(sub.decoder.rejected),
+        }

@@ -1,0 +1,245 @@
+"""The OpenAI request path: parse → tokenize → place → forward (JSON or SSE) → measure.
+
+Every field of the client's body goes to the engine unchanged except the router's own `warply`
+field (stripped; `cache_key` becomes the engine's `cache_salt`, so tenants never share KV inside
+the engine). Streams always ask the engine for a final usage chunk (to read `cached_tokens`) and
+drop it again when the client did not ask for it. A client that disconnects cancels the handler,
+which closes the upstream connection, and the engine aborts the request.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import aiohttp
+import msgspec
+from aiohttp import web
+
+from router.errors import ApiError, json_object
+from router.metrics import RouterMetrics
+from router.placement import Decision, Placement
+from router.strategies import NoCandidate
+from router.tokenize import PromptError, RouterTokenizer, prompt_tokens
+
+_PATHS = {"chat": "/v1/chat/completions", "completion": "/v1/completions"}
+_FORWARD_HEADERS = ("Authorization", "X-Request-Id")
+_SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
+
+
+class Overrides(msgspec.Struct, forbid_unknown_fields=True):
+    """`extra_body={"warply": {...}}`: per-request cache namespace and reuse switch."""
+
+    cache_key: str | None = None
+    prefix_reuse: bool = True
+
+
+@dataclass(slots=True)
+class _Prepared:
+    body: dict[str, Any]
+    tokens: list[int]
+    namespace: str
+    prefix_reuse: bool
+    stream: bool
+    client_wants_usage: bool
+    t0: float
+    """When the router received the request (TTFT and overhead start here)."""
+
+
+def _overrides(body: dict[str, Any]) -> Overrides:
+    raw = body.pop("warply", None)
+    if raw is None:
+        return Overrides()
+    try:
+        return msgspec.convert(raw, Overrides)
+    except msgspec.ValidationError as exc:
+        raise ApiError(400, f"invalid 'warply' options: {exc}", "invalid_value", "warply") from None
+
+
+def _placed_headers(decision: Decision) -> dict[str, str]:
+    """Response headers naming the chosen worker and the index's prediction (for debugging)."""
+    return {
+        "X-Warply-Worker": decision.worker.name,
+        "X-Warply-Predicted-Cached": str(decision.predicted_cached),
+    }
+
+
+class Proxy:
+    """Handles /v1/completions and /v1/chat/completions."""
+
+    def __init__(
+        self,
+        model: str,
+        tokenizer: RouterTokenizer,
+        placement: Placement,
+        metrics: RouterMetrics,
+        timeout_s: float,
+    ) -> None:
+        self.model = model
+        self.max_model_len: int | None = None
+        self._tokenizer = tokenizer
+        self._placement = placement
+        self._metrics = metrics
+        self._timeout = aiohttp.ClientTimeout(total=timeout_s, sock_connect=5)
+        self._session: aiohttp.ClientSession | None = None
+
+    @property
+    def session(self) -> aiohttp.ClientSession:
+        """The pooled upstream client (created on first use, inside the event loop)."""
+        if self._session is None:
+            self._session = aiohttp.ClientSession(
+                connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=60),
+                timeout=self._timeout,
+            )
+        return self._session
+
+    async def close(self) -> None:
+        if self._session is not None:
+            await self._session.close()
+            self._session = None
+
+    async def handle(self, request: web.Request, kind: str) -> web.StreamResponse:
+        """One OpenAI request of `kind` ("chat" | "completion")."""
+        t0 = time.perf_counter()
+        decision: Decision | None = None
+        status = 500
+        try:
+            prep = self._prepare(json_object(await request.read()), kind, t0)
+            headers = {h: request.headers[h] for h in _FORWARD_HEADERS if h in request.headers}
+            tried: set[str] = set()
+            while True:
+                try:
+                    decision = self._placement.choose(
+                        prep.tokens, prep.namespace, prep.prefix_reuse, tried
+                    )
+                except NoCandidate as exc:
+                    raise ApiError(503, str(exc), "no_healthy_worker") from None
+                sample = self._metrics.routed(decision, time.perf_counter() - t0)
+                self._placement.started(decision)
+                streamed = [0]  # generated-token events relayed so far (load accounting)
+                try:
+                    url = decision.worker.config.url + _PATHS[kind]
+                    async with self.session.post(url, json=prep.body, headers=headers) as up:
+                        if prep.stream and up.status == 200:
+                            resp = web.StreamResponse(headers=_SSE_HEADERS)
+                            resp.headers.update(_placed_headers(decision))
+                            usage = await self._stream(request, resp, up, prep, decision, streamed)
+                        else:
+                            resp, usage = await self._whole(up)
+                            resp.headers.update(_placed_headers(decision))
+                        if usage is not None:
+                            self._metrics.usage(decision, sample, usage)
+                        status = resp.status
+                        return resp
+                except aiohttp.ClientConnectorError:
+                    decision.worker.healthy = False  # the health loop brings it back
+                    tried.add(decision.worker.name)
+                except aiohttp.ClientError as exc:
+                    raise ApiError(502, f"upstream {decision.worker.name} failed: {exc}") from None
+                except TimeoutError:
+                    raise ApiError(504, f"upstream {decision.worker.name} timed out") from None
+                finally:
+                    self._placement.finished(decision, streamed[0])
+        except ApiError as err:
+            status = err.status
+            return err.response()
+        except asyncio.CancelledError:
+            status = 499  # the client went away; leaving the upstream context closed its request
+            raise
+        finally:
+            self._metrics.finished(decision, status, time.perf_counter() - t0)
+
+    def _prepare(self, body: dict[str, Any], kind: str, t0: float) -> _Prepared:
+        """Validate and rewrite the body; tokenize its prompt the engine's way."""
+        model = body.get("model")
+        if model is not None and model != self.model:
+            raise ApiError(404, f"The model `{model}` does not exist.", "model_not_found", "model")
+        ov = _overrides(body)
+        if ov.cache_key is not None:
+            body["cache_salt"] = ov.cache_key
+        salt = body.get("cache_salt")
+        namespace = salt if isinstance(salt, str) else ""
+        try:
+            prompts = prompt_tokens(self._tokenizer, kind, body)
+        except PromptError as exc:
+            raise ApiError(400, str(exc), "invalid_prompt") from None
+        self._check_length(prompts, body)
+        stream = bool(body.get("stream", False))
+        options = body.get("stream_options")
+        wants_usage = isinstance(options, dict) and bool(options.get("include_usage"))
+        if stream:
+            base = options if isinstance(options, dict) else {}
+            body["stream_options"] = {**base, "include_usage": True}
+        return _Prepared(body, prompts[0], namespace, ov.prefix_reuse, stream, wants_usage, t0)
+
+    def _check_length(self, prompts: Sequence[list[int]], body: dict[str, Any]) -> None:
+        limit = self.max_model_len
+        if limit is None:
+            return
+        longest = max(len(p) for p in prompts)
+        max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
+        extra = max_tokens if isinstance(max_tokens, int) else 0
+        if longest >= limit or longest + extra > limit:
+            raise ApiError(
+                400,
+                f"This model's maximum context length is {limit} tokens. However, your request "
+                f"has {longest} input tokens and asks for {extra} output tokens. Please reduce "
+                "the length of the input.",
+                "context_length_exceeded",
+                "messages" if "messages" in body else "prompt",
+            )
+
+    async def _whole(
+        self, up: aiohttp.ClientResponse
+    ) -> tuple[web.Response, dict[str, Any] | None]:
+        raw = await up.read()
+        usage = None
+        if up.status == 200:
+            try:
+                parsed = msgspec.json.decode(raw)
+                usage = parsed.get("usage") if isinstance(parsed, dict) else None
+            except msgspec.DecodeError:
+                pass
+        resp = web.Response(
+            body=raw, status=up.status, content_type=up.content_type or "application/json"
+        )
+        return resp, usage if isinstance(usage, dict) else None
+
+    async def _stream(
+        self,
+        request: web.Request,
+        resp: web.StreamResponse,
+        up: aiohttp.ClientResponse,
+        prep: _Prepared,
+        decision: Decision,
+        streamed: list[int],
+    ) -> dict[str, Any] | None:
+        """Relay SSE events; read (and maybe hide) the final usage chunk; time the first one."""
+        await resp.prepare(request)
+        usage: dict[str, Any] | None = None
+        first = True
+        buf = b""
+        async for chunk in up.content.iter_any():
+            buf += chunk
+            while b"\n\n" in buf:
+                event, buf = buf.split(b"\n\n", 1)
+                if first:
+                    self._metrics.first_token(time.perf_counter() - prep.t0)
+                    first = False
+                if b'"usage"' in event and event.startswith(b"data: {"):
+                    parsed = msgspec.json.decode(event[6:])
+                    if isinstance(parsed.get("usage"), dict):
+                        usage = parsed["usage"]
+                        if not parsed.get("choices") and not prep.client_wants_usage:
+                            continue
+                elif event.startswith(b"data: {"):
+                    self._placement.progressed(decision, 1)
+                    streamed[0] += 1
+                await resp.write(event + b"\n\n")
+        if buf.strip():
+            await resp.write(buf)
+        await resp.write_eof()
+        return usage

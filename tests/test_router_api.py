@@ -1,0 +1,386 @@
+"""Router HTTP API against small in-process fake engines: error shapes, overrides, streaming,
+auth, metrics, cancellation. Real-engine behaviour is tested in tests/vllm/test_router_*.py."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import pytest
+from aiohttp import web
+from tokenizers import Tokenizer, models, pre_tokenizers, processors, trainers
+
+from router.app import Router
+from router.config import RouterConfig
+from router.tokenize import RouterTokenizer
+from warply.protocol import BlockStored, prefix_keys
+
+HOST = "127.0.0.1"
+BS = 4
+TEMPLATE = (
+    "{{ bos_token }}{% for m in messages %}<|start|>{{ m['role'] }}\n{{ m['content'] | trim }}"
+    "<|end|>{% endfor %}{% if add_generation_prompt %}<|start|>assistant\n{% endif %}"
+)
+
+
+@pytest.fixture(scope="module")
+def tokenizer_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny byte-level BPE tokenizer with a BOS post-processor and a chat template."""
+    out = tmp_path_factory.mktemp("tok")
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    trainer = trainers.BpeTrainer(
+        vocab_size=400,
+        special_tokens=["<s>", "</s>", "<|start|>", "<|end|>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(["the cache holds a prefix of tokens"] * 50, trainer=trainer)
+    tok.post_processor = processors.TemplateProcessing(
+        single="<s> $A", special_tokens=[("<s>", tok.token_to_id("<s>"))]
+    )
+    tok.save(str(out / "tokenizer.json"))
+    config = {"bos_token": "<s>", "eos_token": {"content": "</s>"}, "chat_template": TEMPLATE}
+    (out / "tokenizer_config.json").write_text(json.dumps(config))
+    return out
+
+
+@dataclass
+class FakeEngine:
+    """An OpenAI-ish engine: records bodies, reports usage, streams, can hang or be down."""
+
+    name: str
+    cached_tokens: int = 0
+    hang: bool = False
+    bodies: list[dict[str, Any]] = field(default_factory=list)
+    cancelled: asyncio.Event = field(default_factory=asyncio.Event)
+    url: str = ""
+
+    def app(self) -> web.Application:
+        app = web.Application()
+        app.add_routes(
+            [
+                web.get("/health", self._health),
+                web.get("/v1/models", self._models),
+                web.post("/v1/completions", self._generate),
+                web.post("/v1/chat/completions", self._generate),
+            ]
+        )
+        return app
+
+    async def _health(self, _: web.Request) -> web.Response:
+        return web.json_response({})
+
+    async def _models(self, _: web.Request) -> web.Response:
+        return web.json_response({"data": [{"id": "m", "max_model_len": 64}]})
+
+    async def _generate(self, request: web.Request) -> web.StreamResponse:
+        body = await request.json()
+        self.bodies.append(body)
+        usage = {
+            "prompt_tokens": 10,
+            "completion_tokens": 2,
+            "total_tokens": 12,
+            "prompt_tokens_details": {"cached_tokens": self.cached_tokens},
+        }
+        if not body.get("stream"):
+            return web.json_response({"id": "x", "choices": [{"text": self.name}], "usage": usage})
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        try:
+            for piece in ("a", "b"):
+                chunk = {"choices": [{"index": 0, "text": piece}]}
+                await resp.write(f"data: {json.dumps(chunk)}\n\n".encode())
+                while self.hang:
+                    await asyncio.sleep(0.05)
+        except asyncio.CancelledError:
+            self.cancelled.set()
+            raise
+        if (body.get("stream_options") or {}).get("include_usage"):
+            final = {"choices": [], "usage": usage}
+            await resp.write(f"data: {json.dumps(final)}\n\n".encode())
+        await resp.write(b"data: [DONE]\n\n")
+        return resp
+
+
+async def _serve(app: web.Application) -> tuple[web.AppRunner, str]:
+    runner = web.AppRunner(app, handler_cancellation=True)
+    await runner.setup()
+    site = web.TCPSite(runner, HOST, 0)
+    await site.start()
+    port = runner.addresses[0][1]
+    return runner, f"http://{HOST}:{port}"
+
+
+Client = Callable[..., Awaitable[tuple[int, Any]]]
+
+
+@asynccontextmanager
+async def running(
+    tokenizer_dir: Path, engines: list[FakeEngine], **overrides: Any
+) -> AsyncIterator[tuple[Router, Client, aiohttp.ClientSession, str]]:
+    """Fake engines + a router in this event loop; yields (router, call, session, base url)."""
+    runners = []
+    for e in engines:
+        runner, e.url = await _serve(e.app())
+        runners.append(runner)
+    config = RouterConfig.model_validate(
+        {
+            "model": "m",
+            "tokenizer": tokenizer_dir,
+            "pools": [
+                {
+                    "name": "p",
+                    "block_size": BS,
+                    "kv_bytes_per_token": 100,
+                    "workers": [{"name": e.name, "url": e.url} for e in engines],
+                }
+            ],
+            "health_interval_s": 0.1,
+            **overrides,
+        }
+    )
+    router = Router(config, RouterTokenizer(tokenizer_dir))
+    router_runner, base = await _serve(router.app)
+    session = aiohttp.ClientSession()
+
+    async def call(method: str, path: str, body: Any = None, **kw: Any) -> tuple[int, Any]:
+        data = body if isinstance(body, bytes) else None
+        async with session.request(
+            method, base + path, json=None if data else body, data=data, **kw
+        ) as r:
+            text = await r.text()
+            try:
+                return r.status, json.loads(text)
+            except ValueError:
+                return r.status, text
+
+    try:
+        yield router, call, session, base
+    finally:
+        await session.close()
+        await router_runner.cleanup()
+        for runner in runners:
+            await runner.cleanup()
+
+
+def _run(coro: Awaitable[None]) -> None:
+    asyncio.run(asyncio.wait_for(coro, 30))  # type: ignore[arg-type]
+
+
+def _is_error(body: Any, code: str) -> bool:
+    err = body["error"]
+    return set(err) == {"message", "type", "param", "code"} and err["code"] == code
+
+
+def test_errors_are_openai_shaped(tokenizer_dir: Path) -> None:
+    async def scenario() -> None:
+        async with running(tokenizer_dir, [FakeEngine("a")]) as (_, call, _s, _b):
+            status, body = await call("POST", "/v1/completions", b"{not json")
+            assert status == 400 and _is_error(body, "invalid_json")
+            status, body = await call("POST", "/v1/completions", {"model": "x", "prompt": "hi"})
+            assert status == 404 and _is_error(body, "model_not_found")
+            assert body["error"]["param"] == "model"
+            long = {"model": "m", "prompt": "the cache " * 40}  # > max_model_len 64 (engine)
+            status, body = await call("POST", "/v1/completions", long)
+            assert status == 400 and _is_error(body, "context_length_exceeded")
+            status, body = await call("POST", "/v1/chat/completions", {"messages": []})
+            assert status == 400 and _is_error(body, "invalid_prompt")
+            bad = {"prompt": "hi", "warply": {"cache_key": 3}}
+            status, body = await call("POST", "/v1/completions", bad)
+            assert status == 400 and body["error"]["param"] == "warply"
+            status, body = await call("GET", "/v1/nowhere")
+            assert status == 404 and "error" in body
+
+    _run(scenario())
+
+
+def test_no_healthy_worker_is_503(tokenizer_dir: Path) -> None:
+    async def scenario() -> None:
+        async with running(tokenizer_dir, [FakeEngine("a")]) as (router, call, _s, _b):
+            for w in router.placement.workers.values():
+                w.enabled = False
+            status, body = await call("POST", "/v1/completions", {"prompt": "hi"})
+            assert status == 503 and _is_error(body, "no_healthy_worker")
+            status, _ = await call("GET", "/health")
+            assert status == 503
+
+    _run(scenario())
+
+
+def test_passthrough_and_overrides(tokenizer_dir: Path) -> None:
+    async def scenario() -> None:
+        engine = FakeEngine("a", cached_tokens=4)
+        async with running(tokenizer_dir, [engine]) as (router, call, _s, _b):
+            req = {
+                "model": "m",
+                "prompt": "the cache holds",
+                "max_tokens": 3,
+                "logit_bias": {"5": 1},
+                "warply": {"cache_key": "tenant-a", "prefix_reuse": False},
+            }
+            status, body = await call("POST", "/v1/completions", req)
+            assert status == 200 and body["usage"]["prompt_tokens_details"]["cached_tokens"] == 4
+            sent = engine.bodies[-1]
+            assert "warply" not in sent and sent["cache_salt"] == "tenant-a"
+            assert sent["logit_bias"] == {"5": 1} and sent["max_tokens"] == 3
+            stats = router.metrics.cache_stats()
+            assert stats["affinity"][0]["namespace"] == "tenant-a"
+            assert stats["engine_cached_tokens"] == 4
+
+    _run(scenario())
+
+
+def test_cache_key_namespaces_the_key_chain(tokenizer_dir: Path) -> None:
+    async def scenario() -> None:
+        async with running(tokenizer_dir, [FakeEngine("a"), FakeEngine("b")]) as (
+            router,
+            call,
+            _s,
+            _b,
+        ):
+            tok = RouterTokenizer(tokenizer_dir)
+            prompt = "the cache holds a prefix of tokens the cache holds a prefix"
+            ids = tok.encode(prompt, True)
+            n = len(ids) // BS * BS
+            router.index.apply(
+                "b",
+                [BlockStored(list(range(1, n // BS + 1)), None, ids[:n], BS, namespace="t1")],
+            )
+            for ns, want in (("t1", "b"), ("t2", None)):
+                tokens = ids
+                d = router.placement.choose(tokens, ns)
+                assert (d.matched_blocks > 0) == (want is not None)
+                if want:
+                    assert d.worker.name == want
+            assert prefix_keys(ids, BS, "m", "t1") != prefix_keys(ids, BS, "m", "t2")
+            req = {"prompt": prompt, "warply": {"cache_key": "t1"}}
+            for _ in range(3):  # affinity holds across requests
+                status, body = await call("POST", "/v1/completions", req)
+                assert status == 200 and body["choices"][0]["text"] == "b"
+            req["warply"] = {"cache_key": "t1", "prefix_reuse": False}
+            names = set()
+            for _ in range(4):
+                names.add((await call("POST", "/v1/completions", req))[1]["choices"][0]["text"])
+            assert names == {"a"}  # load alone decides (idle: the first), b's prefix is ignored
+
+    _run(scenario())
+
+
+def test_streaming_hides_usage_unless_asked(tokenizer_dir: Path) -> None:
+    async def scenario() -> None:
+        engine = FakeEngine("a", cached_tokens=8)
+        async with running(tokenizer_dir, [engine]) as (router, _c, session, base):
+            for include in (False, True):
+                req: dict[str, Any] = {"prompt": "the cache", "stream": True}
+                if include:
+                    req["stream_options"] = {"include_usage": True}
+                async with session.post(base + "/v1/completions", json=req) as r:
+                    assert r.status == 200
+                    assert r.headers["Content-Type"].startswith("text/event-stream")
+                    text = (await r.read()).decode()
+                events = [e for e in text.split("\n\n") if e]
+                assert events[-1] == "data: [DONE]"
+                assert ('"usage"' in text) == include
+                assert engine.bodies[-1]["stream_options"]["include_usage"] is True
+            stats = router.metrics.cache_stats()
+            assert stats["engine_cached_tokens"] == 16
+            assert stats["ttft_s"]["n"] == 2
+
+    _run(scenario())
+
+
+def test_client_disconnect_cancels_upstream(tokenizer_dir: Path) -> None:
+    async def scenario() -> None:
+        engine = FakeEngine("a", hang=True)
+        async with running(tokenizer_dir, [engine]) as (router, _c, session, base):
+            req = {"prompt": "the cache", "stream": True}
+            async with session.post(base + "/v1/completions", json=req) as r:
+                await r.content.readuntil(b"\n\n")  # first chunk arrived; now hang up
+                assert router.placement.workers["a"].load.in_flight == 1
+            await asyncio.wait_for(engine.cancelled.wait(), 5)
+            for _ in range(50):
+                if router.placement.workers["a"].load.in_flight == 0:
+                    break
+                await asyncio.sleep(0.05)
+            assert router.placement.workers["a"].load.in_flight == 0
+            assert router.placement.workers["a"].load.in_flight_tokens == 0
+
+    _run(scenario())
+
+
+def test_auth_on_admin_endpoints_only(tokenizer_dir: Path) -> None:
+    async def scenario() -> None:
+        async with running(tokenizer_dir, [FakeEngine("a")], auth_token="s3cret") as (
+            _r,
+            call,
+            _s,
+            _b,
+        ):
+            status, body = await call("GET", "/warply/cache_stats")
+            assert status == 401 and _is_error(body, "invalid_api_key")
+            bad = {"Authorization": "Bearer nope"}
+            assert (await call("GET", "/warply/workers", headers=bad))[0] == 401
+            good = {"Authorization": "Bearer s3cret"}
+            status, body = await call("GET", "/warply/workers", headers=good)
+            assert status == 200 and body["workers"][0]["name"] == "a"
+            status, _ = await call("POST", "/warply/workers/a", {"enabled": False}, headers=good)
+            assert status == 200
+            assert (await call("POST", "/v1/completions", {"prompt": "hi"}))[0] == 503
+            assert (await call("GET", "/v1/models"))[0] == 200  # client API needs no token
+
+    _run(scenario())
+
+
+def test_metrics_and_alert(tokenizer_dir: Path) -> None:
+    fired: list[tuple[float, float]] = []
+
+    async def scenario() -> None:
+        alerts = {"min_hit_ratio": 0.5, "min_requests": 3, "window": 10,
+                  "callback": f"{__name__}:record_alert"}
+        async with running(tokenizer_dir, [FakeEngine("a")], alerts=alerts) as (
+            router,
+            call,
+            _s,
+            _b,
+        ):
+            _ALERTS.clear()
+            for _ in range(3):
+                assert (await call("POST", "/v1/completions", {"prompt": "the cache"}))[0] == 200
+            assert router.metrics.alert_firing
+            fired.extend(_ALERTS)
+            status, text = await call("GET", "/metrics")
+            assert status == 200
+            assert "warply_router_hit_ratio_alert 1.0" in text
+            assert 'warply_router_requests_total{status="200",worker="a"} 3.0' in text
+            assert "warply_router_overhead_seconds_bucket" in text
+            assert "warply_router_engine_cached_tokens_total" in text
+
+    _run(scenario())
+    assert fired and fired[0][1] == 0.5
+
+
+_ALERTS: list[tuple[float, float]] = []
+
+
+def record_alert(ratio: float, threshold: float) -> None:
+    """Alert callback target (`module:function`) used by test_metrics_and_alert."""
+    _ALERTS.append((ratio, threshold))
+
+
+def test_bytes_cached_by_tier(tokenizer_dir: Path) -> None:
+    async def scenario() -> None:
+        async with running(tokenizer_dir, [FakeEngine("a")]) as (router, call, _s, _b):
+            router.index.apply("a", [BlockStored([1, 2], None, list(range(2 * BS)), BS)])
+            status, stats = await call("GET", "/warply/cache_stats")
+            assert status == 200
+            assert stats["index"]["bytes_by_tier"] == {"gpu": 2 * BS * 100}
+            assert stats["index"]["bytes_by_pool"] == {"p": 2 * BS * 100}
+
+    _run(scenario())

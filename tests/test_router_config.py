@@ -1,0 +1,116 @@
+"""Router configuration: file + flags validation, strategy lookup, clean exit 2 on bad config."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from importlib.metadata import EntryPoint
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+import warply_plugins.strategies as discovery
+from router.__main__ import _parser, config_from_args
+from router.config import ConfigError, StrategyConfig, load_config
+from router.registry import make_strategy, strategy_class
+from router.strategies import LeastLoaded, PrefixAffinity
+
+ROOT = Path(__file__).resolve().parents[1]
+GOOD = """
+model: tiny
+tokenizer: /models/tiny
+strategy: {name: prefix_affinity, knobs: {balance_abs: 8}}
+pools:
+  - name: decode
+    block_size: 32
+    workers:
+      - {name: a, url: "http://127.0.0.1:8001/", events: "tcp://127.0.0.1:5557"}
+      - {name: b, url: "http://127.0.0.1:8002"}
+"""
+
+
+class MyStrategy(LeastLoaded):
+    """A user strategy reachable as `tests.test_router_config:MyStrategy` or an entry point."""
+
+    name = "mine"
+
+
+def _write(tmp_path: Path, text: str, suffix: str = ".yaml") -> Path:
+    path = tmp_path / f"router{suffix}"
+    path.write_text(text)
+    return path
+
+
+def test_yaml_and_toml_load(tmp_path: Path) -> None:
+    cfg = load_config(_write(tmp_path, GOOD))
+    assert cfg.pools[0].workers[0].url == "http://127.0.0.1:8001"
+    assert cfg.strategy.knobs == {"balance_abs": 8}
+    toml = """model = "tiny"\ntokenizer = "/m"\n[[pools]]\nname = "p"\nblock_size = 128
+[[pools.workers]]\nname = "a"\nurl = "http://127.0.0.1:1"\n"""
+    assert load_config(_write(tmp_path, toml, ".toml")).pools[0].block_size == 128
+
+
+@pytest.mark.parametrize(
+    ("edit", "field"),
+    [
+        (("block_size: 32", "block_size: 0"), "pools.0.block_size"),
+        (("model: tiny", "model: tiny\nmodle: x"), "modle"),
+        (("url: \"http://127.0.0.1:8002\"", "url: \"ftp://x\""), "pools.0.workers.1.url"),
+        (("name: b,", "name: a,"), "used twice"),
+    ],
+)
+def test_bad_fields_are_named(tmp_path: Path, edit: tuple[str, str], field: str) -> None:
+    with pytest.raises(ConfigError, match=field.replace(".", r"\.")):
+        load_config(_write(tmp_path, GOOD.replace(*edit)))
+
+
+def test_flags_override_and_build_a_pool(tmp_path: Path) -> None:
+    args = _parser().parse_args(
+        ["--config", str(_write(tmp_path, GOOD)), "--port", "9000", "--strategy", "round_robin",
+         "--worker", "http://127.0.0.1:7001,events=tcp://127.0.0.1:7002,name=x",
+         "--block-size", "128", "--min-hit-ratio", "0.3"]
+    )
+    cfg = config_from_args(args)
+    assert cfg.port == 9000 and cfg.strategy.name == "round_robin"
+    assert cfg.pools[0].block_size == 128 and cfg.pools[0].workers[0].name == "x"
+    assert cfg.alerts.min_hit_ratio == 0.3
+    with pytest.raises(ConfigError, match="--worker"):
+        config_from_args(_parser().parse_args(["--worker", "http://h:1,colour=red"]))
+
+
+def test_strategy_lookup(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert strategy_class("prefix_affinity") is PrefixAffinity
+    assert strategy_class(f"{__name__}:MyStrategy") is MyStrategy
+    ep = EntryPoint("mine", f"{__name__}:MyStrategy", discovery.GROUP)
+
+    def fake_entry_points(**kw: Any) -> list[EntryPoint]:
+        return [ep] if kw.get("name", "mine") == "mine" else []
+
+    monkeypatch.setattr(discovery, "entry_points", fake_entry_points)
+    assert strategy_class("mine") is MyStrategy
+    assert discovery.entry_point_names() == ["mine"]
+    with pytest.raises(ConfigError, match="unknown strategy 'nope'"):
+        strategy_class("nope")
+    with pytest.raises(ConfigError, match="not a router.strategies.Strategy"):
+        strategy_class("pathlib:Path")
+    with pytest.raises(ConfigError, match="strategy.knobs.balance_rel"):
+        make_strategy(StrategyConfig(name="prefix_affinity", knobs={"balance_rel": 0.5}))
+    with pytest.raises(ConfigError, match="strategy.knobs.colour"):
+        make_strategy(StrategyConfig(name="round_robin", knobs={"colour": 1}))
+
+
+def test_cli_bad_config_exits_2_without_traceback(tmp_path: Path) -> None:
+    bad = _write(tmp_path, GOOD.replace("block_size: 32", "block_size: -1"))
+    out = subprocess.run(
+        [sys.executable, "-m", "router", "--config", str(bad)],
+        cwd=ROOT, capture_output=True, text=True, timeout=60,
+    )
+    assert out.returncode == 2
+    assert "pools.0.block_size" in out.stderr and "Traceback" not in out.stderr
+    out = subprocess.run(
+        [sys.executable, "-m", "router", "--config", str(_write(tmp_path, GOOD)),
+         "--strategy", "nope"],
+        cwd=ROOT, capture_output=True, text=True, timeout=60,
+    )
+    assert out.returncode == 2 and "strategy.name" in out.stderr and "Traceback" not in out.stderr
