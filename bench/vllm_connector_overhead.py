@@ -1,0 +1,250 @@
+"""WarplyConnector overhead on real vLLM: TTFT p50 and throughput, with vs without the connector.
+
+Starts two `vllm serve` engines with the `small` (~90M) test model on 127.0.0.1 — plain, and
+WarplyConnector (no delegate) exporting full state (events + replay + hits + control sockets, a
+collector subscribed) — each pinned to its own core, and drives them alternately (never both at
+once) with the same requests: cold prompts, their cached repeats, then concurrent batches for
+throughput. A second phase restarts both with the cores swapped, so core differences cancel;
+numbers are medians over both phases.
+Target: Warply/plain TTFT ratio <= 1.03 and plain/Warply throughput ratio <= 1.03.
+Bounded: fixed request counts, per-request and overall deadlines; servers are stopped by PID.
+
+    .venvs/vllm/bin/python bench/vllm_connector_overhead.py [--prompts 16] [--max-seconds 900]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import urllib.error
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import zmq
+
+ROOT = Path(__file__).resolve().parent.parent
+HOST = "127.0.0.1"
+
+
+def _port() -> int:
+    with socket.socket() as s:
+        s.bind((HOST, 0))
+        port: int = s.getsockname()[1]
+        return port
+
+
+class _Server:
+    def __init__(
+        self, name: str, model: str, log_dir: Path, kv: dict[str, Any] | None, core: int
+    ) -> None:
+        self.name, self.port, self.core = name, _port(), core
+        self.cmd = [
+            str(Path(sys.executable).parent / "vllm"), "serve", model, "--served-model-name", "m",
+            "--host", HOST, "--port", str(self.port), "--enforce-eager", "--block-size", "128",
+            "--max-model-len", "4096", "--max-num-seqs", "8", "--enable-prefix-caching",
+            "--seed", "0",
+        ]  # fmt: skip
+        if kv is not None:
+            self.cmd += ["--kv-transfer-config", json.dumps(kv)]
+        self.log = (log_dir / f"{name}-core{core}.log").open("wb")
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    def launch(self) -> None:
+        # One core each: vLLM's OpenMP threads spin after work, so engines sharing cores slow
+        # each other down even when only one is serving.
+        env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1", VLLM_CPU_OMP_THREADS_BIND=str(self.core))
+        self.proc = subprocess.Popen(
+            self.cmd, stdout=self.log, stderr=subprocess.STDOUT, env=env, start_new_session=True
+        )
+
+    def wait_ready(self, deadline: float) -> None:
+        assert self.proc is not None
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"{self.name} exited; see {self.log.name}")
+            try:
+                with urllib.request.urlopen(f"http://{HOST}:{self.port}/health", timeout=2):
+                    return
+            except (urllib.error.URLError, ConnectionError, TimeoutError):
+                time.sleep(1)
+        raise TimeoutError(f"{self.name} not ready")
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait(10)
+        self.log.close()
+
+    def ttft(self, prompt: list[int], max_tokens: int = 1) -> tuple[float, int]:
+        """Seconds to the first streamed token, and the number of tokens generated."""
+        body = {"model": "m", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0,
+                "ignore_eos": True, "stream": True}  # fmt: skip
+        req = urllib.request.Request(
+            f"http://{HOST}:{self.port}/v1/completions",
+            data=json.dumps(body).encode(),
+            headers={"Content-Type": "application/json"},
+        )
+        t0 = time.perf_counter()
+        first, chunks = None, 0
+        with urllib.request.urlopen(req, timeout=120) as r:
+            for line in r:
+                if line.startswith(b"data: ") and not line.startswith(b"data: [DONE]"):
+                    chunks += 1
+                    if first is None:
+                        first = time.perf_counter() - t0
+        assert first is not None
+        return first, chunks
+
+
+class _Drain:
+    """Binds SUB sockets for the Warply engine's state and hit streams and counts messages."""
+
+    def __init__(self) -> None:
+        self.endpoints = [f"tcp://{HOST}:{_port()}" for _ in range(2)]
+        self.count = 0
+        self._stop = threading.Event()
+        self._socks = []
+        for ep in self.endpoints:
+            s = zmq.Context.instance().socket(zmq.SUB)
+            s.setsockopt(zmq.SUBSCRIBE, b"")
+            s.setsockopt(zmq.LINGER, 0)
+            s.bind(ep)
+            self._socks.append(s)
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        poller = zmq.Poller()
+        for s in self._socks:
+            poller.register(s, zmq.POLLIN)
+        while not self._stop.is_set():
+            for s, _ in poller.poll(100):
+                s.recv_multipart()
+                self.count += 1
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(2)
+        for s in self._socks:
+            s.close()
+
+
+def _prompts(n: int, length: int, seed: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(6, 8192) for _ in range(length)] for _ in range(n)]
+
+
+def _throughput(server: _Server, prompts: list[list[int]], out_tokens: int) -> float:
+    """Generated tokens per second for `prompts` sent 4 at a time."""
+    t0 = time.perf_counter()
+    with ThreadPoolExecutor(4) as pool:
+        done = list(pool.map(lambda p: server.ttft(p, out_tokens)[1], prompts))
+    return sum(done) / (time.perf_counter() - t0)
+
+
+def _phase(
+    servers: dict[str, _Server],
+    args: argparse.Namespace,
+    phase: int,
+    deadline: float,
+    ttft: dict[str, dict[str, list[float]]],
+    tput: dict[str, list[float]],
+) -> None:
+    """Start both engines, then measure them alternately (fresh prompts per phase)."""
+    for s in servers.values():
+        s.launch()
+    for s in servers.values():
+        s.wait_ready(deadline)
+    order = ["plain", "warply"]
+    for s in servers.values():  # warm-up (first-request allocations, kernel setup)
+        s.ttft(_prompts(1, args.prompt_len, 99)[0], 4)
+    for i, p in enumerate(_prompts(args.prompts, args.prompt_len, 1 + phase)):
+        if time.monotonic() > deadline:
+            raise TimeoutError("out of time in the TTFT phase")
+        for name in order if i % 2 == 0 else order[::-1]:  # alternate who goes first
+            ttft[name]["cold"].append(servers[name].ttft(p)[0])
+            ttft[name]["cached"].append(servers[name].ttft(p)[0])
+    for r in range(args.rounds):
+        batch = _prompts(args.batch, args.prompt_len // 2, 100 + 10 * phase + r)
+        for name in order if r % 2 == 0 else order[::-1]:
+            if time.monotonic() > deadline:
+                raise TimeoutError("out of time in the throughput phase")
+            tput[name].append(_throughput(servers[name], batch, args.out_tokens))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--prompts", type=int, default=10, help="cold prompts per engine and phase")
+    ap.add_argument("--prompt-len", type=int, default=1024)
+    ap.add_argument("--batch", type=int, default=8, help="requests per throughput round")
+    ap.add_argument("--out-tokens", type=int, default=32)
+    ap.add_argument("--rounds", type=int, default=2, help="throughput rounds per engine")
+    ap.add_argument("--max-seconds", type=float, default=1200)
+    args = ap.parse_args()
+    deadline = time.monotonic() + args.max_seconds
+
+    model = subprocess.run(
+        [sys.executable, str(ROOT / "scripts" / "tiny_model.py"), "--size", "small"],
+        check=True, stdout=subprocess.PIPE, text=True,
+    ).stdout.strip().splitlines()[-1]  # fmt: skip
+    logs = Path(tempfile.mkdtemp(prefix="warply-bench-"))
+    drain = _Drain()
+    warply_cfg = {
+        "kv_connector": "WarplyConnector",
+        "kv_role": "kv_both",
+        "kv_connector_extra_config": {"warply": {
+            "events_endpoint": drain.endpoints[0], "hits_endpoint": drain.endpoints[1],
+            "replay_endpoint": f"tcp://{HOST}:{_port()}",
+            "control_endpoint": f"tcp://{HOST}:{_port()}",
+        }},
+    }  # fmt: skip
+    order = ["plain", "warply"]
+    ttft: dict[str, dict[str, list[float]]] = {n: {"cold": [], "cached": []} for n in order}
+    tput: dict[str, list[float]] = {n: [] for n in order}
+    try:
+        for phase, cores in enumerate(((0, 1), (1, 0))):
+            servers = {
+                "plain": _Server("plain", model, logs, None, cores[0]),
+                "warply": _Server("warply", model, logs, warply_cfg, cores[1]),
+            }
+            try:
+                _phase(servers, args, phase, deadline, ttft, tput)
+            finally:
+                for s in servers.values():
+                    s.stop()
+    finally:
+        drain.close()
+
+    print(f"model small, block 128, 2 phases x {args.prompts} prompts x {args.prompt_len} tokens; "
+          f"throughput 2 x {args.rounds} x {args.batch} requests, {args.out_tokens} out tokens, "
+          f"concurrency 4; Warply stream messages received: {drain.count}")  # fmt: skip
+    p50 = {n: {k: statistics.median(v) for k, v in d.items()} for n, d in ttft.items()}
+    tp = {n: statistics.median(v) for n, v in tput.items()}
+    for kind in ("cold", "cached"):
+        ratio = p50["warply"][kind] / p50["plain"][kind]
+        print(f"TTFT p50 {kind:6s}: plain {p50['plain'][kind] * 1000:8.1f} ms  "
+              f"warply {p50['warply'][kind] * 1000:8.1f} ms  ratio {ratio:.3f}")  # fmt: skip
+    ratio = tp["plain"] / tp["warply"]
+    print(f"throughput     : plain {tp['plain']:8.1f} tok/s warply {tp['warply']:8.1f} tok/s "
+          f"ratio (plain/warply) {ratio:.3f}")  # fmt: skip
+    print(f"logs: {logs}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,174 @@
+"""In-process checks (no server): config validation, registration, and that every
+`KVConnectorBase_V1` method reaches the delegate with its arguments and result intact."""
+
+from __future__ import annotations
+
+import inspect
+from types import SimpleNamespace
+from typing import Any
+from unittest import mock
+
+import pytest
+from vllm.config.kv_transfer import KVTransferConfig
+from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorRole,
+    SupportsHMA,
+)
+
+from vllm_connector.config import WarplyConfigError, parse_config
+from vllm_connector.connector import WarplyConnector, WarplyHMAConnector
+from vllm_connector.metrics import WarplyConnectorStats, build_stats
+from warply_plugins.vllm import register
+
+
+class FakeDelegate(KVConnectorBase_V1):
+    """A delegate whose methods are replaced by mocks in the tests."""
+
+    def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None: ...
+    def wait_for_layer_load(self, layer_name: str) -> None: ...
+    def save_kv_layer(self, *args: Any, **kwargs: Any) -> None: ...
+    def wait_for_save(self) -> None: ...
+    def get_num_new_matched_tokens(self, request: Any, n: int) -> tuple[int | None, bool]:
+        return 0, False
+
+    def update_state_after_alloc(self, request: Any, blocks: Any, n: int) -> None: ...
+    def build_connector_meta(self, scheduler_output: Any) -> Any: ...
+
+
+class FakeHMADelegate(FakeDelegate, SupportsHMA):
+    def request_finished_all_groups(self, request: Any, block_ids: Any) -> Any:
+        return False, None
+
+
+register()
+register()  # a second call in one process (API server + EngineCore + worker hooks) is fine
+for _cls in (FakeDelegate, FakeHMADelegate):
+    if _cls.__name__ not in KVConnectorFactory._registry:
+        KVConnectorFactory.register_connector(_cls.__name__, __name__, _cls.__name__)
+
+
+def _vllm_config(extra: dict[str, Any]) -> Any:
+    ktc = KVTransferConfig(
+        kv_connector="WarplyConnector", kv_role="kv_both", kv_connector_extra_config=extra
+    )
+    return SimpleNamespace(kv_transfer_config=ktc, cache_config=SimpleNamespace(block_size=16))
+
+
+def _connector(delegate: str = "FakeDelegate") -> WarplyConnector:
+    cfg = _vllm_config({"delegate": {"kv_connector": delegate}})
+    return WarplyConnector(cfg, KVConnectorRole.WORKER, mock.MagicMock())
+
+
+def test_registered_by_plugin() -> None:
+    assert KVConnectorFactory.get_connector_class_by_name("WarplyConnector") is WarplyConnector
+
+
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        ({"bogus": 1}, "unknown key 'bogus'"),
+        ({"warply": {"evnts_endpoint": "tcp://*:1"}}, "unknown key 'warply.evnts_endpoint'"),
+        ({"warply": {"events_endpoint": "localhost:5557"}}, "warply.events_endpoint: "),
+        ({"warply": {"control_endpoint": "tcp://127.0.0.1:70000"}}, "port 70000 out of range"),
+        ({"delegate": {"kv_connector": "WarplyConnector"}}, "delegate.kv_connector: "),
+        ({"delegate": {}}, "delegate.kv_connector: Field required"),
+        ({"warply": {"max_pinned_fraction": 2}}, "warply.max_pinned_fraction: "),
+    ],
+)
+def test_config_errors_name_the_key(extra: dict[str, Any], message: str) -> None:
+    with pytest.raises(WarplyConfigError, match="invalid kv_connector_extra_config") as err:
+        parse_config(extra)
+    assert message in str(err.value)
+    assert "\n" not in str(err.value)
+
+
+def test_unknown_delegate_fails_construction() -> None:
+    with pytest.raises(WarplyConfigError, match="delegate.kv_connector: Unsupported connector"):
+        _connector("NoSuchConnector")
+
+
+def _dummy_args(fn: Any) -> list[Any]:
+    params = list(inspect.signature(fn).parameters.values())[1:]  # drop self
+    return [
+        SimpleNamespace(request_id="r") if p.name == "request" else getattr(mock.sentinel, p.name)
+        for p in params
+        if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)
+    ]
+
+
+# Methods where Warply adds behaviour but must still return the delegate's answer.
+_WRAPPED_RESULT = {"get_kv_connector_stats"}
+
+
+@pytest.mark.parametrize(
+    "name",
+    sorted(
+        n
+        for n, m in inspect.getmembers(KVConnectorBase_V1)
+        if not n.startswith("_")
+        and callable(m)
+        and not isinstance(inspect.getattr_static(KVConnectorBase_V1, n), classmethod)
+    ),
+)
+def test_every_method_reaches_the_delegate(name: str) -> None:
+    conn = _connector()
+    delegate = conn.delegate
+    assert delegate is not None
+    fake = mock.MagicMock(name=name, return_value=mock.sentinel.result)
+    setattr(delegate, name, fake)
+    args = _dummy_args(getattr(KVConnectorBase_V1, name))
+    if name == "bind_kv_cache_manager":
+        args = [SimpleNamespace(block_pool=mock.sentinel.pool)]
+    result = getattr(conn, name)(*args)
+    fake.assert_called_once_with(*args)
+    if name == "get_kv_connector_stats":
+        assert isinstance(result, WarplyConnectorStats)
+        assert result.data["delegate"] is mock.sentinel.result
+    elif name not in _WRAPPED_RESULT and not name.startswith(("bind_", "clear_")):
+        assert result is mock.sentinel.result, name
+
+
+def test_delegate_only_attributes_are_reachable() -> None:
+    conn = _connector()
+    assert conn.delegate is not None
+    conn.delegate.custom_api = mock.sentinel.api  # type: ignore[attr-defined]
+    assert conn.custom_api is mock.sentinel.api
+    with pytest.raises(AttributeError):
+        _ = conn.nothing_like_this
+
+
+def test_hma_follows_the_delegate() -> None:
+    assert not isinstance(_connector("FakeDelegate"), SupportsHMA)
+    conn = _connector("FakeHMADelegate")
+    assert isinstance(conn, WarplyHMAConnector) and isinstance(conn, SupportsHMA)
+    assert conn.delegate is not None
+    conn.delegate.request_finished_all_groups = mock.MagicMock(  # type: ignore[method-assign]
+        return_value=(True, {"k": 1})
+    )
+    request = SimpleNamespace(request_id="r")
+    assert conn.request_finished_all_groups(request, ([1, 2],)) == (True, {"k": 1})
+
+
+def test_observer_without_delegate_is_inert() -> None:
+    cfg = _vllm_config({})
+    conn = WarplyConnector(cfg, KVConnectorRole.SCHEDULER, mock.MagicMock())
+    request = SimpleNamespace(request_id="r")
+    assert conn.get_num_new_matched_tokens(request, 32) == (0, False)  # type: ignore[arg-type]
+    assert conn.request_finished(request, [1]) == (False, None)  # type: ignore[arg-type]
+    assert list(conn.take_events()) == []
+    assert conn.get_kv_connector_stats() is None
+    assert not conn.has_pending_push_work()
+    assert not conn.requires_kv_delivery
+
+
+def test_stats_round_trip_through_dict() -> None:
+    a = WarplyConnectorStats(data={"warply": {"events_exported": 2, "export_backlog": 1}})
+    b = WarplyConnectorStats(data={"warply": {"events_exported": 3, "export_backlog": 0}})
+    merged = a.aggregate(b)
+    rebuilt = build_stats(merged.to_dict())
+    assert rebuilt.data["warply"] == {"events_exported": 5, "export_backlog": 0}
+    assert rebuilt.reduce()["events_exported"] == 5
+    assert not rebuilt.is_empty()
+    assert WarplyConnector.build_kv_connector_stats(None) is not None

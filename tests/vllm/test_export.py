@@ -1,0 +1,276 @@
+"""WarplyConnector without a delegate on real vLLM: state export, reuse reports, directives,
+metrics, and unchanged outputs.
+
+Three servers share the module (started together): Warply at block size 32 with the stock
+`--kv-events-config` stream on beside it, Warply at block size 128, and plain vLLM at 128.
+vLLM 0.32's CPU attention only takes block sizes that are multiples of 32, so 32 stands in for
+the GPU default 16.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import pytest
+from conftest import (
+    HOST,
+    MODEL_NAME,
+    Collector,
+    VllmServer,
+    free_port,
+    send_directive,
+    send_raw,
+    start_all,
+)
+
+from warply.protocol import (
+    BlockRemoved,
+    BlockStored,
+    Directive,
+    DirectiveAck,
+    LoadSnapshot,
+    Tier,
+    chain_keys,
+    prefix_keys,
+    root_seed,
+)
+
+pytestmark = pytest.mark.timeout(600)
+
+
+def _prompt(seed: int, n: int = 300) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(6, 8192) for _ in range(n)]
+
+
+class _Warply:
+    """A Warply-enabled server and its sockets."""
+
+    def __init__(self, model: str, logs: Path, block_size: int, stock_events: bool) -> None:
+        self.state = Collector()
+        self.hits = Collector("hits")
+        self.stock = Collector() if stock_events else None
+        self.control = f"tcp://{HOST}:{free_port()}"
+        self.replay = f"tcp://{HOST}:{free_port()}"
+        extra = {
+            "warply": {
+                "events_endpoint": self.state.endpoint,
+                "replay_endpoint": self.replay,
+                "hits_endpoint": self.hits.endpoint,
+                "control_endpoint": self.control,
+                "snapshot_interval_s": 0.5,
+            }
+        }
+        args: list[str] = []
+        if self.stock is not None:
+            args = ["--kv-events-config", json.dumps({
+                "enable_kv_cache_events": True, "publisher": "zmq",
+                "endpoint": self.stock.endpoint, "topic": "kv",
+            })]  # fmt: skip
+        self.server = VllmServer(
+            model,
+            logs / f"warply-bs{block_size}.log",
+            block_size=block_size,
+            kv_transfer={
+                "kv_connector": "WarplyConnector",
+                "kv_role": "kv_both",
+                "kv_connector_extra_config": extra,
+            },
+            extra_args=args,
+        )
+
+    def close(self) -> None:
+        self.server.stop()
+        for c in (self.state, self.hits, self.stock):
+            if c is not None:
+                c.close()
+
+
+@pytest.fixture(scope="module")
+def servers(tiny_model: str, server_logs: Path) -> Iterator[dict[str, Any]]:
+    w32 = _Warply(tiny_model, server_logs, 32, stock_events=True)
+    w128 = _Warply(tiny_model, server_logs, 128, stock_events=False)
+    plain = VllmServer(tiny_model, server_logs / "plain-bs128.log", block_size=128)
+    try:
+        start_all([w32.server, w128.server, plain])
+        yield {32: w32, 128: w128, "plain": plain}
+    finally:
+        w32.close()
+        w128.close()
+        plain.stop()
+
+
+def _canonical(events: list[Any], model: str) -> tuple[dict[int, int], dict[int, str]]:
+    """Router-side view: engine hash → canonical key (chained from token ids), and namespaces."""
+    keys: dict[int, int] = {}
+    namespaces: dict[int, str] = {}
+    for ev in events:
+        if not isinstance(ev, BlockStored):
+            continue
+        if ev.parent_hash is None:
+            ns = ev.namespace or ""
+            seed = root_seed(model, ns)
+        else:
+            seed, ns = keys[ev.parent_hash], namespaces[ev.parent_hash]
+        for h, k in zip(
+            ev.block_hashes, chain_keys(ev.token_ids, ev.block_size, seed), strict=True
+        ):
+            keys[h], namespaces[h] = k, ns
+    return keys, namespaces
+
+
+@pytest.mark.parametrize("block_size", [32, 128])
+@pytest.mark.parametrize("salt", [None, "tenant-a"])
+def test_exported_keys_match_router_keys(
+    servers: dict[Any, Any], block_size: int, salt: str | None
+) -> None:
+    w: _Warply = servers[block_size]
+    prompt = _prompt(block_size + (7 if salt else 0))
+    w.server.complete(prompt, max_tokens=2, cache_salt=salt)
+    want = prefix_keys(prompt, block_size, MODEL_NAME, salt or "")
+    assert len(want) == len(prompt) // block_size > 0
+
+    def has_all(events: list[Any]) -> bool:
+        return set(want) <= set(_canonical(events, MODEL_NAME)[0].values())
+
+    events = w.state.wait_for(has_all)
+    keys, namespaces = _canonical(events, MODEL_NAME)
+    by_key = {k: h for h, k in keys.items()}
+    assert all(namespaces[by_key[k]] == (salt or "") for k in want)
+    assert all(ev.tier is Tier.GPU for ev in events if isinstance(ev, BlockStored))
+
+
+def test_stock_kv_events_stream_unaffected(servers: dict[Any, Any]) -> None:
+    w: _Warply = servers[32]
+    prompt = _prompt(1001)
+    w.server.complete(prompt, max_tokens=2)
+    assert w.stock is not None
+    want = prefix_keys(prompt, 32, MODEL_NAME)
+    stock = w.stock.wait_for(lambda e: set(want) <= set(_canonical(e, MODEL_NAME)[0].values()))
+    ours = w.state.wait_for(lambda e: set(want) <= set(_canonical(e, MODEL_NAME)[0].values()))
+    stored = lambda evs: [h for e in evs if isinstance(e, BlockStored) for h in e.block_hashes]  # noqa: E731
+    assert set(stored(stock)) <= set(stored(ours)) | set(stored(w.state.snapshot()))
+    assert w.stock.decoder.rejected == {} and w.state.decoder.rejected == {}
+
+
+def test_reuse_reported(servers: dict[Any, Any]) -> None:
+    w: _Warply = servers[32]
+    prompt = _prompt(2002)
+    hits_before = w.server.metric("vllm:prefix_cache_hits_total")
+    first = w.server.complete(prompt, max_tokens=2)
+    second = w.server.complete(prompt, max_tokens=2)
+    cached = second["usage"]["prompt_tokens_details"]["cached_tokens"]
+    assert first["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+    assert cached == (len(prompt) - 1) // 32 * 32
+    assert w.server.metric("vllm:prefix_cache_hits_total") >= hits_before + cached
+
+    want = prefix_keys(prompt, 32, MODEL_NAME)
+    keys, _ = _canonical(w.state.snapshot(), MODEL_NAME)
+    hash_of = {k: h for h, k in keys.items()}
+    expected = [hash_of[k] for k in want[: cached // 32]]
+    batches = w.hits.wait_for(
+        lambda bs: any(h.block_hashes == expected for b in bs for h in b.hits)
+    )
+    hit = next(h for b in batches for h in b.hits if h.block_hashes == expected)
+    assert (hit.hit_tokens, hit.prompt_tokens) == (cached, len(prompt))
+    _wait_metric(w.server, "vllm:warply_prefix_hit_blocks_total", len(expected))
+
+
+def _wait_metric(server: VllmServer, name: str, at_least: float, timeout_s: float = 20) -> float:
+    deadline = time.monotonic() + timeout_s
+    while (value := server.metric(name)) < at_least and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert value >= at_least, f"{name} = {value} < {at_least}"
+    return value
+
+
+def test_load_snapshots(servers: dict[Any, Any]) -> None:
+    w: _Warply = servers[128]
+    w.server.complete(_prompt(3003), max_tokens=2)
+    snaps = w.state.wait_for(lambda e: any(isinstance(x, LoadSnapshot) for x in e))
+    snap = next(x for x in snaps if isinstance(x, LoadSnapshot))
+    assert snap.kv_blocks_total > 0 and 0.0 <= snap.kv_usage <= 1.0
+    assert snap.running >= 0 and snap.waiting >= 0
+
+
+def test_outputs_unchanged_without_delegate(servers: dict[Any, Any]) -> None:
+    w: _Warply = servers[128]
+    plain: VllmServer = servers["plain"]
+    for seed in (11, 12, 11):  # the repeat runs from the prefix cache on both
+        prompt = _prompt(seed, 400)
+        a = w.server.complete(prompt, max_tokens=24)
+        b = plain.complete(prompt, max_tokens=24)
+        assert a["choices"][0]["text"] == b["choices"][0]["text"]
+        assert a["usage"] == b["usage"]
+
+
+def test_directive_round_trip(servers: dict[Any, Any]) -> None:
+    w: _Warply = servers[32]
+    prompt = _prompt(4004)
+    w.server.complete(prompt, max_tokens=2)
+    n = len(prompt) // 32
+    want = prefix_keys(prompt, 32, MODEL_NAME)
+    w.state.wait_for(lambda e: set(want) <= set(_canonical(e, MODEL_NAME)[0].values()))
+
+    def ack(d: Directive) -> DirectiveAck:
+        got = send_directive(w.control, d)
+        assert got.directive_id == d.id
+        return got
+
+    pinned = ack(Directive(id="pin-1", kind="pin", token_ids=prompt, ttl_s=60))
+    assert (pinned.applied, pinned.blocks) == (True, n)
+    kept = ack(Directive(id="evict-pinned", kind="evict", keys=want))
+    assert not kept.applied and f"kept {n} block(s) in use ({n} pinned)" in kept.reason
+    unpinned = ack(Directive(id="unpin-1", kind="unpin", token_ids=prompt))
+    assert (unpinned.applied, unpinned.blocks) == (True, n)
+    evicted = ack(Directive(id="evict-1", kind="evict", keys=want))
+    assert (evicted.applied, evicted.blocks) == (True, n)
+
+    again = ack(Directive(id="evict-again", kind="evict", keys=want))
+    assert not again.applied and "none of the keys is cached" in again.reason
+    offload = ack(Directive(id="off-1", kind="offload", token_ids=prompt, tier=Tier.CPU))
+    assert not offload.applied and "cannot move cached blocks between tiers" in offload.reason
+    prefetch = ack(Directive(id="pre-1", kind="prefetch", token_ids=prompt, tier=Tier.GPU))
+    assert not prefetch.applied
+    ssd = ack(Directive(id="pin-ssd", kind="pin", token_ids=prompt, tier=Tier.SSD))
+    assert not ssd.applied and "device tier" in ssd.reason
+    salted = ack(Directive(id="pin-salt", kind="pin", token_ids=prompt, namespace="other"))
+    assert not salted.applied and "no cached blocks" in salted.reason
+    bad = send_raw(w.control, msgspec.msgpack.encode({"id": "x", "kind": "teleport"}))
+    assert not bad.applied and bad.reason.startswith("bad directive")
+
+    # The prefix is really gone: resending it hits nothing.
+    again_out = w.server.complete(prompt, max_tokens=2)
+    assert again_out["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+
+    events = w.state.wait_for(
+        lambda e: (
+            {"pin-1", "evict-1", "pin-salt"}
+            <= {x.directive_id for x in e if isinstance(x, DirectiveAck)}
+        )
+    )
+    acks = {x.directive_id: x for x in events if isinstance(x, DirectiveAck)}
+    assert acks["evict-1"].applied and not acks["off-1"].applied
+    removed = {h for x in events if isinstance(x, BlockRemoved) for h in x.block_hashes}
+    keys, _ = _canonical(events, MODEL_NAME)
+    assert {h for h, k in keys.items() if k in set(want)} <= removed
+    _wait_metric(w.server, "vllm:warply_directives_applied_total", 3)
+    _wait_metric(w.server, "vllm:warply_directives_rejected_total", 6)
+
+
+def test_metrics_and_log_line(servers: dict[Any, Any]) -> None:
+    w: _Warply = servers[32]
+    w.server.complete(_prompt(5005), max_tokens=2)
+    _wait_metric(w.server, "vllm:warply_events_exported_total", 1)
+    _wait_metric(w.server, "vllm:warply_blocks_stored_total", 1)
+    deadline = time.monotonic() + 20
+    while "KV Transfer metrics:" not in w.server.log_tail(400) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    line = next(x for x in w.server.log_tail(400).splitlines() if "KV Transfer metrics:" in x)
+    assert "events_exported=" in line and "blocks_stored=" in line

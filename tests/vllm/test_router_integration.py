@@ -1,0 +1,252 @@
+"""`warply-router` in front of two real vLLM CPU engines (stock --kv-events-config streams).
+
+Checks on the engines' own numbers (usage.prompt_tokens_details.cached_tokens): conversations
+stick to the worker holding their prefix and their later turns hit; tenants' cache keys never
+share KV; streaming, errors and auth behave; the router tokenizes exactly like vLLM's /tokenize.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from router.tokenize import RouterTokenizer
+from warply.launch import HOST, EngineProcess, free_port, http_json, vllm_server
+
+ROOT = Path(__file__).resolve().parents[2]
+BLOCK = 32
+TOKEN = "test-admin-token"
+ADMIN = {"Authorization": f"Bearer {TOKEN}"}
+VLLM_BIN = Path(sys.executable).parent / "vllm"
+
+
+@pytest.fixture(scope="module")
+def model_dir() -> str:
+    out = subprocess.run(
+        [sys.executable, str(ROOT / "scripts" / "tiny_model.py"), "--size", "tiny"],
+        check=True, stdout=subprocess.PIPE, text=True,
+    )
+    return out.stdout.strip().splitlines()[-1]
+
+
+@pytest.fixture(scope="module")
+def stack(model_dir: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
+    """Two engines (cores 0 and 1) and the router as a subprocess; all stopped by PID."""
+    logs = tmp_path_factory.mktemp("router-it")
+    engines: list[EngineProcess] = []
+    workers = []
+    for i in range(2):
+        pub, replay = free_port(), free_port()
+        engines.append(
+            vllm_server(
+                VLLM_BIN, model_dir, log_path=logs / f"vllm{i}.log", served_name="tiny",
+                cpu_core=i,
+                args=["--block-size", str(BLOCK), "--max-model-len", "2048", "--max-num-seqs", "4",
+                      "--enable-prefix-caching", "--enable-prompt-tokens-details", "--seed", "0"],
+                kv_events_config={"enable_kv_cache_events": True, "publisher": "zmq",
+                                  "endpoint": f"tcp://*:{pub}",
+                                  "replay_endpoint": f"tcp://{HOST}:{replay}", "topic": "kv"},
+            )
+        )
+        workers.append(
+            {"name": f"w{i}", "url": engines[-1].url, "events": f"tcp://{HOST}:{pub}",
+             "replay": f"tcp://{HOST}:{replay}", "topic": "kv"}
+        )
+    port = free_port()
+    config = {
+        "model": "tiny",
+        "tokenizer": model_dir,
+        "port": port,
+        "auth_token": TOKEN,
+        "strategy": {"name": "prefix_affinity"},
+        "pools": [{"name": "cpu", "block_size": BLOCK, "kv_bytes_per_token": 512,
+                   "workers": workers}],
+    }
+    (logs / "router.yaml").write_text(yaml.safe_dump(config))
+    router = EngineProcess(
+        [sys.executable, "-m", "router", "--config", str(logs / "router.yaml")],
+        url=f"http://{HOST}:{port}",
+        log_path=logs / "router.log",
+    )
+    try:
+        for e in engines:
+            e.start()
+        for e in engines:
+            e.wait_healthy()
+        router.start()
+        router.wait_healthy(60)
+        yield {"router": router, "engines": engines, "url": router.url, "model": model_dir}
+    finally:
+        router.stop()
+        for e in engines:
+            e.stop()
+
+
+def _post(url: str, body: Any, headers: dict[str, str] | None = None) -> tuple[int, Any, Any]:
+    """POST JSON; returns (status, parsed body, response headers)."""
+    data = body if isinstance(body, bytes) else json.dumps(body).encode()
+    req = urllib.request.Request(
+        url, data=data, headers={"Content-Type": "application/json", **(headers or {})}
+    )
+    try:
+        with urllib.request.urlopen(req, timeout=120) as r:
+            return r.status, json.loads(r.read()), r.headers
+    except urllib.error.HTTPError as err:
+        return err.code, json.loads(err.read()), err.headers
+
+
+def _cached(body: dict[str, Any]) -> int:
+    return int(body["usage"]["prompt_tokens_details"]["cached_tokens"])
+
+
+def _chat(url: str, messages: list[dict[str, str]], **extra: Any) -> tuple[dict[str, Any], str]:
+    body = {"model": "tiny", "messages": messages, "max_tokens": 16, "temperature": 0, **extra}
+    status, out, headers = _post(url + "/v1/chat/completions", body)
+    assert status == 200, out
+    return out, headers["X-Warply-Worker"]
+
+
+def _conversation(url: str, n: int, results: dict[int, list[tuple[str, int, int]]]) -> None:
+    """Three turns of conversation `n`; records (worker, prompt tokens, cached tokens) per turn."""
+    system = f"Conversation {n}: you answer questions about cache block {n * 7} in depth. " * 6
+    messages = [{"role": "system", "content": system}]
+    for turn in range(3):
+        messages.append({"role": "user", "content": f"Question {turn} about prefix {n}?"})
+        out, worker = _chat(url, messages)
+        results[n].append((worker, out["usage"]["prompt_tokens"], _cached(out)))
+        messages.append({"role": "assistant", "content": out["choices"][0]["message"]["content"]})
+        time.sleep(0.5)  # the engine's KV events reach the router
+
+
+def test_conversations_stick_to_their_prefix(stack: dict[str, Any]) -> None:
+    results: dict[int, list[tuple[str, int, int]]] = {n: [] for n in range(4)}
+    threads = [
+        threading.Thread(target=_conversation, args=(stack["url"], n, results)) for n in range(4)
+    ]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(300)
+    for n, turns in results.items():
+        assert len(turns) == 3, results
+        first = turns[0][0]
+        assert all(w == first for w, _, _ in turns), f"conversation {n} moved: {turns}"
+        for (_, prev_prompt, _), (_, _, cached) in zip(turns, turns[1:], strict=False):
+            assert cached >= (prev_prompt // BLOCK) * BLOCK - BLOCK, f"conversation {n}: {turns}"
+    assert {turns[0][0] for turns in results.values()} == {"w0", "w1"}, results
+    with urllib.request.urlopen(
+        urllib.request.Request(stack["url"] + "/warply/cache_stats", headers=ADMIN), timeout=10
+    ) as r:
+        stats = json.loads(r.read())
+    assert stats["hit_rate"]["engine"] > 0.3 and stats["index"]["entries"] > 0
+    assert stats["index"]["bytes_by_tier"]["gpu"] == stats["index"]["entries"] * BLOCK * 512
+
+
+def test_streaming_through_the_router(stack: dict[str, Any]) -> None:
+    messages = [{"role": "user", "content": "Stream a short answer about caches."}]
+    for include in (False, True):
+        body: dict[str, Any] = {"model": "tiny", "messages": messages, "max_tokens": 8,
+                                "temperature": 0, "stream": True}
+        if include:
+            body["stream_options"] = {"include_usage": True}
+        req = urllib.request.Request(
+            stack["url"] + "/v1/chat/completions",
+            data=json.dumps(body).encode(),
+            headers={"Content-Type": "application/json"},
+        )
+        with urllib.request.urlopen(req, timeout=120) as r:
+            assert r.headers["Content-Type"].startswith("text/event-stream")
+            events = [e for e in r.read().decode().split("\n\n") if e.strip()]
+        assert events[-1] == "data: [DONE]"
+        chunks = [json.loads(e[6:]) for e in events[:-1]]
+        deltas = [c["choices"][0]["delta"] for c in chunks if c["choices"]]
+        text = "".join(d.get("content") or "" for d in deltas)
+        assert text
+        usage = [c["usage"] for c in chunks if c.get("usage")]
+        assert bool(usage) == include
+        if include:
+            assert "cached_tokens" in usage[-1]["prompt_tokens_details"]
+
+
+def test_tenants_never_share_kv(stack: dict[str, Any]) -> None:
+    url = stack["url"]
+    assert _post(url + "/warply/workers/w1", {"enabled": False}, ADMIN)[0] == 200
+    try:  # one worker: tenants share an engine, so only the salt can keep them apart
+        prompt = "Tenant data: the quarterly cache report lists block counts. " * 12
+        body = {"model": "tiny", "prompt": prompt, "max_tokens": 4, "temperature": 0}
+        seen = []
+        for key in ("tenant-a", "tenant-a", "tenant-b", "tenant-b", None):
+            req = dict(body, warply={"cache_key": key}) if key else dict(body)
+            status, out, headers = _post(url + "/v1/completions", req)
+            assert status == 200, out
+            seen.append((key, _cached(out), int(headers["X-Warply-Predicted-Cached"])))
+            time.sleep(0.5)
+        (_, a1, _), (_, a2, pa2), (_, b1, pb1), (_, b2, _), (_, plain, pplain) = seen
+        assert a1 == 0 and a2 > 0 and pa2 == a2, seen  # A reuses its own prefix
+        assert b1 == 0 and pb1 == 0, seen  # B never hits A's prefix (engine and index agree)
+        assert b2 > 0, seen  # ... but does reuse its own
+        assert plain == 0 and pplain == 0, seen  # unsalted requests see neither
+    finally:
+        _post(url + "/warply/workers/w1", {"enabled": True}, ADMIN)
+
+
+def test_errors_are_openai_shaped(stack: dict[str, Any]) -> None:
+    url = stack["url"]
+    status, body, _ = _post(url + "/v1/chat/completions", b'{"model": "tiny", "messages": [')
+    assert status == 400 and body["error"]["code"] == "invalid_json"
+    status, body, _ = _post(url + "/v1/completions", {"model": "gpt-9", "prompt": "hi"})
+    assert status == 404 and body["error"]["code"] == "model_not_found"
+    long = {"model": "tiny", "prompt": "word " * 3000, "max_tokens": 4}
+    status, body, _ = _post(url + "/v1/completions", long)
+    assert status == 400 and body["error"]["code"] == "context_length_exceeded"
+    assert set(body["error"]) == {"message", "type", "param", "code"}
+
+
+def test_admin_token_enforced(stack: dict[str, Any]) -> None:
+    url = stack["url"]
+    assert http_json("GET", url + "/warply/cache_stats")[0] == 401
+    assert http_json("GET", url + "/warply/workers")[0] == 401
+    req = urllib.request.Request(url + "/warply/workers", headers=ADMIN)
+    with urllib.request.urlopen(req, timeout=10) as r:
+        workers = json.loads(r.read())["workers"]
+    assert {w["name"] for w in workers} == {"w0", "w1"}
+    assert all(w["stream"]["last_seq"] is not None for w in workers)
+    assert http_json("GET", url + "/v1/models")[0] == 200
+
+
+CHATS = [
+    [{"role": "user", "content": "Hello there!"}],
+    [{"role": "system", "content": "  Be brief.  "}, {"role": "user", "content": "Why cache?\n"}],
+    [{"role": "user", "content": "Unicode: naïve café — 東京 🚀"},
+     {"role": "assistant", "content": "Noted."}, {"role": "user", "content": "More <|eot_id|>"}],
+    [{"role": "user", "content": [{"type": "text", "text": "part one"},
+                                  {"type": "text", "text": "part two"}]}],
+]
+PROMPTS = ["plain text prompt", "  leading spaces\nand\ttabs", "<|begin_of_text|>explicit bos", ""]
+
+
+def test_tokenization_parity_with_vllm(stack: dict[str, Any]) -> None:
+    tok = RouterTokenizer(Path(stack["model"]))
+    engine = stack["engines"][0].url
+    for messages in CHATS:
+        for gen in (True, False):
+            body = {"model": "tiny", "messages": messages, "add_generation_prompt": gen}
+            status, want = http_json("POST", engine + "/tokenize", body)
+            assert status == 200, want
+            assert tok.chat_tokens(body) == want["tokens"], messages
+    for prompt in PROMPTS:
+        for special in (True, False):
+            body = {"model": "tiny", "prompt": prompt, "add_special_tokens": special}
+            status, want = http_json("POST", engine + "/tokenize", body)
+            assert status == 200, want
+            assert tok.completion_tokens(body) == [want["tokens"]], prompt

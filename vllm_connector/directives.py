@@ -1,0 +1,300 @@
+"""Directives on vLLM: a control socket (its own thread) and their application (scheduler thread).
+
+The control thread only decodes and queues; `DirectiveApplier.drain()` runs from a scheduler-side
+connector hook, so the block pool is only ever touched by the scheduler's thread. What vLLM 0.32
+can really do on its device tier:
+
+- evict: drop the prefix's cached blocks that no request holds (`BlockPool.evict_blocks`);
+  blocks in use or pinned are kept and counted in the reason.
+- pin / unpin: hold / release one reference per block (`BlockPool.touch` / `free_blocks`), so
+  the LRU never reuses them; capped by `max_pinned_fraction`, optional TTL.
+- prefetch / offload, or any tier other than the device: rejected; vLLM has no API to move a
+  cached block between tiers, and connectors expose none either.
+
+Every directive gets a `DirectiveAck`, as the reply on the control socket and on the state stream.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import queue
+import sys
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import msgspec
+import zmq
+from vllm.v1.core.kv_cache_utils import get_block_hash, get_group_id, hash_block_tokens
+
+from vllm_connector.export import StateExporter, engine_hash
+from warply.protocol import Directive, DirectiveAck, DirectiveKind, Tier, decode_directive
+
+if TYPE_CHECKING:
+    from vllm.v1.core.block_pool import BlockPool
+    from vllm.v1.core.kv_cache_utils import BlockHash, KVCacheBlock
+
+_log = logging.getLogger(__name__)
+_ack_encoder = msgspec.msgpack.Encoder()
+ack_decoder = msgspec.msgpack.Decoder(DirectiveAck)
+"""Clients decode control-socket replies with this."""
+
+
+def find_engine_wakeup() -> Callable[[], None] | None:
+    """A callable that wakes an idle EngineCore busy loop, or None if it cannot be found.
+
+    vLLM 0.32's EngineCoreProc blocks on its private `input_queue` while idle and steps only
+    when a message arrives; the connector is constructed inside `EngineCoreProc.__init__` after
+    that queue exists, so it is found on the call stack. A WAKEUP there is a no-op message that
+    makes the loop re-check `has_work()`, which includes `has_pending_push_work()`.
+    """
+    from vllm.v1.engine import EngineCoreRequestType
+
+    frame = sys._getframe(1)
+    while frame is not None:
+        owner = frame.f_locals.get("self")
+        input_queue = getattr(owner, "input_queue", None)
+        if isinstance(input_queue, queue.Queue):
+            return functools.partial(input_queue.put_nowait, (EngineCoreRequestType.WAKEUP, None))
+        frame = frame.f_back  # type: ignore[assignment]
+    return None
+
+
+class ControlServer:
+    """ROUTER socket on its own thread: queues decoded directives, sends back acks."""
+
+    def __init__(self, endpoint: str, wake: Callable[[], None] | None) -> None:
+        self.inbox: queue.SimpleQueue[tuple[list[bytes], Directive]] = queue.SimpleQueue()
+        self._outbox: queue.SimpleQueue[tuple[list[bytes], DirectiveAck] | None] = (
+            queue.SimpleQueue()
+        )
+        self._wake = wake
+        self._sock: zmq.Socket[bytes] = zmq.Context.instance().socket(zmq.ROUTER)
+        self._sock.setsockopt(zmq.LINGER, 0)
+        self._sock.bind(endpoint)  # fails start-up if the address is taken
+        self._thread = threading.Thread(target=self._loop, name="warply-control", daemon=True)
+        self._thread.start()
+
+    def reply(self, envelope: list[bytes], ack: DirectiveAck) -> None:
+        """Queue an ack for the client that sent the directive (sent by the control thread)."""
+        self._outbox.put((envelope, ack))
+
+    def close(self) -> None:
+        """Stop the thread after sending queued replies."""
+        self._outbox.put(None)
+        self._thread.join(2.0)
+
+    def _loop(self) -> None:
+        try:
+            while True:
+                if self._sock.poll(20):
+                    frames = self._sock.recv_multipart()
+                    self._receive(frames[:-1], frames[-1])
+                while True:
+                    try:
+                        item = self._outbox.get_nowait()
+                    except queue.Empty:
+                        break
+                    if item is None:
+                        return
+                    envelope, ack = item
+                    self._sock.send_multipart([*envelope, _ack_encoder.encode(ack)])
+        finally:
+            self._sock.close()
+
+    def _receive(self, envelope: list[bytes], payload: bytes) -> None:
+        try:
+            directive = decode_directive(payload)
+        except (msgspec.DecodeError, msgspec.ValidationError, ValueError) as exc:
+            # Undecodable: no id to apply it under; answer at once (never on the block pool).
+            self.reply(envelope, DirectiveAck("", False, f"bad directive: {exc}"))
+            return
+        self.inbox.put((envelope, directive))
+        if self._wake is not None:
+            self._wake()
+
+
+@dataclass
+class _Pin:
+    block: KVCacheBlock
+    refs: int
+    expires: float | None
+
+
+class DirectiveApplier:
+    """Applies queued directives to the device block pool (`drain()`: scheduler thread only)."""
+
+    def __init__(
+        self,
+        server: ControlServer,
+        exporter: StateExporter,
+        *,
+        hash_fn: Callable[[Any], bytes],
+        max_pinned_fraction: float,
+        delegate_name: str | None,
+        on_result: Callable[[bool], None],
+    ) -> None:
+        self._server = server
+        self._exporter = exporter
+        self._hash_fn = hash_fn
+        self._max_pinned_fraction = max_pinned_fraction
+        self._delegate_name = delegate_name
+        self._on_result = on_result
+        self._pool: BlockPool | None = None
+        self._pins: dict[int, _Pin] = {}
+
+    def bind(self, pool: BlockPool) -> None:
+        """The pool to act on (from the connector's bind hooks)."""
+        self._pool = pool
+
+    def pending(self) -> bool:
+        """Whether directives wait to be applied (keeps an idle engine stepping)."""
+        return not self._server.inbox.empty()
+
+    def drain(self) -> None:
+        """Expire pins, then apply and acknowledge every queued directive."""
+        self._expire_pins()
+        while True:
+            try:
+                envelope, directive = self._server.inbox.get_nowait()
+            except queue.Empty:
+                return
+            try:
+                ack = self._apply(directive)
+            except Exception as exc:  # an ack must go out whatever happens
+                _log.exception("warply directive %s failed", directive.id)
+                ack = DirectiveAck(directive.id, False, f"internal error: {exc}")
+            self._on_result(ack.applied)
+            self._server.reply(envelope, ack)
+            self._exporter.ack(ack)
+
+    def close(self) -> None:
+        """Release every pin (the blocks go back to the LRU)."""
+        if self._pool is not None and self._pins:
+            self._pool.free_blocks([p.block for p in self._pins.values() for _ in range(p.refs)])
+        self._pins.clear()
+
+    def _apply(self, d: Directive) -> DirectiveAck:
+        if self._pool is None:
+            return DirectiveAck(d.id, False, "the block pool is not bound yet")
+        if d.kind in (DirectiveKind.PREFETCH, DirectiveKind.OFFLOAD):
+            via = (
+                f" (delegate {self._delegate_name} has no such API)" if self._delegate_name else ""
+            )
+            return DirectiveAck(
+                d.id,
+                False,
+                f"{d.kind.value}: vLLM 0.32 cannot move cached blocks between tiers{via}",
+            )
+        if d.tier not in (None, Tier.GPU):
+            return DirectiveAck(
+                d.id, False, f"tier {d.tier.value}: vLLM's block pool holds only the device tier"
+            )
+        blocks, why = self._resolve(d)
+        if not blocks:
+            return DirectiveAck(d.id, False, why or "no cached blocks for this prefix")
+        if d.kind is DirectiveKind.EVICT:
+            return self._evict(d, blocks)
+        if d.kind is DirectiveKind.PIN:
+            return self._pin(d, blocks)
+        return self._unpin(d, blocks)
+
+    def _evict(self, d: Directive, blocks: list[KVCacheBlock]) -> DirectiveAck:
+        assert self._pool is not None
+        in_use = [b for b in blocks if b.ref_cnt > 0]
+        free = {b.block_id for b in blocks if b.ref_cnt == 0}
+        self._pool.evict_blocks(free)
+        reason = ""
+        if in_use:
+            pinned = sum(1 for b in in_use if b.block_id in self._pins)
+            reason = f"kept {len(in_use)} block(s) in use ({pinned} pinned)"
+        return DirectiveAck(d.id, bool(free), reason or "", blocks=len(free))
+
+    def _pin(self, d: Directive, blocks: list[KVCacheBlock]) -> DirectiveAck:
+        assert self._pool is not None
+        new = [b for b in blocks if b.block_id not in self._pins]
+        limit = int(self._max_pinned_fraction * (self._pool.num_gpu_blocks - 1))
+        if len(self._pins) + len(new) > limit:
+            return DirectiveAck(
+                d.id,
+                False,
+                f"pinning {len(new)} more block(s) would exceed max_pinned_fraction "
+                f"({len(self._pins)} of {limit} already pinned)",
+            )
+        self._pool.touch(blocks)
+        expires = time.monotonic() + d.ttl_s if d.ttl_s > 0 else None
+        for b in blocks:
+            pin = self._pins.get(b.block_id)
+            if pin is None:
+                self._pins[b.block_id] = _Pin(b, 1, expires)
+            else:
+                pin.refs += 1
+                pin.expires = (
+                    None if expires is None or pin.expires is None else max(pin.expires, expires)
+                )
+        return DirectiveAck(d.id, True, blocks=len(blocks))
+
+    def _unpin(self, d: Directive, blocks: list[KVCacheBlock]) -> DirectiveAck:
+        assert self._pool is not None
+        released = [self._pins.pop(b.block_id) for b in blocks if b.block_id in self._pins]
+        self._pool.free_blocks([p.block for p in released for _ in range(p.refs)])
+        reason = "" if released else "prefix was not pinned"
+        return DirectiveAck(d.id, True, reason, blocks=len(released))
+
+    def _expire_pins(self) -> None:
+        if not self._pins or self._pool is None:
+            return
+        now = time.monotonic()
+        done = [i for i, p in self._pins.items() if p.expires is not None and p.expires <= now]
+        if done:
+            expired = [self._pins.pop(i) for i in done]
+            self._pool.free_blocks([p.block for p in expired for _ in range(p.refs)])
+
+    def _resolve(self, d: Directive) -> tuple[list[KVCacheBlock], str]:
+        """The cached device blocks of the directive's prefix, root first, up to the first miss."""
+        assert self._pool is not None
+        if d.token_ids:
+            return self._resolve_tokens(d.token_ids, d.namespace), ""
+        assert d.keys is not None
+        wanted = [self._exporter.key_to_hash.get(k) for k in d.keys]
+        known = [h for h in wanted if h is not None]
+        if not known:
+            return [], "none of the keys is cached on this worker"
+        by_hash: dict[int, KVCacheBlock] = {}
+        targets = set(known)
+        # Keys resolve through the exported hashes; vLLM indexes blocks by full digest, so find
+        # the blocks with one pass over the pool (directives are rare; O(num blocks)).
+        for block in self._pool.blocks:
+            key = block.block_hash
+            if key is None or get_group_id(key) != 0:
+                continue
+            h = engine_hash(get_block_hash(key))
+            if h in targets:
+                by_hash[h] = block
+        out: list[KVCacheBlock] = []
+        for maybe in wanted:
+            if maybe is None or maybe not in by_hash:
+                break
+            out.append(by_hash[maybe])
+        return out, ""
+
+    def _resolve_tokens(self, tokens: list[int], namespace: str) -> list[KVCacheBlock]:
+        assert self._pool is not None
+        size = self._pool.hash_block_size
+        parent: BlockHash | None = None
+        out: list[KVCacheBlock] = []
+        for i in range(len(tokens) // size):
+            # vLLM 0.32 folds cache_salt into the first block's extra keys, tagged like this
+            # (kv_cache_utils.generate_block_hash_extra_keys).
+            extra = (("cache_salt", namespace),) if i == 0 and namespace else None
+            parent = hash_block_tokens(
+                self._hash_fn, parent, tokens[i * size : (i + 1) * size], extra
+            )
+            found = self._pool.get_cached_block(parent, [0])
+            if found is None:
+                break
+            out.append(found[0])
+        return out

@@ -1,0 +1,247 @@
+"""Cache-state export: tees vLLM's block-pool events into the Warply state stream.
+
+vLLM 0.32's `BlockPool` records BlockStored / BlockRemoved / AllBlocksCleared in its own queue
+(when `enable_kv_cache_events` is set), and the scheduler drains it once per step through
+`KVCacheManager.take_events()` for the stock `--kv-events-config` publisher. The exporter wraps
+that pool's `take_events` (this instance only) so every drained batch is also converted here, and
+hands the engine exactly what it would have had: the stock stream keeps working beside Warply.
+If the stock stream is off, the pool is switched to record events anyway and the wrapper returns
+nothing to the engine (its null publisher would have dropped them).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import xxhash
+from vllm.distributed.kv_events import AllBlocksCleared
+from vllm.distributed.kv_events import BlockRemoved as VllmBlockRemoved
+from vllm.distributed.kv_events import BlockStored as VllmBlockStored
+from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash
+
+from vllm_connector.config import WarplySettings
+from vllm_connector.hits import HitPublisher, PrefixHit
+from vllm_connector.metrics import WarplyCounters
+from warply.protocol import (
+    AllCleared,
+    BlockRemoved,
+    BlockStored,
+    DirectiveAck,
+    Event,
+    LoadSnapshot,
+    Tier,
+    chain_keys,
+    root_seed,
+    tier_for_medium,
+)
+from warply.protocol.publisher import StatePublisher
+
+if TYPE_CHECKING:
+    from vllm.v1.core.block_pool import BlockPool
+    from vllm.v1.request import Request
+
+_U64 = (1 << 64) - 1
+
+
+def engine_hash(block_hash: bytes | int) -> int:
+    """A vLLM block hash as the u64 the state stream carries.
+
+    Same rule as `warply.protocol.decoder` applies to stock vLLM streams: int hashes (the
+    default `VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=1`, a 64-bit tail) pass through; full digests
+    are folded with xxh3, so both streams name a block identically.
+    """
+    value = maybe_convert_block_hash(block_hash) if isinstance(block_hash, bytes) else block_hash
+    if isinstance(value, int):
+        return value & _U64
+    return xxhash.xxh3_64_intdigest(value) if len(value) > 8 else int.from_bytes(value, "big")
+
+
+def _root_namespace(event: VllmBlockStored) -> str:
+    """The request's cache salt, which vLLM 0.32 puts only in the first block's extra keys."""
+    if not event.extra_keys or not event.extra_keys[0]:
+        return ""
+    return "|".join(str(k) for k in event.extra_keys[0] if k != event.lora_name)
+
+
+class StateExporter:
+    """Converts and publishes the device tier's cache events; runs on the scheduler thread."""
+
+    def __init__(
+        self,
+        settings: WarplySettings,
+        *,
+        model: str,
+        worker: str,
+        counters: WarplyCounters,
+        load: Callable[[], tuple[int, int]],
+    ) -> None:
+        self.publisher = (
+            StatePublisher(
+                settings.events_endpoint,
+                replay_endpoint=settings.replay_endpoint,
+                topic=settings.topic,
+                worker=worker,
+                buffer_steps=settings.replay_buffer_steps,
+            )
+            if settings.events_endpoint
+            else None
+        )
+        self._hits = (
+            HitPublisher(settings.hits_endpoint, topic=settings.topic, worker=worker)
+            if settings.hits_endpoint
+            else None
+        )
+        self._model = model
+        self._counters = counters
+        self._load = load
+        self._snapshot_every = settings.snapshot_interval_s
+        self._last_snapshot = 0.0
+        self._pool: BlockPool | None = None
+        self._raw: list[Any] = []
+        self._out: list[Event] = []
+        self._hit_buf: list[PrefixHit] = []
+        self._handed = 0
+        self.key_to_hash: dict[int, int] = {}
+        """Canonical key → engine hash of every cached full block (resolves `keys` directives)."""
+        self._hash_to_key: dict[int, int] = {}
+
+    def attach(self, pool: BlockPool) -> None:
+        """Tee `pool`'s event queue (idempotent: binding twice wraps once)."""
+        if self._pool is pool:
+            return
+        self._pool = pool
+        engine_wants_events = pool.enable_kv_cache_events
+        pool.enable_kv_cache_events = True
+        drain = pool.take_events
+
+        def take_events() -> list[Any]:
+            events = drain()
+            self._raw.extend(events)
+            return events if engine_wants_events else []
+
+        # vLLM 0.32 has no observer hook on the pool's event queue; wrap this instance's drain.
+        pool.take_events = take_events
+
+    def record_hit(self, request: Request, hit_tokens: int, block_size: int) -> None:
+        """Note which cached blocks `request` reused (exported with the next flush)."""
+        n_blocks = hit_tokens // block_size
+        if n_blocks == 0:
+            return
+        self._counters.prefix_hit_blocks += n_blocks
+        if self._hits is None or self._pool is None:
+            return
+        if self._pool.hash_block_size != block_size:
+            hashes: list[int] = []  # vLLM 0.32 hybrid block sizes: hashes are not per block
+        else:
+            hashes = [engine_hash(h) for h in request.block_hashes[:n_blocks]]
+        self._hit_buf.append(
+            PrefixHit(
+                request_id=request.request_id,
+                block_hashes=hashes,
+                hit_tokens=hit_tokens,
+                prompt_tokens=request.num_prompt_tokens,
+                namespace=request.cache_salt or "",
+            )
+        )
+
+    def ack(self, ack: DirectiveAck) -> None:
+        """Put a directive's acknowledgement on the state stream (next flush)."""
+        self._out.append(ack)
+
+    def flush(self) -> None:
+        """Convert what the engine drained this step, add a load snapshot if due, publish."""
+        start = time.perf_counter()
+        if self.publisher is not None:  # batches from earlier steps the thread has not sent
+            self._counters.export_backlog = self._handed - self.publisher.published
+        if self._raw:
+            raw, self._raw = self._raw, []
+            for event in raw:
+                self._convert(event)
+        now = time.monotonic()
+        if self._pool is not None and now - self._last_snapshot >= self._snapshot_every:
+            self._last_snapshot = now
+            running, waiting = self._load()
+            self._out.append(
+                LoadSnapshot(
+                    running=running,
+                    waiting=waiting,
+                    kv_usage=self._pool.get_usage(),
+                    kv_blocks_total=self._pool.num_gpu_blocks - 1,
+                )
+            )
+        if self._out:
+            out, self._out = self._out, []
+            if self.publisher is not None:
+                self.publisher.publish(out)
+                self._handed += 1
+            self._counters.events_exported += len(out)
+        if self._hit_buf and self._hits is not None:
+            self._hits.publish(self._hit_buf)
+            self._hit_buf = []
+        self._counters.export_seconds += time.perf_counter() - start
+        self._counters.export_steps += 1
+
+    def close(self) -> None:
+        """Flush and close the sockets."""
+        self.flush()
+        if self.publisher is not None:
+            self.publisher.close()
+        if self._hits is not None:
+            self._hits.close()
+
+    def _convert(self, event: Any) -> None:
+        # vLLM 0.32 with several KV cache groups (hybrid models) reports each group's copy of a
+        # block; the prefix index needs one, so only group 0 (full attention) is exported.
+        if getattr(event, "group_idx", None) not in (None, 0):
+            return
+        if isinstance(event, VllmBlockStored):
+            self._stored(event)
+        elif isinstance(event, VllmBlockRemoved):
+            hashes = [engine_hash(h) for h in event.block_hashes]
+            for h in hashes:
+                key = self._hash_to_key.pop(h, None)
+                if key is not None:
+                    self.key_to_hash.pop(key, None)
+            self._counters.blocks_removed += len(hashes)
+            self._out.append(BlockRemoved(hashes, _tier(event.medium)))
+        elif isinstance(event, AllBlocksCleared):
+            self.key_to_hash.clear()
+            self._hash_to_key.clear()
+            self._out.append(AllCleared(Tier.GPU))
+
+    def _stored(self, event: VllmBlockStored) -> None:
+        hashes = [engine_hash(h) for h in event.block_hashes]
+        parent = None if event.parent_block_hash is None else engine_hash(event.parent_block_hash)
+        tokens = list(event.token_ids)
+        if len(tokens) != len(hashes) * event.block_size:
+            self._counters.events_skipped += 1  # masked/null blocks (sparse groups): no tokens
+            return
+        namespace = _root_namespace(event) if parent is None else None
+        self._out.append(
+            BlockStored(
+                block_hashes=hashes,
+                parent_hash=parent,
+                token_ids=tokens,
+                block_size=event.block_size,
+                tier=_tier(event.medium),
+                namespace=namespace,
+                lora=event.lora_name,
+            )
+        )
+        self._counters.blocks_stored += len(hashes)
+        seed = (
+            root_seed(self._model, namespace or "")
+            if parent is None
+            else self._hash_to_key.get(parent)
+        )
+        if seed is None:
+            return
+        for h, key in zip(hashes, chain_keys(tokens, event.block_size, seed), strict=True):
+            self._hash_to_key[h] = key
+            self.key_to_hash[key] = h
+
+
+def _tier(medium: str | None) -> Tier:
+    return tier_for_medium(medium) or Tier.GPU
