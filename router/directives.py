@@ -6,26 +6,29 @@ with a `DirectiveAck` (the same ack also goes out on its state stream).
 
 from __future__ import annotations
 
-import msgspec
 import zmq
 import zmq.asyncio
 
 from warply.protocol import Directive, DirectiveAck, encode_directive
-
-_ack_decoder = msgspec.msgpack.Decoder(DirectiveAck)
+from warply.protocol.control import ack_decoder
 
 
 async def send_directive(
     endpoint: str, directive: Directive, timeout_s: float = 10.0
 ) -> DirectiveAck:
     """Send `directive` to `endpoint` and wait for its ack; raises TimeoutError without one."""
+    return await send_payload(endpoint, encode_directive(directive), timeout_s)
+
+
+async def send_payload(endpoint: str, payload: bytes, timeout_s: float = 10.0) -> DirectiveAck:
+    """One REQ round trip with raw bytes as the directive (also how malformed input is tested)."""
     sock = zmq.asyncio.Context.instance().socket(zmq.REQ)
     sock.setsockopt(zmq.LINGER, 0)
     sock.connect(endpoint)
     try:
-        await sock.send(encode_directive(directive))
+        await sock.send(payload)
         if not await sock.poll(int(timeout_s * 1000)):
             raise TimeoutError(f"no ack from {endpoint} within {timeout_s:.0f}s")
-        return _ack_decoder.decode(await sock.recv())
+        return ack_decoder.decode(await sock.recv())
     finally:
         sock.close(linger=0)

@@ -37,7 +37,7 @@ import threading
 import time
 from pathlib import Path
 
-from warply.launch import HOST, free_port, http_json, vllm_server
+from warply.launch import HOST, VllmServer, free_port, http_json
 
 ROOT = Path(__file__).resolve().parent.parent
 TOPIC = "kv"
@@ -151,7 +151,7 @@ def capture(args, block_size: int, model: str, version: str, logdir: Path) -> Pa
             "replay_endpoint": f"tcp://{HOST}:{replay_port}",  # always bound by vLLM
             "topic": TOPIC,
         }
-        srv = vllm_server(
+        srv = VllmServer(
             args.vllm,
             model,
             log_path=logdir / f"vllm-bs{block_size}.log",

@@ -26,7 +26,7 @@ from typing import Any
 import aiohttp
 import yaml
 
-from warply.launch import HOST, EngineProcess, free_port, http_json, vllm_server
+from warply.launch import HOST, EngineProcess, VllmServer, free_port, http_json
 
 ROOT = Path(__file__).resolve().parents[1]
 TRACE = ROOT.parent / "shared" / "traces" / "mooncake" / "conversation_trace.jsonl"
@@ -134,7 +134,7 @@ def engine_pair(vllm: str, model: str, workdir: Path) -> list[tuple[EngineProces
     engines = []
     for i in range(2):
         pub, replay_port = free_port(), free_port()
-        engine = vllm_server(
+        engine = VllmServer(
             vllm, model, log_path=workdir / f"vllm-{i}.log", served_name=MODEL_NAME,
             cpu_core=i, env={"VLLM_SERVER_DEV_MODE": "1"},
             args=["--block-size", str(BLOCK_SIZE), "--max-model-len", "4096",

@@ -19,10 +19,10 @@ from typing import Any
 
 from sglang.srt.disaggregation.kv_events import EventPublisher, ZmqEventPublisher
 
-from sglang_hook.control import ControlServer
 from sglang_hook.directives import DirectiveApplier
 from sglang_hook.events import PageBook, to_warply
 from warply.protocol import DirectiveAck, Event, LoadSnapshot
+from warply.protocol.control import ControlServer
 from warply.protocol.publisher import StatePublisher
 from warply_plugins.sglang import WarplySettings
 
@@ -54,8 +54,6 @@ class WarplyEventPublisher(EventPublisher):  # type: ignore[misc]
         topic: str = "",
     ) -> None:
         global _active
-        if bind is not None:
-            _log.warning("warply publisher: `bind` is ignored; tcp://*:P binds, a host connects")
         settings = self.settings or WarplySettings(router=endpoint, replay=replay_endpoint)
         self.settings = settings
         worker = settings.worker or f"{socket.gethostname()}:{os.getpid()}"
@@ -67,6 +65,7 @@ class WarplyEventPublisher(EventPublisher):  # type: ignore[misc]
             topic=topic,
             worker=self.worker,
             buffer_steps=buffer_steps,
+            bind=bind,
         )
         self._control = (
             ControlServer(ZmqEventPublisher.offset_endpoint_port(settings.control, attn_dp_rank))

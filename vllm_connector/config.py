@@ -67,8 +67,6 @@ class WarplySettings(_Strict):
     """State stream PUB socket. `tcp://*:P` binds; a concrete address connects to a collector."""
     replay_endpoint: str | None = None
     """ROUTER socket (always binds) serving replays of the state stream."""
-    hits_endpoint: str | None = None
-    """PUB socket for per-request prefix-hit reports (`vllm_connector.hits`); same bind rule."""
     control_endpoint: str | None = None
     """ROUTER socket (always binds) receiving directives; each is answered on it."""
     topic: str = ""
@@ -82,7 +80,7 @@ class WarplySettings(_Strict):
     replay_buffer_steps: int = Field(default=10_000, gt=0)
 
     _endpoints = field_validator(
-        "events_endpoint", "replay_endpoint", "hits_endpoint", "control_endpoint"
+        "events_endpoint", "replay_endpoint", "control_endpoint"
     )(_check_endpoint)
 
 

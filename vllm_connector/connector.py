@@ -45,7 +45,7 @@ from vllm_connector.config import (
     config_error,
     parse_config,
 )
-from vllm_connector.directives import ControlServer, DirectiveApplier, find_engine_wakeup
+from vllm_connector.directives import DirectiveApplier, find_engine_wakeup
 from vllm_connector.export import StateExporter
 from vllm_connector.metrics import (
     WarplyConnectorStats,
@@ -53,6 +53,7 @@ from vllm_connector.metrics import (
     WarplyPromMetrics,
     build_stats,
 )
+from warply.protocol.control import ControlServer
 
 if TYPE_CHECKING:
     import torch
@@ -142,7 +143,7 @@ class WarplyConnector(KVConnectorBase_V1):
 
     def _start_scheduler_side(self, vllm_config: VllmConfig) -> None:
         w = self._config.warply
-        if not (w.events_endpoint or w.hits_endpoint or w.control_endpoint):
+        if not (w.events_endpoint or w.control_endpoint):
             return  # nothing to export or serve: no tee, no threads
         ktc = vllm_config.kv_transfer_config
         assert ktc is not None

@@ -20,27 +20,22 @@ import functools
 import logging
 import queue
 import sys
-import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-import msgspec
-import zmq
 from vllm.v1.core.kv_cache_utils import get_block_hash, get_group_id, hash_block_tokens
 
 from vllm_connector.export import StateExporter, engine_hash
-from warply.protocol import Directive, DirectiveAck, DirectiveKind, Tier, decode_directive
+from warply.protocol import Directive, DirectiveAck, DirectiveKind, Tier
+from warply.protocol.control import ControlServer
 
 if TYPE_CHECKING:
     from vllm.v1.core.block_pool import BlockPool
     from vllm.v1.core.kv_cache_utils import BlockHash, KVCacheBlock
 
 _log = logging.getLogger(__name__)
-_ack_encoder = msgspec.msgpack.Encoder()
-ack_decoder = msgspec.msgpack.Decoder(DirectiveAck)
-"""Clients decode control-socket replies with this."""
 
 
 def find_engine_wakeup() -> Callable[[], None] | None:
@@ -61,60 +56,6 @@ def find_engine_wakeup() -> Callable[[], None] | None:
             return functools.partial(input_queue.put_nowait, (EngineCoreRequestType.WAKEUP, None))
         frame = frame.f_back  # type: ignore[assignment]
     return None
-
-
-class ControlServer:
-    """ROUTER socket on its own thread: queues decoded directives, sends back acks."""
-
-    def __init__(self, endpoint: str, wake: Callable[[], None] | None) -> None:
-        self.inbox: queue.SimpleQueue[tuple[list[bytes], Directive]] = queue.SimpleQueue()
-        self._outbox: queue.SimpleQueue[tuple[list[bytes], DirectiveAck] | None] = (
-            queue.SimpleQueue()
-        )
-        self._wake = wake
-        self._sock: zmq.Socket[bytes] = zmq.Context.instance().socket(zmq.ROUTER)
-        self._sock.setsockopt(zmq.LINGER, 0)
-        self._sock.bind(endpoint)  # fails start-up if the address is taken
-        self._thread = threading.Thread(target=self._loop, name="warply-control", daemon=True)
-        self._thread.start()
-
-    def reply(self, envelope: list[bytes], ack: DirectiveAck) -> None:
-        """Queue an ack for the client that sent the directive (sent by the control thread)."""
-        self._outbox.put((envelope, ack))
-
-    def close(self) -> None:
-        """Stop the thread after sending queued replies."""
-        self._outbox.put(None)
-        self._thread.join(2.0)
-
-    def _loop(self) -> None:
-        try:
-            while True:
-                if self._sock.poll(20):
-                    frames = self._sock.recv_multipart()
-                    self._receive(frames[:-1], frames[-1])
-                while True:
-                    try:
-                        item = self._outbox.get_nowait()
-                    except queue.Empty:
-                        break
-                    if item is None:
-                        return
-                    envelope, ack = item
-                    self._sock.send_multipart([*envelope, _ack_encoder.encode(ack)])
-        finally:
-            self._sock.close()
-
-    def _receive(self, envelope: list[bytes], payload: bytes) -> None:
-        try:
-            directive = decode_directive(payload)
-        except (msgspec.DecodeError, msgspec.ValidationError, ValueError) as exc:
-            # Undecodable: no id to apply it under; answer at once (never on the block pool).
-            self.reply(envelope, DirectiveAck("", False, f"bad directive: {exc}"))
-            return
-        self.inbox.put((envelope, directive))
-        if self._wake is not None:
-            self._wake()
 
 
 @dataclass

@@ -15,14 +15,12 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-import xxhash
 from vllm.distributed.kv_events import AllBlocksCleared
 from vllm.distributed.kv_events import BlockRemoved as VllmBlockRemoved
 from vllm.distributed.kv_events import BlockStored as VllmBlockStored
 from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash
 
 from vllm_connector.config import WarplySettings
-from vllm_connector.hits import HitPublisher, PrefixHit
 from vllm_connector.metrics import WarplyCounters
 from warply.protocol import (
     AllCleared,
@@ -31,9 +29,12 @@ from warply.protocol import (
     DirectiveAck,
     Event,
     LoadSnapshot,
+    PrefixHit,
     Tier,
     chain_keys,
+    engine_block_id,
     root_seed,
+    salt_namespace,
     tier_for_medium,
 )
 from warply.protocol.publisher import StatePublisher
@@ -42,27 +43,12 @@ if TYPE_CHECKING:
     from vllm.v1.core.block_pool import BlockPool
     from vllm.v1.request import Request
 
-_U64 = (1 << 64) - 1
-
-
 def engine_hash(block_hash: bytes | int) -> int:
-    """A vLLM block hash as the u64 the state stream carries.
-
-    Same rule as `warply.protocol.decoder` applies to stock vLLM streams: int hashes (the
-    default `VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=1`, a 64-bit tail) pass through; full digests
-    are folded with xxh3, so both streams name a block identically.
-    """
-    value = maybe_convert_block_hash(block_hash) if isinstance(block_hash, bytes) else block_hash
-    if isinstance(value, int):
-        return value & _U64
-    return xxhash.xxh3_64_intdigest(value) if len(value) > 8 else int.from_bytes(value, "big")
-
-
-def _root_namespace(event: VllmBlockStored) -> str:
-    """The request's cache salt, which vLLM 0.32 puts only in the first block's extra keys."""
-    if not event.extra_keys or not event.extra_keys[0]:
-        return ""
-    return "|".join(str(k) for k in event.extra_keys[0] if k != event.lora_name)
+    """A vLLM block hash as the state stream names it (the same id the decoder gives a stock
+    vLLM stream): the 64-bit tail vLLM 0.32 publishes by default, else the folded digest."""
+    if isinstance(block_hash, bytes):  # a raw BlockHash (requests); events carry converted ones
+        block_hash = maybe_convert_block_hash(block_hash)
+    return engine_block_id(block_hash)
 
 
 class StateExporter:
@@ -88,11 +74,6 @@ class StateExporter:
             if settings.events_endpoint
             else None
         )
-        self._hits = (
-            HitPublisher(settings.hits_endpoint, topic=settings.topic, worker=worker)
-            if settings.hits_endpoint
-            else None
-        )
         self._model = model
         self._counters = counters
         self._load = load
@@ -101,7 +82,6 @@ class StateExporter:
         self._pool: BlockPool | None = None
         self._raw: list[Any] = []
         self._out: list[Event] = []
-        self._hit_buf: list[PrefixHit] = []
         self._handed = 0
         self.key_to_hash: dict[int, int] = {}
         """Canonical key → engine hash of every cached full block (resolves `keys` directives)."""
@@ -130,13 +110,13 @@ class StateExporter:
         if n_blocks == 0:
             return
         self._counters.prefix_hit_blocks += n_blocks
-        if self._hits is None or self._pool is None:
+        if self.publisher is None or self._pool is None:
             return
         if self._pool.hash_block_size != block_size:
             hashes: list[int] = []  # vLLM 0.32 hybrid block sizes: hashes are not per block
         else:
             hashes = [engine_hash(h) for h in request.block_hashes[:n_blocks]]
-        self._hit_buf.append(
+        self._out.append(
             PrefixHit(
                 request_id=request.request_id,
                 block_hashes=hashes,
@@ -177,9 +157,6 @@ class StateExporter:
                 self.publisher.publish(out)
                 self._handed += 1
             self._counters.events_exported += len(out)
-        if self._hit_buf and self._hits is not None:
-            self._hits.publish(self._hit_buf)
-            self._hit_buf = []
         self._counters.export_seconds += time.perf_counter() - start
         self._counters.export_steps += 1
 
@@ -188,8 +165,6 @@ class StateExporter:
         self.flush()
         if self.publisher is not None:
             self.publisher.close()
-        if self._hits is not None:
-            self._hits.close()
 
     def _convert(self, event: Any) -> None:
         # vLLM 0.32 with several KV cache groups (hybrid models) reports each group's copy of a
@@ -218,7 +193,7 @@ class StateExporter:
         if len(tokens) != len(hashes) * event.block_size:
             self._counters.events_skipped += 1  # masked/null blocks (sparse groups): no tokens
             return
-        namespace = _root_namespace(event) if parent is None else None
+        namespace = salt_namespace(event.extra_keys, event.lora_name) if parent is None else None
         self._out.append(
             BlockStored(
                 block_hashes=hashes,

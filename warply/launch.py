@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -43,8 +44,9 @@ def free_port() -> int:
 def http_json(method: str, url: str, body: Any = None, timeout: float = 120) -> tuple[int, Any]:
     """One HTTP request with a JSON body; returns (status, parsed JSON or text)."""
     data = None if body is None else json.dumps(body).encode()
-    req = urllib.request.Request(url, data=data, method=method,
-                                 headers={"Content-Type": "application/json"})
+    req = urllib.request.Request(
+        url, data=data, method=method, headers={"Content-Type": "application/json"}
+    )
     try:
         with urllib.request.urlopen(req, timeout=timeout) as resp:
             status, raw = resp.status, resp.read()
@@ -59,8 +61,9 @@ def http_json(method: str, url: str, body: Any = None, timeout: float = 120) -> 
 class EngineProcess:
     """One engine server process with its log file; a context manager that always stops it."""
 
-    def __init__(self, cmd: Sequence[str], *, url: str, log_path: Path,
-                 env: Mapping[str, str] | None = None) -> None:
+    def __init__(
+        self, cmd: Sequence[str], *, url: str, log_path: Path, env: Mapping[str, str] | None = None
+    ) -> None:
         self.cmd = list(cmd)
         self.url = url
         self.log_path = log_path
@@ -74,8 +77,13 @@ class EngineProcess:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         self._log = open(self.log_path, "wb")  # noqa: SIM115 - closed in stop()
         self.started_at = time.monotonic()
-        self.proc = subprocess.Popen(self.cmd, stdout=self._log, stderr=subprocess.STDOUT,
-                                     env=self._env, start_new_session=True)
+        self.proc = subprocess.Popen(
+            self.cmd,
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+            env=self._env,
+            start_new_session=True,
+        )
         return self
 
     @property
@@ -88,16 +96,29 @@ class EngineProcess:
         assert self.proc is not None, "not started"
         while time.monotonic() - self.started_at < timeout_s:
             if self.proc.poll() is not None:
-                raise RuntimeError(f"{self.cmd[0]} exited with {self.proc.returncode}; "
-                                   f"log {self.log_path}:\n{self.log_tail()}")
+                raise RuntimeError(
+                    f"{self.cmd[0]} exited with {self.proc.returncode}; "
+                    f"log {self.log_path}:\n{self.log_tail()}"
+                )
             try:
                 if http_json("GET", self.url + path, timeout=2)[0] == 200:
                     return time.monotonic() - self.started_at
             except OSError:
                 pass
             time.sleep(0.5)
-        raise TimeoutError(f"not healthy after {timeout_s:.0f}s; log {self.log_path}:\n"
-                           f"{self.log_tail()}")
+        raise TimeoutError(
+            f"not healthy after {timeout_s:.0f}s; log {self.log_path}:\n{self.log_tail()}"
+        )
+
+    def wait_exit(self, timeout_s: float) -> int | None:
+        """For a process expected to fail: its exit code, or None if still up (then stopped)."""
+        assert self.proc is not None, "not started"
+        try:
+            return self.proc.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            return None
+        finally:
+            self.stop()
 
     def log_tail(self, lines: int = 40) -> str:
         try:
@@ -133,26 +154,59 @@ class EngineProcess:
         self.stop()
 
 
-def vllm_server(
-    vllm_bin: str | Path,
-    model: str | Path,
-    *,
-    log_path: Path,
-    port: int | None = None,
-    served_name: str = "tiny",
-    args: Sequence[str] = (),
-    kv_transfer_config: Mapping[str, Any] | None = None,
-    kv_events_config: Mapping[str, Any] | None = None,
-    cpu_core: int = 0,
-    env: Mapping[str, str] | None = None,
-) -> EngineProcess:
-    """A `vllm serve` process for the CPU build, bound to 127.0.0.1 (not yet started)."""
-    port = port or free_port()
-    cmd = [str(vllm_bin), "serve", str(model), "--served-model-name", served_name,
-           "--host", HOST, "--port", str(port), "--enforce-eager", *args]
-    if kv_transfer_config is not None:
-        cmd += ["--kv-transfer-config", json.dumps(kv_transfer_config)]
-    if kv_events_config is not None:
-        cmd += ["--kv-events-config", json.dumps(kv_events_config)]
-    full_env = dict(_VLLM_CPU_ENV, VLLM_CPU_OMP_THREADS_BIND=str(cpu_core), **(env or {}))
-    return EngineProcess(cmd, url=f"http://{HOST}:{port}", log_path=log_path, env=full_env)
+class VllmServer(EngineProcess):
+    """A `vllm serve` process for the CPU build, bound to 127.0.0.1 (call `start()`)."""
+
+    def __init__(
+        self,
+        vllm_bin: str | Path,
+        model: str | Path,
+        *,
+        log_path: Path,
+        port: int | None = None,
+        served_name: str = "tiny",
+        args: Sequence[str] = (),
+        kv_transfer_config: Mapping[str, Any] | None = None,
+        kv_events_config: Mapping[str, Any] | None = None,
+        cpu_core: int = 0,
+        env: Mapping[str, str] | None = None,
+    ) -> None:
+        self.port = port or free_port()
+        self.served_name = served_name
+        cmd = [
+            str(vllm_bin),
+            "serve",
+            str(model),
+            "--served-model-name",
+            served_name,
+            "--host",
+            HOST,
+            "--port",
+            str(self.port),
+            "--enforce-eager",
+            *args,
+        ]
+        if kv_transfer_config is not None:
+            cmd += ["--kv-transfer-config", json.dumps(kv_transfer_config)]
+        if kv_events_config is not None:
+            cmd += ["--kv-events-config", json.dumps(kv_events_config)]
+        full_env = {**_VLLM_CPU_ENV, "VLLM_CPU_OMP_THREADS_BIND": str(cpu_core), **(env or {})}
+        super().__init__(cmd, url=f"http://{HOST}:{self.port}", log_path=log_path, env=full_env)
+
+    def completion(self, prompt: str | list[int], **fields: Any) -> dict[str, Any]:
+        """POST /v1/completions for the served model; raises with the body on an error status."""
+        status, body = http_json(
+            "POST",
+            self.url + "/v1/completions",
+            {"model": self.served_name, "prompt": prompt, **fields},
+        )
+        if status != 200:
+            raise RuntimeError(f"/v1/completions answered {status}: {body}")
+        return dict(body)
+
+    def metric(self, name: str) -> float:
+        """Sum of one Prometheus series over all its labels on /metrics (0 if absent)."""
+        with urllib.request.urlopen(self.url + "/metrics", timeout=10) as resp:
+            text = resp.read().decode()
+        pattern = re.compile(rf"^{re.escape(name)}(?:\{{[^}}]*\}})? ([0-9.eE+-]+)$", re.M)
+        return sum(float(v) for v in pattern.findall(text))

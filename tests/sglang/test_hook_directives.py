@@ -12,9 +12,9 @@ from sglang.srt.mem_cache.base_prefix_cache import EvictParams, MatchPrefixParam
 from sglang.srt.mem_cache.radix_cache import RadixKey
 from test_hook_export import CHAT_A, CHAT_B, DOC, build_cache, free_port, insert
 
-from sglang_hook.control import ControlServer
 from sglang_hook.directives import DirectiveApplier
 from warply.protocol import Directive, DirectiveAck, DirectiveKind, Tier, encode_directive
+from warply.protocol.control import ControlServer
 
 
 def _cache(backend: str, page: int) -> tuple[Any, DirectiveApplier]:

@@ -14,7 +14,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import VllmServer, start_all
+from conftest import complete, engine, start_all
+
+from warply.launch import VllmServer
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -34,7 +36,7 @@ def storage(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="module")
 def engines(tiny_model: str, server_logs: Path, storage: Path) -> Iterator[dict[str, Any]]:
     example = {"shared_storage_path": str(storage)}
-    wrapped = VllmServer(
+    wrapped = engine(
         tiny_model,
         server_logs / "warply-example.log",
         block_size=BLOCK,
@@ -50,7 +52,7 @@ def engines(tiny_model: str, server_logs: Path, storage: Path) -> Iterator[dict[
         },
         env={"VLLM_CPU_OMP_THREADS_BIND": "0"},
     )
-    bare = VllmServer(
+    bare = engine(
         tiny_model,
         server_logs / "bare-example.log",
         block_size=BLOCK,
@@ -61,7 +63,7 @@ def engines(tiny_model: str, server_logs: Path, storage: Path) -> Iterator[dict[
         },
         env={"VLLM_CPU_OMP_THREADS_BIND": "1"},
     )
-    bad = VllmServer(
+    bad = engine(
         tiny_model,
         server_logs / "bad-config.log",
         block_size=BLOCK,
@@ -71,7 +73,7 @@ def engines(tiny_model: str, server_logs: Path, storage: Path) -> Iterator[dict[
             "kv_connector_extra_config": {"delegate": {"kv_connector": "NoSuchConnector"}},
         },
     )
-    bad.launch()
+    bad.start()
     try:
         start_all([wrapped, bare])
         yield {"wrapped": wrapped, "bare": bare, "bad": bad}
@@ -95,12 +97,12 @@ def test_delegate_saves_and_loads_like_bare_connector(
 ) -> None:
     prompt = _prompt(1 if writer == "wrapped" else 2)
     before = _folders(storage)
-    written = engines[writer].complete(prompt, max_tokens=16)
+    written = complete(engines[writer], prompt, max_tokens=16)
     new = _folders(storage) - before
     assert len(new) == 1, f"{writer} should save one prompt folder, got {new}"
     assert any((storage / next(iter(new))).glob("*.safetensors"))
 
-    loaded = engines[reader].complete(prompt, max_tokens=16)
+    loaded = complete(engines[reader], prompt, max_tokens=16)
     assert _cached(loaded) == (len(prompt) - 2) // BLOCK * BLOCK  # ExampleConnector's alignment
     assert loaded["choices"][0]["text"] == written["choices"][0]["text"]
     assert _folders(storage) - before == new  # the reader found it: nothing new saved

@@ -20,21 +20,23 @@ import msgspec
 import pytest
 from conftest import (
     HOST,
-    MODEL_NAME,
     Collector,
-    VllmServer,
+    complete,
+    engine,
     free_port,
     send_directive,
     send_raw,
     start_all,
 )
 
+from warply.launch import VllmServer
 from warply.protocol import (
     BlockRemoved,
     BlockStored,
     Directive,
     DirectiveAck,
     LoadSnapshot,
+    PrefixHit,
     Tier,
     chain_keys,
     prefix_keys,
@@ -42,6 +44,7 @@ from warply.protocol import (
 )
 
 pytestmark = pytest.mark.timeout(600)
+MODEL_NAME = "tiny"
 
 
 def _prompt(seed: int, n: int = 300) -> list[int]:
@@ -54,7 +57,6 @@ class _Warply:
 
     def __init__(self, model: str, logs: Path, block_size: int, stock_events: bool) -> None:
         self.state = Collector()
-        self.hits = Collector("hits")
         self.stock = Collector() if stock_events else None
         self.control = f"tcp://{HOST}:{free_port()}"
         self.replay = f"tcp://{HOST}:{free_port()}"
@@ -62,7 +64,6 @@ class _Warply:
             "warply": {
                 "events_endpoint": self.state.endpoint,
                 "replay_endpoint": self.replay,
-                "hits_endpoint": self.hits.endpoint,
                 "control_endpoint": self.control,
                 "snapshot_interval_s": 0.5,
             }
@@ -73,7 +74,7 @@ class _Warply:
                 "enable_kv_cache_events": True, "publisher": "zmq",
                 "endpoint": self.stock.endpoint, "topic": "kv",
             })]  # fmt: skip
-        self.server = VllmServer(
+        self.server = engine(
             model,
             logs / f"warply-bs{block_size}.log",
             block_size=block_size,
@@ -87,7 +88,7 @@ class _Warply:
 
     def close(self) -> None:
         self.server.stop()
-        for c in (self.state, self.hits, self.stock):
+        for c in (self.state, self.stock):
             if c is not None:
                 c.close()
 
@@ -96,7 +97,7 @@ class _Warply:
 def servers(tiny_model: str, server_logs: Path) -> Iterator[dict[str, Any]]:
     w32 = _Warply(tiny_model, server_logs, 32, stock_events=True)
     w128 = _Warply(tiny_model, server_logs, 128, stock_events=False)
-    plain = VllmServer(tiny_model, server_logs / "plain-bs128.log", block_size=128)
+    plain = engine(tiny_model, server_logs / "plain-bs128.log", block_size=128)
     try:
         start_all([w32.server, w128.server, plain])
         yield {32: w32, 128: w128, "plain": plain}
@@ -132,7 +133,7 @@ def test_exported_keys_match_router_keys(
 ) -> None:
     w: _Warply = servers[block_size]
     prompt = _prompt(block_size + (7 if salt else 0))
-    w.server.complete(prompt, max_tokens=2, cache_salt=salt)
+    complete(w.server, prompt, max_tokens=2, cache_salt=salt)
     want = prefix_keys(prompt, block_size, MODEL_NAME, salt or "")
     assert len(want) == len(prompt) // block_size > 0
 
@@ -149,7 +150,7 @@ def test_exported_keys_match_router_keys(
 def test_stock_kv_events_stream_unaffected(servers: dict[Any, Any]) -> None:
     w: _Warply = servers[32]
     prompt = _prompt(1001)
-    w.server.complete(prompt, max_tokens=2)
+    complete(w.server, prompt, max_tokens=2)
     assert w.stock is not None
     want = prefix_keys(prompt, 32, MODEL_NAME)
     stock = w.stock.wait_for(lambda e: set(want) <= set(_canonical(e, MODEL_NAME)[0].values()))
@@ -163,8 +164,8 @@ def test_reuse_reported(servers: dict[Any, Any]) -> None:
     w: _Warply = servers[32]
     prompt = _prompt(2002)
     hits_before = w.server.metric("vllm:prefix_cache_hits_total")
-    first = w.server.complete(prompt, max_tokens=2)
-    second = w.server.complete(prompt, max_tokens=2)
+    first = complete(w.server, prompt, max_tokens=2)
+    second = complete(w.server, prompt, max_tokens=2)
     cached = second["usage"]["prompt_tokens_details"]["cached_tokens"]
     assert first["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
     assert cached == (len(prompt) - 1) // 32 * 32
@@ -174,10 +175,10 @@ def test_reuse_reported(servers: dict[Any, Any]) -> None:
     keys, _ = _canonical(w.state.snapshot(), MODEL_NAME)
     hash_of = {k: h for h, k in keys.items()}
     expected = [hash_of[k] for k in want[: cached // 32]]
-    batches = w.hits.wait_for(
-        lambda bs: any(h.block_hashes == expected for b in bs for h in b.hits)
+    events = w.state.wait_for(
+        lambda evs: any(isinstance(e, PrefixHit) and e.block_hashes == expected for e in evs)
     )
-    hit = next(h for b in batches for h in b.hits if h.block_hashes == expected)
+    hit = next(e for e in events if isinstance(e, PrefixHit) and e.block_hashes == expected)
     assert (hit.hit_tokens, hit.prompt_tokens) == (cached, len(prompt))
     _wait_metric(w.server, "vllm:warply_prefix_hit_blocks_total", len(expected))
 
@@ -192,7 +193,7 @@ def _wait_metric(server: VllmServer, name: str, at_least: float, timeout_s: floa
 
 def test_load_snapshots(servers: dict[Any, Any]) -> None:
     w: _Warply = servers[128]
-    w.server.complete(_prompt(3003), max_tokens=2)
+    complete(w.server, _prompt(3003), max_tokens=2)
     snaps = w.state.wait_for(lambda e: any(isinstance(x, LoadSnapshot) for x in e))
     snap = next(x for x in snaps if isinstance(x, LoadSnapshot))
     assert snap.kv_blocks_total > 0 and 0.0 <= snap.kv_usage <= 1.0
@@ -204,8 +205,8 @@ def test_outputs_unchanged_without_delegate(servers: dict[Any, Any]) -> None:
     plain: VllmServer = servers["plain"]
     for seed in (11, 12, 11):  # the repeat runs from the prefix cache on both
         prompt = _prompt(seed, 400)
-        a = w.server.complete(prompt, max_tokens=24)
-        b = plain.complete(prompt, max_tokens=24)
+        a = complete(w.server, prompt, max_tokens=24)
+        b = complete(plain, prompt, max_tokens=24)
         assert a["choices"][0]["text"] == b["choices"][0]["text"]
         assert a["usage"] == b["usage"]
 
@@ -213,7 +214,7 @@ def test_outputs_unchanged_without_delegate(servers: dict[Any, Any]) -> None:
 def test_directive_round_trip(servers: dict[Any, Any]) -> None:
     w: _Warply = servers[32]
     prompt = _prompt(4004)
-    w.server.complete(prompt, max_tokens=2)
+    complete(w.server, prompt, max_tokens=2)
     n = len(prompt) // 32
     want = prefix_keys(prompt, 32, MODEL_NAME)
     w.state.wait_for(lambda e: set(want) <= set(_canonical(e, MODEL_NAME)[0].values()))
@@ -246,7 +247,7 @@ def test_directive_round_trip(servers: dict[Any, Any]) -> None:
     assert not bad.applied and bad.reason.startswith("bad directive")
 
     # The prefix is really gone: resending it hits nothing.
-    again_out = w.server.complete(prompt, max_tokens=2)
+    again_out = complete(w.server, prompt, max_tokens=2)
     assert again_out["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
 
     events = w.state.wait_for(
@@ -266,7 +267,7 @@ def test_directive_round_trip(servers: dict[Any, Any]) -> None:
 
 def test_metrics_and_log_line(servers: dict[Any, Any]) -> None:
     w: _Warply = servers[32]
-    w.server.complete(_prompt(5005), max_tokens=2)
+    complete(w.server, _prompt(5005), max_tokens=2)
     _wait_metric(w.server, "vllm:warply_events_exported_total", 1)
     _wait_metric(w.server, "vllm:warply_blocks_stored_total", 1)
     deadline = time.monotonic() + 20

@@ -21,7 +21,7 @@ import pytest
 import yaml
 
 from router.tokenize import RouterTokenizer
-from warply.launch import HOST, EngineProcess, free_port, http_json, vllm_server
+from warply.launch import HOST, EngineProcess, VllmServer, free_port, http_json
 
 ROOT = Path(__file__).resolve().parents[2]
 BLOCK = 32
@@ -48,7 +48,7 @@ def stack(model_dir: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[
     for i in range(2):
         pub, replay = free_port(), free_port()
         engines.append(
-            vllm_server(
+            VllmServer(
                 VLLM_BIN, model_dir, log_path=logs / f"vllm{i}.log", served_name="tiny",
                 cpu_core=i,
                 args=["--block-size", str(BLOCK), "--max-model-len", "2048", "--max-num-seqs", "4",

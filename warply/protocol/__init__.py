@@ -1,6 +1,12 @@
 """The wire contract between engine plugins, the router and the SDK (no engine imports)."""
 
-from warply.protocol.decoder import DecodedBatch, Rejection, StreamDecoder
+from warply.protocol.decoder import (
+    DecodedBatch,
+    Rejection,
+    StreamDecoder,
+    engine_block_id,
+    salt_namespace,
+)
 from warply.protocol.directives import (
     Directive,
     DirectiveKind,
@@ -16,6 +22,7 @@ from warply.protocol.events import (
     Event,
     EventBatch,
     LoadSnapshot,
+    PrefixHit,
     TierMoved,
     encode_batch,
 )
@@ -34,6 +41,7 @@ __all__ = [
     "Event",
     "EventBatch",
     "LoadSnapshot",
+    "PrefixHit",
     "Rejection",
     "StreamDecoder",
     "Tier",
@@ -42,7 +50,9 @@ __all__ = [
     "decode_directive",
     "encode_batch",
     "encode_directive",
+    "engine_block_id",
     "prefix_keys",
     "root_seed",
+    "salt_namespace",
     "tier_for_medium",
 ]

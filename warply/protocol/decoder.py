@@ -82,15 +82,23 @@ class _Reject(Exception):
         self.reason = reason
 
 
-def _engine_hash(value: Any) -> int:
-    """Engine block ids as u64 ints: ints pass through; bytes (full sha256 digests) are folded."""
+def engine_block_id(value: int | bytes) -> int:
+    """An engine block hash as the u64 id Warply uses: ints are masked to 64 bits, digests
+    longer than 8 bytes (vLLM with `VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=0`) folded with xxh3."""
     if isinstance(value, int) and not isinstance(value, bool):
         return value & _U64
     if isinstance(value, (bytes, bytearray)):
         if len(value) <= 8:
             return int.from_bytes(value, "big")
         return xxhash.xxh3_64_intdigest(bytes(value))
-    raise _Reject(Rejection.BAD_SCHEMA, f"block hash of type {type(value).__name__}")
+    raise TypeError(f"block hash of type {type(value).__name__}")
+
+
+def _engine_hash(value: Any) -> int:
+    try:
+        return engine_block_id(value)
+    except TypeError as exc:
+        raise _Reject(Rejection.BAD_SCHEMA, str(exc)) from None
 
 
 def _fields(raw: Any, names: Sequence[str], kind: str) -> dict[str, Any]:
@@ -118,7 +126,7 @@ def _tier(medium: Any) -> Any:
     return tier
 
 
-def _root_namespace(extra_keys: Any, lora_name: Any) -> str:
+def salt_namespace(extra_keys: Any, lora_name: Any) -> str:
     """The cache namespace of a chain root, from vLLM's per-block `extra_keys`.
 
     vLLM 0.32 folds `cache_salt` into the extra keys of a request's first block only, next to
@@ -150,7 +158,7 @@ def _stored(raw: Any) -> BlockStored:
     if parent is None:
         # SGLang 0.5.23 sends the salt as its own `cache_salt` field; vLLM 0.32 in extra_keys.
         salt = f.get("cache_salt")
-        namespace = salt if isinstance(salt, str) else _root_namespace(f.get("extra_keys"), lora)
+        namespace = salt if isinstance(salt, str) else salt_namespace(f.get("extra_keys"), lora)
     return BlockStored(
         block_hashes=hashes,
         parent_hash=parent,

@@ -83,7 +83,24 @@ class DirectiveAck(_Event, tag="ack"):
     blocks: int = 0
 
 
-Event = BlockStored | BlockRemoved | AllCleared | TierMoved | LoadSnapshot | DirectiveAck
+class PrefixHit(_Event, tag="hit"):
+    """One request's local prefix-cache hit, decided when the engine allocated its blocks.
+
+    Statistics, not index state: the index ignores it; the router and metrics count it.
+    """
+
+    request_id: str
+    block_hashes: list[int]
+    """Engine hashes (as in `BlockStored`) of the reused blocks, root first."""
+    hit_tokens: int
+    prompt_tokens: int
+    namespace: str = ""
+    tier: Tier = Tier.GPU
+
+
+Event = (
+    BlockStored | BlockRemoved | AllCleared | TierMoved | LoadSnapshot | DirectiveAck | PrefixHit
+)
 
 
 class EventBatch(msgspec.Struct, tag="warply", array_like=True):

@@ -39,8 +39,10 @@ class StatePublisher:
         topic: str = "",
         worker: str = "",
         buffer_steps: int = 10_000,
+        bind: bool | None = None,
         context: zmq.Context[zmq.Socket[bytes]] | None = None,
     ) -> None:
+        """`bind`: True binds `endpoint`, False connects it; None follows the engines' rule."""
         self.worker = worker
         self.published = 0
         self._topic = topic.encode()
@@ -49,7 +51,8 @@ class StatePublisher:
         self._ctx = context or zmq.Context.instance()
         self._pub = self._ctx.socket(zmq.PUB)
         self._pub.setsockopt(zmq.LINGER, 500)
-        (self._pub.bind if _binds(endpoint) else self._pub.connect)(endpoint)
+        binds = _binds(endpoint) if bind is None else bind
+        (self._pub.bind if binds else self._pub.connect)(endpoint)
         self._replay: zmq.Socket[bytes] | None = None
         if replay_endpoint:
             self._replay = self._ctx.socket(zmq.ROUTER)

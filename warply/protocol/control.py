@@ -1,39 +1,50 @@
-"""Directive socket: a ZMQ ROUTER on its own thread that queues directives and sends back acks.
+"""Plugin-side directive socket: a ZMQ ROUTER on its own thread that queues directives.
 
-The thread never touches the cache: the scheduler thread drains `inbox` between steps and
-answers with `reply`. SGLang 0.5.23's scheduler spins through `on_idle` when it has no work, so
-no wake-up is needed for a queued directive to be applied.
+The thread only decodes and queues; the engine's scheduler thread drains `inbox` between steps,
+applies each directive through the engine's own API and answers with `reply`, so engine state
+is only ever touched by the thread that owns it. An undecodable message is answered at once
+with a rejection (it has no id to apply it under). Replies are `DirectiveAck` msgpack frames;
+clients decode them with `ack_decoder`.
 """
 
 from __future__ import annotations
 
 import queue
 import threading
+from collections.abc import Callable
 
 import msgspec
 import zmq
 
-from warply.protocol import Directive, DirectiveAck, decode_directive
+from warply.protocol.directives import Directive, decode_directive
+from warply.protocol.events import DirectiveAck
 
 _ack_encoder = msgspec.msgpack.Encoder()
+ack_decoder = msgspec.msgpack.Decoder(DirectiveAck)
+"""Decodes a control-socket reply."""
 
 
 class ControlServer:
-    """Binds `endpoint`; `inbox` holds `(envelope, directive)`; replies go out on the thread."""
+    """Binds `endpoint`; `inbox` holds `(envelope, directive)` for the scheduler thread.
 
-    def __init__(self, endpoint: str) -> None:
+    `wake`, if given, is called after each queued directive (engines that block while idle,
+    such as vLLM's EngineCore loop, need a nudge to run the hook that drains the inbox).
+    """
+
+    def __init__(self, endpoint: str, wake: Callable[[], None] | None = None) -> None:
         self.inbox: queue.SimpleQueue[tuple[list[bytes], Directive]] = queue.SimpleQueue()
         self._outbox: queue.SimpleQueue[tuple[list[bytes], DirectiveAck] | None] = (
             queue.SimpleQueue()
         )
+        self._wake = wake
         self._sock: zmq.Socket[bytes] = zmq.Context.instance().socket(zmq.ROUTER)
         self._sock.setsockopt(zmq.LINGER, 0)
-        self._sock.bind(endpoint)  # a taken address fails scheduler start-up, by design
+        self._sock.bind(endpoint)  # a taken address fails engine start-up, by design
         self._thread = threading.Thread(target=self._loop, name="warply-control", daemon=True)
         self._thread.start()
 
     def reply(self, envelope: list[bytes], ack: DirectiveAck) -> None:
-        """Queue an ack for the client that sent the directive."""
+        """Queue an ack for the client that sent the directive (sent by the control thread)."""
         self._outbox.put((envelope, ack))
 
     def close(self) -> None:
@@ -66,3 +77,5 @@ class ControlServer:
             self.reply(envelope, DirectiveAck("", False, f"bad directive: {exc}"))
             return
         self.inbox.put((envelope, directive))
+        if self._wake is not None:
+            self._wake()
