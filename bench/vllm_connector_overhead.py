@@ -1,7 +1,7 @@
 """WarplyConnector overhead on real vLLM: TTFT p50 and throughput, with vs without the connector.
 
 Starts two `vllm serve` engines with the `small` (~90M) test model on 127.0.0.1 — plain, and
-WarplyConnector (no delegate) exporting full state (events + replay + hits + control sockets, a
+WarplyConnector (no delegate) exporting full state (events + replay + control sockets, a
 collector subscribed) — each pinned to its own core, and drives them alternately (never both at
 once) with the same requests: cold prompts, their cached repeats, then concurrent batches for
 throughput. A second phase restarts both with the cores swapped, so core differences cancel;
@@ -16,10 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import random
-import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -34,115 +31,69 @@ from typing import Any
 
 import zmq
 
+from warply.launch import HOST, VllmServer, free_port
+
 ROOT = Path(__file__).resolve().parent.parent
-HOST = "127.0.0.1"
 
 
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind((HOST, 0))
-        port: int = s.getsockname()[1]
-        return port
+def _server(
+    name: str, model: str, log_dir: Path, kv: dict[str, Any] | None, core: int
+) -> VllmServer:
+    # One core each: vLLM's OpenMP threads spin after work, so engines sharing cores slow each
+    # other down even when only one is serving.
+    return VllmServer(
+        Path(sys.executable).parent / "vllm", model, log_path=log_dir / f"{name}-core{core}.log",
+        served_name="m", cpu_core=core, kv_transfer_config=kv,
+        args=["--block-size", "128", "--max-model-len", "4096", "--max-num-seqs", "8",
+              "--enable-prefix-caching", "--seed", "0"],
+    )  # fmt: skip
 
 
-class _Server:
-    def __init__(
-        self, name: str, model: str, log_dir: Path, kv: dict[str, Any] | None, core: int
-    ) -> None:
-        self.name, self.port, self.core = name, _port(), core
-        self.cmd = [
-            str(Path(sys.executable).parent / "vllm"), "serve", model, "--served-model-name", "m",
-            "--host", HOST, "--port", str(self.port), "--enforce-eager", "--block-size", "128",
-            "--max-model-len", "4096", "--max-num-seqs", "8", "--enable-prefix-caching",
-            "--seed", "0",
-        ]  # fmt: skip
-        if kv is not None:
-            self.cmd += ["--kv-transfer-config", json.dumps(kv)]
-        self.log = (log_dir / f"{name}-core{core}.log").open("wb")
-        self.proc: subprocess.Popen[bytes] | None = None
-
-    def launch(self) -> None:
-        # One core each: vLLM's OpenMP threads spin after work, so engines sharing cores slow
-        # each other down even when only one is serving.
-        env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1", VLLM_CPU_OMP_THREADS_BIND=str(self.core))
-        self.proc = subprocess.Popen(
-            self.cmd, stdout=self.log, stderr=subprocess.STDOUT, env=env, start_new_session=True
-        )
-
-    def wait_ready(self, deadline: float) -> None:
-        assert self.proc is not None
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"{self.name} exited; see {self.log.name}")
-            try:
-                with urllib.request.urlopen(f"http://{HOST}:{self.port}/health", timeout=2):
-                    return
-            except (urllib.error.URLError, ConnectionError, TimeoutError):
-                time.sleep(1)
-        raise TimeoutError(f"{self.name} not ready")
-
-    def stop(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGTERM)
-            try:
-                self.proc.wait(30)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait(10)
-        self.log.close()
-
-    def ttft(self, prompt: list[int], max_tokens: int = 1) -> tuple[float, int]:
-        """Seconds to the first streamed token, and the number of tokens generated."""
-        body = {"model": "m", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0,
-                "ignore_eos": True, "stream": True}  # fmt: skip
-        req = urllib.request.Request(
-            f"http://{HOST}:{self.port}/v1/completions",
-            data=json.dumps(body).encode(),
-            headers={"Content-Type": "application/json"},
-        )
-        t0 = time.perf_counter()
-        first, chunks = None, 0
-        with urllib.request.urlopen(req, timeout=120) as r:
-            for line in r:
-                if line.startswith(b"data: ") and not line.startswith(b"data: [DONE]"):
-                    chunks += 1
-                    if first is None:
-                        first = time.perf_counter() - t0
-        assert first is not None
-        return first, chunks
+def _ttft(server: VllmServer, prompt: list[int], max_tokens: int = 1) -> tuple[float, int]:
+    """Seconds to the first streamed token, and the number of tokens generated."""
+    body = {"model": "m", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0,
+            "ignore_eos": True, "stream": True}  # fmt: skip
+    req = urllib.request.Request(
+        f"{server.url}/v1/completions",
+        data=json.dumps(body).encode(),
+        headers={"Content-Type": "application/json"},
+    )
+    t0 = time.perf_counter()
+    first, chunks = None, 0
+    with urllib.request.urlopen(req, timeout=120) as r:
+        for line in r:
+            if line.startswith(b"data: ") and not line.startswith(b"data: [DONE]"):
+                chunks += 1
+                if first is None:
+                    first = time.perf_counter() - t0
+    assert first is not None
+    return first, chunks
 
 
 class _Drain:
-    """Binds SUB sockets for the Warply engine's state and hit streams and counts messages."""
+    """Binds a SUB socket for the Warply engine's state stream and counts messages."""
 
     def __init__(self) -> None:
-        self.endpoints = [f"tcp://{HOST}:{_port()}" for _ in range(2)]
+        self.endpoint = f"tcp://{HOST}:{free_port()}"
         self.count = 0
         self._stop = threading.Event()
-        self._socks = []
-        for ep in self.endpoints:
-            s = zmq.Context.instance().socket(zmq.SUB)
-            s.setsockopt(zmq.SUBSCRIBE, b"")
-            s.setsockopt(zmq.LINGER, 0)
-            s.bind(ep)
-            self._socks.append(s)
+        self._sock = zmq.Context.instance().socket(zmq.SUB)
+        self._sock.setsockopt(zmq.SUBSCRIBE, b"")
+        self._sock.setsockopt(zmq.LINGER, 0)
+        self._sock.bind(self.endpoint)
         self._thread = threading.Thread(target=self._run, daemon=True)
         self._thread.start()
 
     def _run(self) -> None:
-        poller = zmq.Poller()
-        for s in self._socks:
-            poller.register(s, zmq.POLLIN)
         while not self._stop.is_set():
-            for s, _ in poller.poll(100):
-                s.recv_multipart()
+            if self._sock.poll(100):
+                self._sock.recv_multipart()
                 self.count += 1
 
     def close(self) -> None:
         self._stop.set()
         self._thread.join(2)
-        for s in self._socks:
-            s.close()
+        self._sock.close()
 
 
 def _prompts(n: int, length: int, seed: int) -> list[list[int]]:
@@ -150,16 +101,16 @@ def _prompts(n: int, length: int, seed: int) -> list[list[int]]:
     return [[rng.randrange(6, 8192) for _ in range(length)] for _ in range(n)]
 
 
-def _throughput(server: _Server, prompts: list[list[int]], out_tokens: int) -> float:
+def _throughput(server: VllmServer, prompts: list[list[int]], out_tokens: int) -> float:
     """Generated tokens per second for `prompts` sent 4 at a time."""
     t0 = time.perf_counter()
     with ThreadPoolExecutor(4) as pool:
-        done = list(pool.map(lambda p: server.ttft(p, out_tokens)[1], prompts))
+        done = list(pool.map(lambda p: _ttft(server, p, out_tokens)[1], prompts))
     return sum(done) / (time.perf_counter() - t0)
 
 
 def _phase(
-    servers: dict[str, _Server],
+    servers: dict[str, VllmServer],
     args: argparse.Namespace,
     phase: int,
     deadline: float,
@@ -168,18 +119,18 @@ def _phase(
 ) -> None:
     """Start both engines, then measure them alternately (fresh prompts per phase)."""
     for s in servers.values():
-        s.launch()
+        s.start()
     for s in servers.values():
-        s.wait_ready(deadline)
+        s.wait_healthy(max(1.0, deadline - time.monotonic()))
     order = ["plain", "warply"]
     for s in servers.values():  # warm-up (first-request allocations, kernel setup)
-        s.ttft(_prompts(1, args.prompt_len, 99)[0], 4)
+        _ttft(s, _prompts(1, args.prompt_len, 99)[0], 4)
     for i, p in enumerate(_prompts(args.prompts, args.prompt_len, 1 + phase)):
         if time.monotonic() > deadline:
             raise TimeoutError("out of time in the TTFT phase")
         for name in order if i % 2 == 0 else order[::-1]:  # alternate who goes first
-            ttft[name]["cold"].append(servers[name].ttft(p)[0])
-            ttft[name]["cached"].append(servers[name].ttft(p)[0])
+            ttft[name]["cold"].append(_ttft(servers[name], p)[0])
+            ttft[name]["cached"].append(_ttft(servers[name], p)[0])
     for r in range(args.rounds):
         batch = _prompts(args.batch, args.prompt_len // 2, 100 + 10 * phase + r)
         for name in order if r % 2 == 0 else order[::-1]:
@@ -209,9 +160,9 @@ def main() -> None:
         "kv_connector": "WarplyConnector",
         "kv_role": "kv_both",
         "kv_connector_extra_config": {"warply": {
-            "events_endpoint": drain.endpoints[0], "hits_endpoint": drain.endpoints[1],
-            "replay_endpoint": f"tcp://{HOST}:{_port()}",
-            "control_endpoint": f"tcp://{HOST}:{_port()}",
+            "events_endpoint": drain.endpoint,
+            "replay_endpoint": f"tcp://{HOST}:{free_port()}",
+            "control_endpoint": f"tcp://{HOST}:{free_port()}",
         }},
     }  # fmt: skip
     order = ["plain", "warply"]
@@ -220,8 +171,8 @@ def main() -> None:
     try:
         for phase, cores in enumerate(((0, 1), (1, 0))):
             servers = {
-                "plain": _Server("plain", model, logs, None, cores[0]),
-                "warply": _Server("warply", model, logs, warply_cfg, cores[1]),
+                "plain": _server("plain", model, logs, None, cores[0]),
+                "warply": _server("warply", model, logs, warply_cfg, cores[1]),
             }
             try:
                 _phase(servers, args, phase, deadline, ttft, tput)

@@ -9,7 +9,6 @@ events, adds directive acks and load snapshots, and sends it with `StatePublishe
 
 from __future__ import annotations
 
-import logging
 import os
 import queue
 import socket
@@ -21,12 +20,10 @@ from sglang.srt.disaggregation.kv_events import EventPublisher, ZmqEventPublishe
 
 from sglang_hook.directives import DirectiveApplier
 from sglang_hook.events import PageBook, to_warply
-from warply.protocol import DirectiveAck, Event, LoadSnapshot
+from warply.protocol import Event, LoadSnapshot
 from warply.protocol.control import ControlServer
 from warply.protocol.publisher import StatePublisher
 from warply_plugins.sglang import WarplySettings
-
-_log = logging.getLogger(__name__)
 
 _active: WarplyEventPublisher | None = None
 
@@ -97,7 +94,7 @@ class WarplyEventPublisher(EventPublisher):  # type: ignore[misc]
         if self._applier is not None:
             self._applier.expire()
             if self._control is not None:
-                self._apply_directives(self._applier, self._control)
+                self._pending.extend(self._control.apply_pending(self._applier.apply))
         now = time.monotonic()
         if self._load is not None and now >= self._next_snapshot:
             assert self.settings is not None
@@ -136,16 +133,3 @@ class WarplyEventPublisher(EventPublisher):  # type: ignore[misc]
         if out:
             self._state.publish(out)
 
-    def _apply_directives(self, applier: DirectiveApplier, control: ControlServer) -> None:
-        while True:
-            try:
-                envelope, directive = control.inbox.get_nowait()
-            except queue.Empty:
-                return
-            try:
-                ack = applier.apply(directive)
-            except Exception as exc:  # an ack must go out whatever happens
-                _log.exception("warply directive %s failed", directive.id)
-                ack = DirectiveAck(directive.id, False, f"internal error: {exc}")
-            control.reply(envelope, ack)
-            self._pending.append(ack)

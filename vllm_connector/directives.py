@@ -17,7 +17,6 @@ Every directive gets a `DirectiveAck`, as the reply on the control socket and on
 from __future__ import annotations
 
 import functools
-import logging
 import queue
 import sys
 import time
@@ -35,7 +34,6 @@ if TYPE_CHECKING:
     from vllm.v1.core.block_pool import BlockPool
     from vllm.v1.core.kv_cache_utils import BlockHash, KVCacheBlock
 
-_log = logging.getLogger(__name__)
 
 
 def find_engine_wakeup() -> Callable[[], None] | None:
@@ -98,18 +96,8 @@ class DirectiveApplier:
     def drain(self) -> None:
         """Expire pins, then apply and acknowledge every queued directive."""
         self._expire_pins()
-        while True:
-            try:
-                envelope, directive = self._server.inbox.get_nowait()
-            except queue.Empty:
-                return
-            try:
-                ack = self._apply(directive)
-            except Exception as exc:  # an ack must go out whatever happens
-                _log.exception("warply directive %s failed", directive.id)
-                ack = DirectiveAck(directive.id, False, f"internal error: {exc}")
+        for ack in self._server.apply_pending(self._apply):
             self._on_result(ack.applied)
-            self._server.reply(envelope, ack)
             self._exporter.ack(ack)
 
     def close(self) -> None:

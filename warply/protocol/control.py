@@ -9,6 +9,7 @@ clients decode them with `ack_decoder`.
 
 from __future__ import annotations
 
+import logging
 import queue
 import threading
 from collections.abc import Callable
@@ -19,6 +20,7 @@ import zmq
 from warply.protocol.directives import Directive, decode_directive
 from warply.protocol.events import DirectiveAck
 
+_log = logging.getLogger(__name__)
 _ack_encoder = msgspec.msgpack.Encoder()
 ack_decoder = msgspec.msgpack.Decoder(DirectiveAck)
 """Decodes a control-socket reply."""
@@ -42,6 +44,25 @@ class ControlServer:
         self._sock.bind(endpoint)  # a taken address fails engine start-up, by design
         self._thread = threading.Thread(target=self._loop, name="warply-control", daemon=True)
         self._thread.start()
+
+    def apply_pending(self, apply: Callable[[Directive], DirectiveAck]) -> list[DirectiveAck]:
+        """Scheduler thread: apply every queued directive, answer each, return the acks.
+
+        An exception inside `apply` becomes a rejection: every directive gets an answer.
+        """
+        acks: list[DirectiveAck] = []
+        while True:
+            try:
+                envelope, directive = self.inbox.get_nowait()
+            except queue.Empty:
+                return acks
+            try:
+                ack = apply(directive)
+            except Exception as exc:
+                _log.exception("warply directive %s failed", directive.id)
+                ack = DirectiveAck(directive.id, False, f"internal error: {exc}")
+            self.reply(envelope, ack)
+            acks.append(ack)
 
     def reply(self, envelope: list[bytes], ack: DirectiveAck) -> None:
         """Queue an ack for the client that sent the directive (sent by the control thread)."""
