@@ -1,4 +1,4 @@
-"""`warply` command line: inspect state streams (more subcommands arrive with the SDK)."""
+"""`warply` command line: inspect state streams, replay traces (more arrive with the SDK)."""
 
 from __future__ import annotations
 
@@ -77,6 +77,16 @@ def _watch(args: argparse.Namespace) -> int:
     return 0
 
 
+def _bench(args: argparse.Namespace) -> int:
+    """Run the trace replayer (`python -m router.replay`) in a subprocess of this interpreter.
+
+    The SDK never imports the router; the replayer parses and validates its own arguments.
+    """
+    import subprocess
+
+    return subprocess.call([sys.executable, "-m", "router.replay", args.mode, *args.rest])
+
+
 def _parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="warply", description="Warply: KV-cache control plane.")
     ap.add_argument("--version", action="version", version=f"warply {__version__}")
@@ -100,6 +110,16 @@ def _parser() -> argparse.ArgumentParser:
     w.add_argument("--count", type=int, default=0, help="stop after this many events")
     w.add_argument("--duration", type=float, default=0.0, help="stop after this many seconds")
     w.set_defaults(func=_watch)
+    b = sub.add_parser(
+        "bench",
+        help="replay a request trace: simulated engines (replay) or a live endpoint (live)",
+        description="`warply bench replay TRACE ...`: the router's index and strategies over "
+        "simulated engines; `warply bench live --url URL TRACE ...`: against a running "
+        "OpenAI-compatible endpoint. `warply bench replay --help` lists the options.",
+    )
+    b.add_argument("mode", choices=("replay", "live"), help="replay or live")
+    b.add_argument("rest", nargs=argparse.REMAINDER, help="arguments of that mode")
+    b.set_defaults(func=_bench)
     return ap
 
 

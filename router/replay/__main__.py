@@ -1,0 +1,291 @@
+"""Command line of the replayer: `python -m router.replay {replay,live} ...`.
+
+`warply bench replay|live` runs this module in a subprocess, so the SDK never imports the router.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+from collections.abc import Callable, Sequence
+from concurrent.futures import ProcessPoolExecutor
+from dataclasses import dataclass
+from multiprocessing import get_context
+from typing import Any
+
+from pydantic import BaseModel, ValidationError
+
+from router.replay.baselines import BASELINES
+from router.replay.costmodel import CostModel
+from router.replay.engine import EngineConfig
+from router.replay.oracle import infinite_reuse, lru_reuse
+from router.replay.report import plot, summarize, table, write_json
+from router.replay.sim import simulate
+from router.replay.trace import ExpandedTrace, TraceError, read_trace
+from router.strategies import BUILTIN, Strategy
+
+STRATEGIES: dict[str, type[Strategy]] = {**BUILTIN, **BASELINES}
+DEFAULT_STRATEGIES = (
+    "round_robin",
+    "least_loaded",
+    "prefix_affinity",
+    "kv-reuse",
+    "sglang_cache_aware",
+    "dynamo_kv",
+    "llmd_precise",
+)
+
+
+class UsageError(ValueError):
+    """Bad command-line input; the message says what and why."""
+
+
+@dataclass(frozen=True)
+class StrategySpec:
+    """A strategy to replay: display label, class and validated knobs."""
+
+    label: str
+    cls: type[Strategy]
+    knobs: BaseModel
+
+    def build(self) -> Strategy:
+        return self.cls(self.knobs)
+
+
+def parse_strategy(spec: str) -> StrategySpec:
+    """`[LABEL=]NAME[:JSON_KNOBS]`, e.g. `pa8=prefix_affinity:{"balance_abs": 8}`."""
+    label, _, rest = spec.rpartition("=") if "=" in spec.split(":", 1)[0] else ("", "", spec)
+    name, _, raw = rest.partition(":")
+    cls = STRATEGIES.get(name)
+    if cls is None:
+        raise UsageError(f"unknown strategy {name!r}; known: {', '.join(sorted(STRATEGIES))}")
+    try:
+        knobs = cls.Knobs.model_validate_json(raw or "{}")
+    except ValidationError as exc:
+        raise UsageError(f"bad knobs for {name}: {exc}") from None
+    return StrategySpec(label or (f"{name}:{raw}" if raw else name), cls, knobs)
+
+
+def _cost_model(path: str | None) -> Callable[[], CostModel] | None:
+    if not path:
+        return None
+    module, _, attr = path.partition(":")
+    try:
+        factory = getattr(importlib.import_module(module), attr)
+    except (ImportError, AttributeError, ValueError) as exc:
+        raise UsageError(f"cannot load cost model {path!r}: {exc}") from None
+    if not isinstance(factory(), CostModel):
+        raise UsageError(f"{path} does not build a CostModel (prefill_ms, decode_ms)")
+    model: Callable[[], CostModel] = factory
+    return model
+
+
+def _workers(text: str) -> list[int]:
+    try:
+        values = [int(v) for v in text.split(",")]
+    except ValueError:
+        raise UsageError(f"--workers wants integers like 4 or 4,8; got {text!r}") from None
+    if not values or min(values) <= 0:
+        raise UsageError("--workers must be positive")
+    return values
+
+
+# The forked workers read the expanded trace from here (inherited, never pickled).
+_SHARED: dict[str, Any] = {}
+
+
+def _run_one(job: tuple[StrategySpec, int]) -> dict[str, Any]:
+    spec, workers = job
+    trace: ExpandedTrace = _SHARED["trace"]
+    result = simulate(
+        trace,
+        spec.build(),
+        workers,
+        spec.label,
+        _SHARED["config"],
+        _SHARED["model"],
+        _SHARED.get("progress"),
+    )
+    return summarize(result, _SHARED["oracles"].get(f"aggregate LRU N={workers}"))
+
+
+def _replay(args: argparse.Namespace) -> int:
+    from tqdm import tqdm
+
+    specs = [parse_strategy(s) for s in (args.strategy or DEFAULT_STRATEGIES)]
+    counts = _workers(args.workers)
+    try:
+        config = EngineConfig(
+            num_blocks=args.num_blocks,
+            block_size=args.block_size,
+            max_batched_tokens=args.max_batched_tokens,
+            max_seqs=args.max_seqs,
+            watermark=args.watermark,
+            host_blocks=args.host_blocks,
+            host_load_ms_per_token=args.host_load_ms_per_token,
+        )
+    except ValidationError as exc:
+        raise UsageError(f"bad engine settings: {exc}") from None
+    model = _cost_model(args.cost_model)
+    requests = read_trace(args.trace, args.limit)
+    trace = ExpandedTrace(requests, args.trace_block, config.block_size)
+    oracles = {"infinite": infinite_reuse(trace)}
+    for n in counts:
+        oracles[f"aggregate LRU N={n}"] = lru_reuse(trace, n * config.num_blocks)
+    _SHARED.update(trace=trace, config=config, model=model, oracles=oracles)
+    jobs = [(spec, n) for n in counts for spec in specs]
+    rows: list[dict[str, Any]] = []
+    if args.jobs > 1:
+        with (
+            ProcessPoolExecutor(args.jobs, mp_context=get_context("fork")) as pool,
+            tqdm(total=len(jobs), desc="replays (simulated)", disable=args.quiet) as bar,
+        ):
+            for row in pool.map(_run_one, jobs):
+                rows.append(row)
+                bar.update()
+    else:
+        for spec, n in jobs:
+            with tqdm(
+                total=len(trace), desc=f"{spec.label} N={n} (sim)", disable=args.quiet
+            ) as bar:
+                _SHARED["progress"] = bar.update
+                rows.append(_run_one((spec, n)))
+    print(table(rows, oracles))
+    report = {
+        "trace": str(args.trace),
+        "requests": len(trace),
+        "trace_block": args.trace_block,
+        "engine": {"simulator": "router.replay.engine", **config.model_dump()},
+        "cost_model": args.cost_model or "reference (Dynamo mocker polynomial)",
+        "oracles": oracles,
+        "results": rows,
+    }
+    if args.json:
+        write_json(args.json, report)
+    if args.plot:
+        plot(args.plot, rows, oracles)
+    return 0
+
+
+def _live(args: argparse.Namespace) -> int:
+    from router.replay.live import LiveConfig, run_live
+
+    try:
+        cfg = LiveConfig(
+            url=args.url,
+            model=args.model,
+            speedup=args.speedup,
+            concurrency=args.concurrency,
+            timeout_s=args.timeout,
+            max_output_tokens=args.max_output_tokens,
+            max_prompt_tokens=args.max_prompt_tokens,
+            vocab=args.vocab,
+            allow_remote=args.allow_remote,
+        )
+    except ValidationError as exc:
+        raise UsageError(f"bad live settings: {exc}") from None
+    requests = read_trace(args.trace, args.limit)
+    row = run_live(requests, args.trace_block, cfg, quiet=args.quiet)
+    print(table([row], {}))
+    if args.json:
+        write_json(
+            args.json, {"trace": str(args.trace), "live": cfg.model_dump(), "results": [row]}
+        )
+    return 0
+
+
+def _positive(kind: type[int] | type[float]) -> Callable[[str], Any]:
+    def parse(text: str) -> Any:
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+        if value <= 0:
+            raise argparse.ArgumentTypeError(f"must be positive: {text!r}")
+        return value
+
+    return parse
+
+
+def _common(p: argparse.ArgumentParser) -> None:
+    p.add_argument("trace", help="Mooncake-format JSONL trace (timestamp ms, input_length, ...)")
+    p.add_argument(
+        "--trace-block",
+        type=_positive(int),
+        default=512,
+        help="tokens per trace hash id (Mooncake: 512; the SGLang GSP trace here: 16)",
+    )
+    p.add_argument("--limit", type=_positive(int), help="replay only the first N requests")
+    p.add_argument("--json", metavar="PATH", help="write the report as JSON")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+
+
+def parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(
+        prog="warply bench",
+        description="Replay a request trace: offline against simulated engines (replay), "
+        "or against a running OpenAI-compatible endpoint (live).",
+    )
+    sub = ap.add_subparsers(dest="command", required=True)
+    r = sub.add_parser(
+        "replay",
+        help="simulated engines + the router's real index and strategies",
+        description="Replay a trace through the router's index and strategies over N simulated "
+        "engines (simulated time; default engine = the reference model of ENGINES.md). "
+        "Prints a table with oracle reuse bounds; --json / --plot save it.",
+    )
+    _common(r)
+    r.add_argument("--workers", default="8", help="simulated workers, e.g. 8 or 4,8")
+    r.add_argument(
+        "-s",
+        "--strategy",
+        action="append",
+        metavar="[LABEL=]NAME[:JSON]",
+        help=f"strategy to replay (repeatable; default: {', '.join(DEFAULT_STRATEGIES)}); "
+        f"known: {', '.join(sorted(STRATEGIES))}",
+    )
+    r.add_argument("--plot", metavar="PATH", help="write a PNG plot (matplotlib)")
+    r.add_argument("--jobs", type=_positive(int), default=1, help="replays run in parallel")
+    r.add_argument("--num-blocks", type=int, default=16384, help="KV blocks per worker")
+    r.add_argument("--block-size", type=int, default=64, help="tokens per engine block")
+    r.add_argument("--max-batched-tokens", type=int, default=8192, help="per scheduler pass")
+    r.add_argument("--max-seqs", type=int, default=256, help="running sequences per pass")
+    r.add_argument("--watermark", type=float, default=0.01, help="free-block fraction kept")
+    r.add_argument("--host-blocks", type=int, default=0, help="host (L2) tier blocks; 0 = none")
+    r.add_argument("--host-load-ms-per-token", type=float, default=0.0, help="L2 load cost")
+    r.add_argument("--cost-model", metavar="MODULE:CLASS", help="pluggable cost model")
+    r.set_defaults(func=_replay)
+    lv = sub.add_parser(
+        "live",
+        help="replay against a running OpenAI-compatible endpoint with real timing",
+        description="Send the trace's requests to URL (/v1/completions, streaming, token-id "
+        "prompts) at their trace times divided by --speedup; measures TTFT and ITL per request. "
+        "Bounded by --limit, --timeout and --concurrency; stops by itself.",
+    )
+    _common(lv)
+    lv.add_argument("--url", required=True, help="base URL, e.g. http://127.0.0.1:8000")
+    lv.add_argument("--model", default="", help="model name to send (default: the first served)")
+    lv.add_argument("--speedup", type=_positive(float), default=1.0, help="time compression")
+    lv.add_argument("--concurrency", type=_positive(int), default=64, help="max open requests")
+    lv.add_argument("--timeout", type=_positive(float), default=600.0, help="whole run, seconds")
+    lv.add_argument("--max-output-tokens", type=_positive(int), help="cap each output_length")
+    lv.add_argument("--max-prompt-tokens", type=_positive(int), help="cap each prompt length")
+    lv.add_argument("--vocab", type=_positive(int), default=32000, help="token ids < vocab")
+    lv.add_argument("--allow-remote", action="store_true", help="allow a URL that is not loopback")
+    lv.set_defaults(func=_live)
+    return ap
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parser().parse_args(argv)
+    try:
+        code: int = args.func(args)
+    except (UsageError, TraceError) as exc:
+        print(f"warply bench {args.command}: {exc}", file=sys.stderr)
+        return 2
+    return code
+
+
+if __name__ == "__main__":
+    sys.exit(main())

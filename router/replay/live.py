@@ -1,0 +1,200 @@
+"""Live replay: send a trace to a running OpenAI-compatible endpoint with real timing.
+
+Each request goes to `POST {url}/v1/completions` at (trace timestamp / speedup) after the start,
+with the trace's token ids as the prompt (`request_tokens`, ids < vocab), `max_tokens` =
+output_length, `ignore_eos` and `stream`. TTFT is the time to the first streamed chunk, ITL the
+mean gap between chunks after it, reuse `usage.prompt_tokens_details.cached_tokens / prompt`
+where the server reports it (vLLM: `--enable-prompt-tokens-details`). The run is bounded: at most
+`concurrency` open requests, nothing is sent after `timeout_s`, every socket has a timeout, and
+only loopback URLs are accepted unless `allow_remote`.
+"""
+
+from __future__ import annotations
+
+import http.client
+import ipaddress
+import json
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+from urllib.parse import urlsplit
+
+import numpy as np
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from router.replay.trace import TraceRequest, request_tokens
+
+
+class LiveConfig(BaseModel):
+    """Where and how fast to replay (validated; see the module docstring)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    url: str
+    model: str = ""
+    speedup: float = Field(1.0, gt=0)
+    concurrency: int = Field(64, gt=0)
+    timeout_s: float = Field(600.0, gt=0)
+    max_output_tokens: int | None = Field(None, gt=0)
+    max_prompt_tokens: int | None = Field(None, gt=0)
+    vocab: int = Field(32000, ge=2)
+    allow_remote: bool = False
+
+    @field_validator("url")
+    @classmethod
+    def _http_url(cls, url: str) -> str:
+        parts = urlsplit(url)
+        if parts.scheme != "http" or not parts.hostname:
+            raise ValueError(f"want http://HOST:PORT, got {url!r}")
+        return url.rstrip("/")
+
+    def check_target(self) -> None:
+        """Refuse non-loopback hosts unless `allow_remote` (tests and benches stay local)."""
+        host = urlsplit(self.url).hostname or ""
+        if self.allow_remote or host == "localhost":
+            return
+        try:
+            loopback = ipaddress.ip_address(host).is_loopback
+        except ValueError:
+            loopback = False
+        if not loopback:
+            raise ValueError(f"{host} is not a loopback address (pass --allow-remote)")
+
+
+@dataclass(slots=True)
+class _Outcome:
+    prompt: int
+    output: int
+    ttft_ms: float = -1.0
+    itl_ms: float = -1.0
+    cached: int = 0
+    error: str = ""
+
+
+def _connection(cfg: LiveConfig, timeout: float) -> http.client.HTTPConnection:
+    parts = urlsplit(cfg.url)
+    return http.client.HTTPConnection(parts.hostname or "", parts.port or 80, timeout=timeout)
+
+
+def _served_model(cfg: LiveConfig) -> str:
+    conn = _connection(cfg, 10.0)
+    try:
+        conn.request("GET", "/v1/models")
+        body = json.loads(conn.getresponse().read())
+        name: str = body["data"][0]["id"]
+        return name
+    finally:
+        conn.close()
+
+
+def _send(cfg: LiveConfig, model: str, prompt: list[int], max_tokens: int) -> _Outcome:
+    out = _Outcome(len(prompt), 0)
+    payload = {
+        "model": model,
+        "prompt": prompt,
+        "max_tokens": max_tokens,
+        "stream": True,
+        "ignore_eos": True,
+        "temperature": 0.0,
+        "stream_options": {"include_usage": True},
+    }
+    conn = _connection(cfg, min(cfg.timeout_s, 120.0))
+    start = time.perf_counter()
+    stamps: list[float] = []
+    try:
+        conn.request(
+            "POST", "/v1/completions", json.dumps(payload), {"Content-Type": "application/json"}
+        )
+        resp = conn.getresponse()
+        if resp.status != 200:
+            out.error = f"HTTP {resp.status}: {resp.read()[:200]!r}"
+            return out
+        for raw in resp:
+            line = raw.strip()
+            if not line.startswith(b"data:") or line == b"data: [DONE]":
+                continue
+            chunk: dict[str, Any] = json.loads(line[5:])
+            if chunk.get("choices"):
+                stamps.append(time.perf_counter())
+            usage = chunk.get("usage") or {}
+            details = usage.get("prompt_tokens_details") or {}
+            out.cached = int(details.get("cached_tokens") or out.cached)
+    except (OSError, http.client.HTTPException, ValueError) as exc:
+        out.error = f"{type(exc).__name__}: {exc}"
+    finally:
+        conn.close()
+    out.output = len(stamps)
+    if stamps:
+        out.ttft_ms = (stamps[0] - start) * 1000
+    if len(stamps) > 1:
+        out.itl_ms = (stamps[-1] - stamps[0]) * 1000 / (len(stamps) - 1)
+    return out
+
+
+def run_live(
+    requests: list[TraceRequest], trace_block: int, cfg: LiveConfig, quiet: bool = False
+) -> dict[str, Any]:
+    """Replay `requests` against `cfg.url`; one report row (the `report.summarize` keys)."""
+    from tqdm import tqdm
+
+    cfg.check_target()
+    model = cfg.model or _served_model(cfg)
+    t0 = time.perf_counter()
+    deadline = t0 + cfg.timeout_s
+    base = requests[0].arrival_ms
+    outcomes: list[_Outcome] = []
+    lock = threading.Lock()
+    bar = tqdm(total=len(requests), desc=f"live {cfg.url}", disable=quiet)
+
+    def one(req: TraceRequest) -> None:
+        due = t0 + (req.arrival_ms - base) / 1000 / cfg.speedup
+        if due > deadline:
+            return
+        time.sleep(max(0.0, due - time.perf_counter()))
+        n_prompt = min(req.input_length, cfg.max_prompt_tokens or req.input_length)
+        prompt = request_tokens(req, trace_block, cfg.vocab, 0, n_prompt).tolist()
+        outcome = _send(
+            cfg, model, prompt, min(req.output_length, cfg.max_output_tokens or 1 << 30)
+        )
+        with lock:
+            outcomes.append(outcome)
+            bar.update()
+
+    with ThreadPoolExecutor(cfg.concurrency) as pool:
+        list(pool.map(one, requests))
+    bar.close()
+    return _summary(cfg, outcomes, time.perf_counter() - t0)
+
+
+def _summary(cfg: LiveConfig, outcomes: list[_Outcome], wall_s: float) -> dict[str, Any]:
+    ok = [o for o in outcomes if not o.error and o.ttft_ms >= 0]
+    ttft = np.array([o.ttft_ms for o in ok])
+    itl = np.array([o.itl_ms for o in ok if o.itl_ms >= 0])
+    prompt = sum(o.prompt for o in ok)
+
+    def pct(values: Any, q: float) -> float:
+        return float(np.percentile(values, q)) if len(values) else 0.0
+
+    return {
+        "strategy": f"live {cfg.url}",
+        "workers": "-",
+        "requests": len(ok),
+        "errors": len(outcomes) - len(ok),
+        "first_error": next((o.error for o in outcomes if o.error), ""),
+        "reuse": sum(o.cached for o in ok) / prompt if prompt else 0.0,
+        "vs_oracle": None,
+        "ttft_mean_ms": float(ttft.mean()) if len(ttft) else 0.0,
+        "ttft_p50_ms": pct(ttft, 50),
+        "ttft_p90_ms": pct(ttft, 90),
+        "ttft_p99_ms": pct(ttft, 99),
+        "itl_mean_ms": float(itl.mean()) if len(itl) else 0.0,
+        "itl_p50_ms": pct(itl, 50),
+        "itl_p99_ms": pct(itl, 99),
+        "throughput_tok_s": sum(o.output for o in ok) / wall_s if wall_s else 0.0,
+        "imbalance": None,
+        "preemptions": None,
+        "decision_mean_us": None,
+        "wall_s": wall_s,
+        "cpu_s": None,
+    }

@@ -1,0 +1,58 @@
+"""Upper bounds on prefix reuse for a trace, independent of placement and timing.
+
+Both process requests at arrival, instantly, with the same reuse rule as the simulated engine
+(the leading cached blocks of a prompt, the last prompt block always recomputed):
+
+- `infinite_reuse`: one cache that never evicts (every repeated prefix is reused);
+- `lru_reuse`: one LRU cache of `capacity` blocks, e.g. the aggregate capacity of all
+  workers, as if placement were perfect and the workers' caches were pooled.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+
+from router.replay.trace import ExpandedTrace
+
+
+def _reusable(trace: ExpandedTrace, index: int) -> int:
+    """Blocks of request `index` that may be reused: its full blocks, less the last token's."""
+    return min(len(trace.keys[index]), (trace.requests[index].input_length - 1) // trace.block_size)
+
+
+def infinite_reuse(trace: ExpandedTrace) -> float:
+    """Reused tokens / prompt tokens with one infinite cache."""
+    seen: set[int] = set()
+    reused = total = 0
+    for i, req in enumerate(trace.requests):
+        keys, cap, hit = trace.keys[i], _reusable(trace, i), 0
+        while hit < cap and keys[hit] in seen:
+            hit += 1
+        reused += hit * trace.block_size
+        total += req.input_length
+        seen.update(keys)
+    return reused / total
+
+
+def lru_reuse(trace: ExpandedTrace, capacity: int) -> float:
+    """Reused tokens / prompt tokens with one LRU cache of `capacity` blocks.
+
+    A prompt's blocks are touched tail first, so its head is the most recent and an eviction
+    takes tails before heads (as vLLM frees a finished request's blocks in reverse).
+    """
+    if capacity <= 0:
+        raise ValueError("capacity must be positive")
+    cache: OrderedDict[int, None] = OrderedDict()
+    reused = total = 0
+    for i, req in enumerate(trace.requests):
+        keys, cap, hit = trace.keys[i], _reusable(trace, i), 0
+        while hit < cap and keys[hit] in cache:
+            hit += 1
+        reused += hit * trace.block_size
+        total += req.input_length
+        for key in reversed(keys):
+            cache[key] = None
+            cache.move_to_end(key)
+        for _ in range(len(cache) - capacity):
+            cache.popitem(last=False)
+    return reused / total

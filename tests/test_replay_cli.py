@@ -1,0 +1,143 @@
+"""`warply bench replay`: command line, reports, and the baseline strategies."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from router.index import WorkerMatch
+from router.replay.__main__ import main, parse_strategy
+from router.replay.baselines import DynamoKv, LlmdPrecise, SglangCacheAware
+from router.strategies import RequestView, WorkerLoad
+
+GSP = Path(__file__).parents[1] / "../shared/traces/sglang_gsp/gsp_default_blk16.jsonl"
+
+
+def _trace_file(tmp_path: Path) -> Path:
+    lines = [
+        {
+            "timestamp": 10 * i,
+            "input_length": 1200,
+            "output_length": 8,
+            "hash_ids": [0, 1 + i % 3, 4 + i % 3],
+        }
+        for i in range(12)
+    ]
+    path = tmp_path / "trace.jsonl"
+    path.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    return path
+
+
+def _warply(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "warply", *args], capture_output=True, text=True, timeout=120
+    )
+
+
+def test_warply_bench_help_runs_the_replayer_in_a_subprocess() -> None:
+    top = _warply("bench", "--help")
+    assert top.returncode == 0 and "replay" in top.stdout
+    sub = _warply("bench", "replay", "--help")
+    assert sub.returncode == 0 and "--workers" in sub.stdout and "simulated" in sub.stdout
+    live = _warply("bench", "live", "--help")
+    assert live.returncode == 0 and "--speedup" in live.stdout
+
+
+def test_warply_bench_replay_end_to_end(tmp_path: Path) -> None:
+    trace = _trace_file(tmp_path)
+    out, png = tmp_path / "r.json", tmp_path / "r.png"
+    run = _warply(
+        "bench", "replay", str(trace), "--trace-block", "512", "--workers", "2",
+        "-s", "round_robin", "-s", 'pa=prefix_affinity:{"balance_abs": 2}',
+        "--json", str(out), "--plot", str(png), "--quiet",
+    )  # fmt: skip
+    assert run.returncode == 0, run.stderr
+    assert "oracle infinite" in run.stdout and "pa" in run.stdout
+    report = json.loads(out.read_text())
+    assert [r["strategy"] for r in report["results"]] == ["round_robin", "pa"]
+    assert report["engine"]["simulator"] and report["oracles"]["infinite"] > 0
+    assert png.read_bytes()[:4] == b"\x89PNG"
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["-s", "nope"], "unknown strategy 'nope'"),
+        (["-s", 'prefix_affinity:{"balance_abs": -1}'], "bad knobs for prefix_affinity"),
+        (["-s", 'prefix_affinity:{"nope": 1}'], "bad knobs for prefix_affinity"),
+        (["--workers", "four"], "--workers wants integers"),
+        (["--num-blocks", "0"], "bad engine settings"),
+        (["--trace-block", "16"], "wrong --trace-block"),
+        (["--cost-model", "nowhere:Model"], "cannot load cost model"),
+    ],
+)
+def test_bad_input_is_refused_with_a_clear_message(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], args: list[str], message: str
+) -> None:
+    assert main(["replay", str(_trace_file(tmp_path)), "--quiet", *args]) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_missing_trace_and_bad_numbers(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["replay", "/nonexistent/trace.jsonl", "--quiet"]) == 2
+    assert "cannot read trace" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["replay", "t.jsonl", "--limit", "-3"])
+    assert "must be positive" in capsys.readouterr().err
+
+
+def test_strategy_specs() -> None:
+    spec = parse_strategy('pa8=prefix_affinity:{"balance_abs": 8}')
+    assert spec.label == "pa8" and spec.build().knobs.balance_abs == 8  # type: ignore[attr-defined]
+    assert parse_strategy("dynamo_kv").label == "dynamo_kv"
+
+
+def test_gsp_slice_runs_all_default_strategies(tmp_path: Path) -> None:
+    if not GSP.exists():
+        pytest.skip("shared traces not present")
+    out = tmp_path / "gsp.json"
+    assert main(["replay", str(GSP), "--trace-block", "16", "--limit", "128", "--quiet",
+                 "--json", str(out)]) == 0  # fmt: skip
+    rows = json.loads(out.read_text())["results"]
+    assert len(rows) == 7 and all(r["requests"] == 128 for r in rows)
+
+
+# ---- baselines -----------------------------------------------------------------------------
+def _view(blocks: int, bs: int = 64) -> RequestView:
+    return RequestView(list(range(blocks)), blocks * bs, bs)
+
+
+def test_dynamo_cost_prefers_cached_blocks_minus_load() -> None:
+    loads = [
+        WorkerLoad("a", in_flight_tokens=640, pending_prefill_tokens=0),
+        WorkerLoad("b", in_flight_tokens=0, pending_prefill_tokens=0),
+    ]
+    # a: max(0, 10 - 8) + 10 = 12;  b: 10 + 0 = 10  -> b
+    assert DynamoKv().choose(_view(10), loads, {"a": WorkerMatch(8, {})}) == "b"
+    # a: max(0, 10 - 10) + 10 = 10 ... ties break at random between a and b
+    picks = {DynamoKv().choose(_view(10), loads, {"a": WorkerMatch(10, {})}) for _ in range(1)}
+    assert picks <= {"a", "b"}
+    loads[1].pending_prefill_tokens = 64 * 5  # b: 15
+    assert DynamoKv().choose(_view(10), loads, {"a": WorkerMatch(10, {})}) == "a"
+
+
+def test_sglang_cache_aware_follows_its_own_tree_and_guards_imbalance() -> None:
+    s = SglangCacheAware()
+    idle = [WorkerLoad("a"), WorkerLoad("b")]
+    first = s.choose(_view(10), idle, {})
+    assert s.choose(_view(10), idle, {}) == first  # matched in the router's own tree
+    other = "b" if first == "a" else "a"
+    assert s.choose(RequestView(list(range(100, 110)), 640, 64), idle, {}) == other  # smallest
+    busy = [WorkerLoad(first, in_flight=100), WorkerLoad(other, in_flight=1)]
+    assert s.choose(_view(10), busy, {}) == other  # imbalance guard
+
+
+def test_llmd_scores_prefix_queue_and_kv_usage() -> None:
+    loads = [WorkerLoad("a", engine_waiting=0, kv_usage=0.9), WorkerLoad("b", kv_usage=0.1)]
+    assert LlmdPrecise().choose(_view(10), loads, {"a": WorkerMatch(10, {})}) == "a"  # 3+2+0.2
+    loads[0].engine_waiting = 5  # a: 3 + 0 + 0.2 = 3.2; b: 0 + 2 + 1.8 = 3.8
+    assert LlmdPrecise().choose(_view(10), loads, {"a": WorkerMatch(10, {})}) == "b"
