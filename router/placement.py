@@ -113,20 +113,26 @@ class Placement:
         return best
 
     def started(self, decision: Decision) -> None:
-        """Count a request as in flight on its worker."""
+        """Count a request as in flight on its worker, its prompt as queued prefill."""
         load = decision.worker.load
         load.in_flight += 1
         load.in_flight_tokens += decision.prompt_tokens
+        load.pending_prefill_tokens += decision.prompt_tokens
 
-    def progressed(self, decision: Decision, tokens: int) -> None:
-        """Generated tokens of an in-flight request (its KV footprint grows)."""
-        decision.worker.load.in_flight_tokens += tokens
+    def progressed(self, decision: Decision, generated_before: int, tokens: int) -> None:
+        """Generated tokens of an in-flight request; the first one ends its prefill."""
+        load = decision.worker.load
+        load.in_flight_tokens += tokens
+        if generated_before == 0 and tokens:
+            load.pending_prefill_tokens -= decision.prompt_tokens
 
     def finished(self, decision: Decision, generated: int) -> None:
         """The request is done (or failed): release its load."""
         load = decision.worker.load
         load.in_flight -= 1
         load.in_flight_tokens -= decision.prompt_tokens + generated
+        if generated == 0:  # never streamed a token (non-streaming, or failed): still queued
+            load.pending_prefill_tokens -= decision.prompt_tokens
 
     def engine_load(self, worker: str, waiting: int, kv_usage: float) -> None:
         """Apply an engine `LoadSnapshot`."""

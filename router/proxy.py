@@ -236,7 +236,7 @@ class Proxy:
                         if not parsed.get("choices") and not prep.client_wants_usage:
                             continue
                 elif event.startswith(b"data: {"):
-                    self._placement.progressed(decision, 1)
+                    self._placement.progressed(decision, streamed[0], 1)
                     streamed[0] += 1
                 await resp.write(event + b"\n\n")
         if buf.strip():

@@ -9,6 +9,7 @@ Notation (per candidate worker w, for one request of P full blocks):
   hit_t(w)  leading blocks of the request that w holds on tier t (`WorkerMatch.by_tier`)
   load(w)   router in-flight requests on w + the engine's waiting queue (last load snapshot)
   active(w) KV blocks held by w's in-flight requests (router-side, prompt + generated so far)
+  queued(w) prompt blocks routed to w that have no first token yet (prefill ahead of a request)
 """
 
 from __future__ import annotations
@@ -33,6 +34,8 @@ class WorkerLoad:
     """Requests the router has sent to this worker that have not finished."""
     in_flight_tokens: int = 0
     """Prompt + generated tokens of those requests (their KV footprint)."""
+    pending_prefill_tokens: int = 0
+    """Prompt tokens of those requests that have no first token yet (prefill queued or running)."""
     engine_waiting: int = 0
     """The engine's waiting queue from its last load snapshot."""
     kv_usage: float = 0.0
@@ -183,16 +186,21 @@ class PrefixAffinity(Strategy):
 class KvReuseKnobs(_Knobs):
     tier_weights: TierWeights = TierWeights()
     prefill_weight: float = Field(1.0, ge=0)
-    """Cost per block that must be prefilled (queued on w or uncached for this request)."""
-    decode_weight: float = Field(1.0, ge=0)
+    """Cost per block of prefill work: this request's uncached blocks and the queue ahead."""
+    queue_weight: float = Field(0.5, ge=0)
+    """Weight of a queued prefill block relative to one of this request's uncached blocks."""
+    decode_weight: float = Field(0.0, ge=0)
     """Cost per KV block held by w's in-flight requests (decode pressure)."""
 
 
 class KvReuse(Strategy):
-    """Expected reused tokens minus a load cost (the Dynamo-style KV cost).
+    """Prefill work this request would wait for and do on w, plus decode pressure.
 
-    cost(w) = prefill_weight · max(0, P − credit(w)) + decode_weight · active(w),
-    active(w) = in_flight_tokens(w) / block_size. The lowest cost wins; ties → lower load.
+    cost(w) = prefill_weight · (max(0, P − credit(w)) + queue_weight · queued(w))
+              + decode_weight · active(w)
+    The lowest cost wins; ties → lower load. The defaults (queue 0.5, decode 0) were tuned with
+    `warply bench replay` on the Mooncake conversation trace: TTFT follows the prefill queued on
+    a worker, not its count of decoding requests (docs/replay.md).
     """
 
     name = "kv-reuse"
@@ -205,13 +213,13 @@ class KvReuse(Strategy):
         matches: Mapping[str, WorkerMatch],
     ) -> str:
         k: KvReuseKnobs = self.knobs  # type: ignore[assignment]
-        blocks = len(request.keys)
+        bs, blocks = request.block_size, len(request.keys)
 
         def cost(w: WorkerLoad) -> tuple[float, int]:
             match = matches.get(w.name, _NO_MATCH) if request.prefix_reuse else _NO_MATCH
-            credit = k.tier_weights.credit(match)
-            active = w.in_flight_tokens / request.block_size
-            return (k.prefill_weight * max(0.0, blocks - credit) + k.decode_weight * active, w.load)
+            uncached = max(0.0, blocks - k.tier_weights.credit(match))
+            prefill = uncached + k.queue_weight * w.pending_prefill_tokens / bs
+            return (k.prefill_weight * prefill + k.decode_weight * w.in_flight_tokens / bs, w.load)
 
         return min(candidates, key=cost).name
 

@@ -50,8 +50,18 @@ def test_prefix_affinity_guard_and_overrides() -> None:
     assert s.choose(REQ, _workers(2, 1), {}) == "w1"  # nothing cached anywhere
 
 
-def test_kv_reuse_trades_cached_blocks_against_active_blocks() -> None:
-    s = KvReuse()
+def test_kv_reuse_counts_uncached_and_queued_prefill() -> None:
+    s = KvReuse()  # defaults: queue_weight 0.5, decode_weight 0
+    matches = {"w0": WorkerMatch(10, {Tier.GPU: 10})}
+    # w0: (10 - 10) + 0.5 * 30 = 15 blocks of prefill; w1: 10 + 0 = 10 -> w1
+    loads = [WorkerLoad("w0", pending_prefill_tokens=16 * 30), WorkerLoad("w1")]
+    assert s.choose(REQ, loads, matches) == "w1"
+    loads[0].pending_prefill_tokens = 16 * 10  # w0: 5 < 10
+    assert s.choose(REQ, loads, matches) == "w0"
+
+
+def test_kv_reuse_decode_pressure_when_weighted() -> None:
+    s = KvReuse(KvReuse.Knobs(queue_weight=0, decode_weight=1))
     matches = {"w0": WorkerMatch(10, {Tier.GPU: 10})}
     # w0: 0 to prefill + 100/16 active; w1: 10 to prefill + 0 active.
     assert s.choose(REQ, [WorkerLoad("w0", 1, 100), WorkerLoad("w1")], matches) == "w0"
