@@ -20,6 +20,7 @@ import sys
 import tempfile
 import time
 from collections import defaultdict
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -50,6 +51,19 @@ WORDS = (
 ).split()
 
 
+def conversation_groups(rows: list[dict[str, Any]]) -> list[list[int]]:
+    """Row indices of each multi-turn conversation (≥ 2 requests), in trace order.
+
+    A conversation is the requests sharing their first two hash ids (id 0 is the trace's shared
+    system prompt)."""
+    groups: dict[tuple[int, int], list[int]] = defaultdict(list)
+    for i, row in enumerate(rows):
+        ids = row["hash_ids"]
+        if len(ids) > 1:
+            groups[(ids[0], ids[1])].append(i)
+    return [g for g in groups.values() if len(g) >= 2]
+
+
 def workload(
     trace: Path, conversations: int, turns: int, words_per_id: int, max_ids: int
 ) -> list[dict[str, Any]]:
@@ -61,12 +75,7 @@ def workload(
     the byte-level pre-tokenizer always splits off, so equal chains are equal token prefixes too.
     """
     rows = [json.loads(line) for line in trace.read_text().splitlines() if line.strip()]
-    groups: dict[tuple[int, int], list[int]] = defaultdict(list)
-    for i, row in enumerate(rows):
-        ids = row["hash_ids"]
-        if len(ids) > 1:
-            groups[(ids[0], ids[1])].append(i)
-    chosen = [g[:turns] for g in groups.values() if len(g) >= 2][:conversations]
+    chosen = [g[:turns] for g in conversation_groups(rows)][:conversations]
     order = sorted((i, conv) for conv, idxs in enumerate(chosen) for i in idxs)
     lines: dict[int, str] = {}
     out = []
@@ -129,8 +138,12 @@ async def replay(url: str, items: list[dict[str, Any]], in_flight: int) -> tuple
     return time.perf_counter() - t0, done
 
 
-def engine_pair(vllm: str, model: str, workdir: Path) -> list[tuple[EngineProcess, int, int]]:
-    """Two vLLM CPU engines (cores 0 and 1) with KV-event streams: (engine, pub, replay) each."""
+def engine_pair(
+    vllm: str, model: str, workdir: Path, extra_args: Sequence[str] = ()
+) -> list[tuple[EngineProcess, int, int]]:
+    """Two vLLM CPU engines (cores 0 and 1) with KV-event streams: (engine, pub, replay) each.
+
+    `extra_args` go last on each `vllm serve` line (a repeated flag overrides the default)."""
     engines = []
     for i in range(2):
         pub, replay_port = free_port(), free_port()
@@ -138,7 +151,8 @@ def engine_pair(vllm: str, model: str, workdir: Path) -> list[tuple[EngineProces
             vllm, model, log_path=workdir / f"vllm-{i}.log", served_name=MODEL_NAME,
             cpu_core=i, env={"VLLM_SERVER_DEV_MODE": "1"},
             args=["--block-size", str(BLOCK_SIZE), "--max-model-len", "4096",
-                  "--enable-prefix-caching", "--enable-prompt-tokens-details", "--seed", "0"],
+                  "--enable-prefix-caching", "--enable-prompt-tokens-details", "--seed", "0",
+                  *extra_args],
             kv_events_config={"enable_kv_cache_events": True, "publisher": "zmq",
                               "endpoint": f"tcp://*:{pub}",
                               "replay_endpoint": f"tcp://{HOST}:{replay_port}", "topic": "kv"},
