@@ -302,10 +302,15 @@ class WarplyConnector(KVConnectorBase_V1):
         self._local_hits.pop(request.request_id, None)
 
     def take_events(self) -> Iterable[KVCacheEvent]:
-        # Called once per step right after the engine drained the block pool's events.
+        # Called once per step right after the engine drained the block pool's events. The
+        # delegate's own events (its host / disk / remote tiers) go to vLLM unchanged and are
+        # exported beside the device tier's.
+        events = () if self._delegate is None else self._delegate.take_events()
         if self._exporter is not None:
+            events = list(events)
+            self._exporter.add_delegate_events(events)
             self._exporter.flush()
-        return () if self._delegate is None else self._delegate.take_events()
+        return events
 
     def has_pending_push_work(self) -> bool:
         if self._directives is not None and self._directives.pending():

@@ -104,6 +104,18 @@ class StateExporter:
         # vLLM 0.32 has no observer hook on the pool's event queue; wrap this instance's drain.
         pool.take_events = take_events
 
+    def add_delegate_events(self, events: list[Any]) -> None:
+        """Queue the KV events a delegate reports for its own tiers, for the next flush.
+
+        vLLM 0.32's `AllBlocksCleared` names no medium, so a delegate's clear cannot be placed
+        on a tier: it is counted as skipped rather than exported as a clear of every tier.
+        """
+        for event in events:
+            if isinstance(event, AllBlocksCleared):
+                self._counters.events_skipped += 1
+            else:
+                self._raw.append(event)
+
     def record_hit(self, request: Request, hit_tokens: int, block_size: int) -> None:
         """Note which cached blocks `request` reused (exported with the next flush)."""
         n_blocks = hit_tokens // block_size
@@ -175,12 +187,13 @@ class StateExporter:
             self._stored(event)
         elif isinstance(event, VllmBlockRemoved):
             hashes = [engine_hash(h) for h in event.block_hashes]
-            for h in hashes:
+            tier = _tier(event.medium)
+            for h in hashes if tier is Tier.GPU else ():  # directives resolve device blocks
                 key = self._hash_to_key.pop(h, None)
                 if key is not None:
                     self.key_to_hash.pop(key, None)
             self._counters.blocks_removed += len(hashes)
-            self._out.append(BlockRemoved(hashes, _tier(event.medium)))
+            self._out.append(BlockRemoved(hashes, tier))
         elif isinstance(event, AllBlocksCleared):
             self.key_to_hash.clear()
             self._hash_to_key.clear()
@@ -194,18 +207,21 @@ class StateExporter:
             self._counters.events_skipped += 1  # masked/null blocks (sparse groups): no tokens
             return
         namespace = salt_namespace(event.extra_keys, event.lora_name) if parent is None else None
+        tier = _tier(event.medium)
         self._out.append(
             BlockStored(
                 block_hashes=hashes,
                 parent_hash=parent,
                 token_ids=tokens,
                 block_size=event.block_size,
-                tier=_tier(event.medium),
+                tier=tier,
                 namespace=namespace,
                 lora=event.lora_name,
             )
         )
         self._counters.blocks_stored += len(hashes)
+        if tier is not Tier.GPU:
+            return
         seed = (
             root_seed(self._model, namespace or "")
             if parent is None

@@ -4,12 +4,17 @@
 from __future__ import annotations
 
 import inspect
+import time
 from types import SimpleNamespace
 from typing import Any
 from unittest import mock
 
 import pytest
+from conftest import Collector
 from vllm.config.kv_transfer import KVTransferConfig
+from vllm.distributed.kv_events import AllBlocksCleared
+from vllm.distributed.kv_events import BlockRemoved as VllmBlockRemoved
+from vllm.distributed.kv_events import BlockStored as VllmBlockStored
 from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
@@ -17,9 +22,11 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     SupportsHMA,
 )
 
-from vllm_connector.config import WarplyConfigError, parse_config
+from vllm_connector.config import WarplyConfigError, WarplySettings, parse_config
 from vllm_connector.connector import WarplyConnector, WarplyHMAConnector
-from vllm_connector.metrics import WarplyConnectorStats, build_stats
+from vllm_connector.export import StateExporter
+from vllm_connector.metrics import WarplyConnectorStats, WarplyCounters, build_stats
+from warply.protocol import AllCleared, BlockRemoved, BlockStored, Tier
 from warply_plugins.vllm import register
 
 
@@ -172,3 +179,35 @@ def test_stats_round_trip_through_dict() -> None:
     assert rebuilt.reduce()["events_exported"] == 5
     assert not rebuilt.is_empty()
     assert WarplyConnector.build_kv_connector_stats(None) is not None
+
+
+def test_delegate_tiers_are_exported_beside_the_device_tier(collector: Collector) -> None:
+    """A delegate's own events (vLLM's BlockStored/BlockRemoved with a host medium) reach the
+    state stream on their tier and leave the device-tier bookkeeping alone."""
+    exporter = StateExporter(
+        WarplySettings(events_endpoint=collector.endpoint),
+        model="m",
+        worker="w",
+        counters=WarplyCounters(),
+        load=lambda: (0, 0),
+    )
+    try:
+        time.sleep(0.3)  # the PUB connects to the bound collector
+        tokens = list(range(100, 132))
+        exporter.add_delegate_events(
+            [
+                VllmBlockStored([1, 2], None, tokens, 16, None, "GPU", None),
+                VllmBlockStored([1, 2], None, tokens, 16, None, "CPU", None),
+                VllmBlockRemoved([2], "CPU"),
+                AllBlocksCleared(),
+            ]
+        )
+        exporter.flush()
+        events = collector.wait_for(lambda evs: any(isinstance(e, BlockRemoved) for e in evs))
+    finally:
+        exporter.close()
+    stored = [e for e in events if isinstance(e, BlockStored)]
+    assert [e.tier for e in stored] == [Tier.GPU, Tier.CPU]
+    assert [e for e in events if isinstance(e, BlockRemoved)] == [BlockRemoved([2], Tier.CPU)]
+    assert not any(isinstance(e, AllCleared) for e in events)  # a delegate clear names no tier
+    assert set(exporter.key_to_hash.values()) == {1, 2}  # device blocks still resolvable
