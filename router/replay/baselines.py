@@ -106,13 +106,29 @@ class SglangCacheAware(Strategy):
                 del self._holders[key]
 
 
-class DynamoKvKnobs(_Knobs):
+class _SeededKnobs(_Knobs):
+    seed: int = 0
+    """Seed of the random tie-break."""
+
+
+class _RandomTies(Strategy):
+    """Base of the baselines that break ties at random, as their upstreams do."""
+
+    def __init__(self, knobs: BaseModel | None = None) -> None:
+        super().__init__(knobs)
+        self._rng = random.Random(self.knobs.seed)  # type: ignore[attr-defined]
+
+    def _pick(self, candidates: Sequence[WorkerLoad], values: list[float], best: float) -> str:
+        tied = [w for w, v in zip(candidates, values, strict=True) if v == best]
+        return self._rng.choice(tied).name
+
+
+class DynamoKvKnobs(_SeededKnobs):
     overlap_weight: float = Field(1.0, ge=0)
     """Weight of the prefill term (Dynamo: `overlap_score_weight`)."""
-    seed: int = 0
 
 
-class DynamoKv(Strategy):
+class DynamoKv(_RandomTies):
     """Dynamo's default KV router cost; the lowest wins, ties at random.
 
     cost(w) = overlap_weight · max(0, (queued prefill tokens(w) + prompt tokens) / B − cached(w))
@@ -123,10 +139,6 @@ class DynamoKv(Strategy):
 
     name = "dynamo_kv"
     Knobs = DynamoKvKnobs
-
-    def __init__(self, knobs: BaseModel | None = None) -> None:
-        super().__init__(knobs)
-        self._rng = random.Random(self.knobs.seed)  # type: ignore[attr-defined]
 
     def choose(
         self,
@@ -144,16 +156,13 @@ class DynamoKv(Strategy):
             return k.overlap_weight * prefill + w.in_flight_tokens / bs
 
         costs = [cost(w) for w in candidates]
-        best = min(costs)
-        tied = [w for w, c in zip(candidates, costs, strict=True) if c == best]
-        return self._rng.choice(tied).name
+        return self._pick(candidates, costs, min(costs))
 
 
-class LlmdPreciseKnobs(_Knobs):
+class LlmdPreciseKnobs(_SeededKnobs):
     prefix_weight: float = Field(3.0, ge=0)
     queue_weight: float = Field(2.0, ge=0)
     kv_weight: float = Field(2.0, ge=0)
-    seed: int = 0
 
 
 def _minmax(values: list[float], higher_is_better: bool) -> list[float]:
@@ -166,7 +175,7 @@ def _minmax(values: list[float], higher_is_better: bool) -> list[float]:
     return [(hi - v) / (hi - lo) for v in values]
 
 
-class LlmdPrecise(Strategy):
+class LlmdPrecise(_RandomTies):
     """llm-d's scheduler with the precise prefix-cache, queue and KV-utilisation scorers.
 
     score(w) = prefix_weight · minmax(cached blocks(w)) + queue_weight · minmax⁻(waiting(w))
@@ -176,10 +185,6 @@ class LlmdPrecise(Strategy):
 
     name = "llmd_precise"
     Knobs = LlmdPreciseKnobs
-
-    def __init__(self, knobs: BaseModel | None = None) -> None:
-        super().__init__(knobs)
-        self._rng = random.Random(self.knobs.seed)  # type: ignore[attr-defined]
 
     def choose(
         self,
@@ -198,9 +203,7 @@ class LlmdPrecise(Strategy):
             k.prefix_weight * p + k.queue_weight * q + k.kv_weight * (1.0 - w.kv_usage)
             for w, p, q in zip(candidates, prefix, queue, strict=True)
         ]
-        best = max(scores)
-        tied = [w for w, s in zip(candidates, scores, strict=True) if s == best]
-        return self._rng.choice(tied).name
+        return self._pick(candidates, scores, max(scores))
 
 
 BASELINES: dict[str, type[Strategy]] = {
