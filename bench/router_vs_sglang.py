@@ -1,12 +1,34 @@
-"""Side by side on two real vLLM CPU engines: warply-router vs sglang-router 0.3.2 cache_aware.
+"""Side by side on two real vLLM CPU engines: warply-router vs sglang-router 0.3.2 vs an oracle.
 
-Same engines, same workload (the demo's: multi-turn chains from the Mooncake trace as text
-prompts), caches reset before each run, measured at the client (TTFT, wall time) and from the
-engines' own usage (cached tokens). sglang-router proxies any OpenAI server; it runs from a
-scratch venv (`python3 -m venv /tmp/sgr && /tmp/sgr/bin/pip install sglang-router==0.3.2`).
-Bounded: a fixed request list and a per-run timeout; every process is stopped by PID.
+One run, one pair of engines, one multi-turn workload (the demo's: conversation chains from the
+Mooncake trace as text prompts), prefix caches reset before every row. Rows:
 
-    .venvs/core/bin/python bench/router_vs_sglang.py --vllm .venvs/vllm/bin/vllm --model DIR \\
+  * sticky oracle       each conversation pinned to one engine, conversations alternated over
+                        the two engines in order of first appearance; the client sends straight
+                        to the engines (no router in the path)
+  * warply round_robin  `python -m router`, the demo's config
+  * warply prefix_affinity, warply kv-reuse (the demo's knobs)
+  * sglang cache_aware  sglang-router 0.3.2 defaults (cache 0.3, balance abs 64, rel 1.5)
+  * sglang cache_aware  with its balance thresholds tuned (`--sglang-tuned ABS,REL`, repeatable)
+
+The engines get a KV cache smaller than the workload's distinct context
+(`--num-gpu-blocks-override` = `--kv-fraction` x the distinct full blocks of all prompts, counted
+with the model's tokenizer), so where a conversation lands decides whether its prefix survives.
+
+Per row: engine-reported hit rate, twice (usage.prompt_tokens_details.cached_tokens over
+prompt_tokens as the client got them; vLLM's own vllm:prefix_cache_hits/queries counters),
+client TTFT p50/p90/mean, wall time, requests per engine (vllm:request_success), and the
+client-minus-engine TTFT gap (client mean TTFT - vllm:time_to_first_token_seconds mean): the
+oracle's gap is the HTTP path with no router, so `router +ms` = gap - oracle gap is what the
+router adds; warply rows also show the router's own overhead p50 (/warply/cache_stats). Then
+the target checks for each warply cache-aware row.
+
+sglang-router runs from a scratch venv (`python3 -m venv /tmp/sgr && /tmp/sgr/bin/pip install
+sglang-router==0.3.2`). Bounded: a fixed request list, a per-row timeout and a whole-run
+`--deadline`; every process is stopped by its PID's process group; everything binds 127.0.0.1.
+
+    .venvs/core/bin/python bench/router_vs_sglang.py --vllm .venvs/vllm/bin/vllm \\
+        --model $(.venvs/vllm/bin/python scripts/tiny_model.py --size tiny | tail -1) \\
         --sglang-router /tmp/sgr/bin/python
 """
 
@@ -15,29 +37,42 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import signal
 import statistics
 import sys
 import tempfile
 import time
 import urllib.request
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
+
+import aiohttp
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
 import demo  # noqa: E402  (the demo's engines, workload and client; not a package)
 
 from warply.launch import HOST, EngineProcess, free_port, http_json  # noqa: E402
 
+Engines = list[tuple[EngineProcess, int, int]]
+ORACLE = "sticky oracle"
+RR = "warply round_robin"
+WARPLY = ("prefix_affinity", "kv-reuse")
 
-def _sglang(python: str, engines: list[tuple[EngineProcess, int, int]], workdir: Path,
-            policy: str) -> EngineProcess:
+
+def _log(msg: str) -> None:
+    print(f"[router-vs-sglang] {msg}", file=sys.stderr, flush=True)
+
+
+def _sglang(python: str, engines: Engines, workdir: Path, tag: str,
+            extra: list[str]) -> EngineProcess:
     port = free_port()
     cmd = [python, "-m", "sglang_router.launch_router", "--host", HOST, "--port", str(port),
-           "--policy", policy, "--worker-urls", *(e.url for e, _, _ in engines)]
-    return EngineProcess(cmd, url=f"http://{HOST}:{port}", log_path=workdir / f"sgl-{policy}.log")
+           "--policy", "cache_aware", "--worker-urls", *(e.url for e, _, _ in engines), *extra]
+    return EngineProcess(cmd, url=f"http://{HOST}:{port}", log_path=workdir / f"sgl-{tag}.log")
 
 
-def _wait_registered(router: EngineProcess, engines: list[tuple[EngineProcess, int, int]]) -> None:
+def _wait_registered(router: EngineProcess, engines: Engines) -> None:
     """sglang-router adds its workers after /health answers: wait until /workers lists both."""
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline:
@@ -48,83 +83,321 @@ def _wait_registered(router: EngineProcess, engines: list[tuple[EngineProcess, i
     raise TimeoutError("sglang-router did not register both workers in 120 s")
 
 
-def _served(engine: EngineProcess) -> float:
-    """Requests an engine finished so far (its own counter): who really served the load."""
+def _metrics(engine: EngineProcess) -> dict[str, float]:
+    """The engine's own counters we read (summed over label sets)."""
     with urllib.request.urlopen(engine.url + "/metrics", timeout=10) as r:
         text = r.read().decode()
-    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-               if line.startswith("vllm:request_success_total"))
+    names = {
+        "served": "vllm:request_success_total",
+        "pc_queries": "vllm:prefix_cache_queries_total",
+        "pc_hits": "vllm:prefix_cache_hits_total",
+        "ttft_sum": "vllm:time_to_first_token_seconds_sum",
+        "ttft_count": "vllm:time_to_first_token_seconds_count",
+    }
+    out = dict.fromkeys(names, 0.0)
+    for line in text.splitlines():
+        for key, name in names.items():
+            if line.startswith(name) and line[len(name)] in "{ ":
+                out[key] += float(line.rsplit(" ", 1)[1])
+    return out
 
 
-def _summary(wall: float, done: list[dict[str, Any]]) -> dict[str, float]:
-    ttft = sorted(d["ttft_s"] for d in done)
+def _admin(url: str) -> dict[str, Any]:
+    req = urllib.request.Request(url, headers={"Authorization": f"Bearer {demo.TOKEN}"})
+    with urllib.request.urlopen(req, timeout=10) as resp:
+        return dict(json.loads(resp.read()))
+
+
+async def _replay(route: Callable[[dict[str, Any]], str], items: list[dict[str, Any]],
+                  in_flight: int) -> tuple[float, list[dict[str, Any]]]:
+    """demo.replay with a target URL per item (the oracle sends straight to its engine).
+
+    At most `in_flight` requests at once; a conversation's turns never overlap."""
+    sem = asyncio.Semaphore(in_flight)
+    last: dict[int, asyncio.Task[dict[str, Any]]] = {}
+    t0 = time.perf_counter()
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=300)) as session:
+
+        async def run(item: dict[str, Any],
+                      before: asyncio.Task[dict[str, Any]] | None) -> dict[str, Any]:
+            if before is not None:
+                await before
+            async with sem:
+                return await demo.send(session, route(item), item)
+
+        tasks = []
+        for item in items:
+            task = asyncio.create_task(run(item, last.get(item["conversation"])))
+            last[item["conversation"]] = task
+            tasks.append(task)
+        done = await asyncio.gather(*tasks)
+    return time.perf_counter() - t0, list(done)
+
+
+def _distinct_blocks(items: list[dict[str, Any]], model: str, block: int) -> tuple[int, int]:
+    """(distinct full KV blocks over all prompts, longest prompt in tokens), vLLM's tokenization
+    for completions (special tokens added)."""
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_file(str(Path(model) / "tokenizer.json"))
+    seen: set[int] = set()
+    longest = 0
+    for item in items:
+        ids = tok.encode(item["prompt"]).ids
+        longest = max(longest, len(ids))
+        key = 0
+        for i in range(len(ids) // block):
+            key = hash((key, tuple(ids[i * block:(i + 1) * block])))
+            seen.add(key)
+    return len(seen), longest
+
+
+def _quantile(xs: list[float], q: float) -> float:
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(q * len(xs)))]
+
+
+def _row(wall: float, done: list[dict[str, Any]], before: list[dict[str, float]],
+         after: list[dict[str, float]]) -> dict[str, Any]:
+    ttft = [d["ttft_s"] for d in done]
+    delta = [{k: a[k] - b[k] for k in a} for a, b in zip(after, before, strict=True)]
+    served = [d["served"] for d in delta]
+    q, h = sum(d["pc_queries"] for d in delta), sum(d["pc_hits"] for d in delta)
+    n_eng = sum(d["ttft_count"] for d in delta)
+    eng_ttft = sum(d["ttft_sum"] for d in delta) / n_eng if n_eng else float("nan")
+    mean = statistics.fmean(ttft)
     return {
         "hit": sum(d["cached"] for d in done) / max(1, sum(d["prompt"] for d in done)),
-        "p50": ttft[len(ttft) // 2] * 1e3,
-        "p99": ttft[int(0.99 * (len(ttft) - 1))] * 1e3,
-        "mean": statistics.fmean(ttft) * 1e3,
+        "hit_usage_missing": sum(1 for d in done if not d["prompt"]),
+        "hit_counters": h / q if q else float("nan"),
+        "p50": _quantile(ttft, 0.5) * 1e3,
+        "p90": _quantile(ttft, 0.9) * 1e3,
+        "mean": mean * 1e3,
+        "gap": (mean - eng_ttft) * 1e3,
         "wall": wall,
+        "served": served,
+        "max_share": max(served) / max(1.0, sum(served)),
     }
 
 
-async def _main(args: argparse.Namespace, workdir: Path) -> None:
-    items = demo.workload(args.trace, args.conversations, args.turns, args.words_per_id, 48)
-    engines = demo.engine_pair(args.vllm, args.model, workdir)
-    runs: dict[str, dict[str, Any]] = {}
-    routers = {
-        "warply prefix_affinity": lambda: demo.router_process(
-            "prefix_affinity", engines, args.model, workdir
-        ),
-        "sglang cache_aware": lambda: _sglang(args.sglang_router, engines, workdir, "cache_aware"),
-        "sglang round_robin": lambda: _sglang(args.sglang_router, engines, workdir, "round_robin"),
-    }
+async def _main(args: argparse.Namespace, workdir: Path) -> int:
+    items = demo.workload(args.trace, args.conversations, args.turns, args.words_per_id,
+                          args.max_ids)
+    distinct, longest = _distinct_blocks(items, args.model, demo.BLOCK_SIZE)
+    max_len = -(-(longest + 32) // 256) * 256
+    min_blocks = -(-max_len // demo.BLOCK_SIZE) + 1
+    blocks = args.num_blocks or max(min_blocks, int(args.kv_fraction * distinct))
+    prompt_tokens = None
+    _log(f"workload: {len(items)} requests, {len({i['conversation'] for i in items})} "
+         f"conversations, {distinct} distinct full blocks of {demo.BLOCK_SIZE} tokens, longest "
+         f"prompt {longest} tokens; KV cache {blocks} blocks per engine, max-model-len {max_len}")
+    if blocks >= distinct:
+        _log(f"warning: {blocks} KV blocks per engine hold the whole distinct context ({distinct})")
+    engines = demo.engine_pair(args.vllm, args.model, workdir, [
+        "--max-model-len", str(max_len), "--num-gpu-blocks-override", str(blocks)])
+    conv_order = list(dict.fromkeys(i["conversation"] for i in items))
+    pin = {c: engines[k % 2][0].url for k, c in enumerate(conv_order)}
+
+    def warply(strategy: str) -> Callable[[], EngineProcess]:
+        return lambda: demo.router_process(strategy, engines, args.model, workdir)
+
+    def sgl(tag: str, extra: list[str]) -> Callable[[], EngineProcess]:
+        return lambda: _sglang(args.sglang_router, engines, workdir, tag, extra)
+
+    rows: dict[str, Callable[[], EngineProcess] | None] = {ORACLE: None, RR: warply("round_robin")}
+    for s in WARPLY:
+        rows[f"warply {s}"] = warply(s)
+    if args.sglang_router:
+        rows["sglang cache_aware default"] = sgl("default", [])
+        for spec in args.sglang_tuned:
+            a, r = spec.split(",")
+            rows[f"sglang cache_aware abs={a} rel={r}"] = sgl(
+                f"abs{a}-rel{r}",
+                ["--balance-abs-threshold", a, "--balance-rel-threshold", r])
+    runs: dict[str, list[dict[str, Any]]] = {}
+    dump: list[dict[str, Any]] = []
+    errors: dict[str, str] = {}
     try:
         for e, _, _ in engines:
             e.start()
+            _log(f"vLLM pid {e.pid} starting (log {e.log_path})")
         for e, _, _ in engines:
-            e.wait_healthy()
-        for _ in range(args.repeats):
-            for name, make in routers.items():
+            _log(f"vLLM {e.url} healthy after {e.wait_healthy(300):.0f}s")
+        # Warm-up, before every row: one short request (under one KV block, so nothing is
+        # cached) per engine through the row's path, so no row pays for a cold client/router.
+        warm = [{"conversation": -1 - k, "prompt": "warm up.\n", "max_tokens": 1}
+                for k in range(2)]
+        for rep in range(args.repeats):
+            for name, make in rows.items():
+                if name in errors:
+                    continue
                 demo.reset_caches(engines)
-                with make() as router:
-                    router.wait_healthy(120, path="/v1/models")
-                    if name.startswith("sglang"):
-                        _wait_registered(router, engines)
-                    before = [_served(e) for e, _, _ in engines]
-                    wall, done = await asyncio.wait_for(
-                        demo.replay(router.url, items, args.in_flight), args.timeout_s
-                    )
-                split = [_served(e) - b for (e, _, _), b in zip(engines, before, strict=True)]
-                runs.setdefault(name, {"split": "/".join(f"{n:.0f}" for n in split)})
-                for k, v in _summary(wall, done).items():
-                    runs[name][k] = float(runs[name].get(k, 0.0)) + v / args.repeats
+                overhead = predicted = None
+                try:
+                    if make is None:
+                        await _replay(lambda it: engines[-1 - it["conversation"]][0].url, warm, 1)
+                        before = [_metrics(e) for e, _, _ in engines]
+                        wall, done = await asyncio.wait_for(
+                            _replay(lambda it: pin[it["conversation"]], items, args.in_flight),
+                            args.timeout_s)
+                    else:
+                        with make() as router:
+                            router.wait_healthy(120, path="/v1/models")
+                            if name.startswith("sglang"):
+                                _wait_registered(router, engines)
+                            _log(f"{name} (pid {router.pid}) up; replaying")
+                            await _replay(lambda it, u=router.url: u, warm, 1)
+                            before = [_metrics(e) for e, _, _ in engines]
+                            wall, done = await asyncio.wait_for(
+                                _replay(lambda it, u=router.url: u, items, args.in_flight),
+                                args.timeout_s)
+                            if name.startswith("warply"):
+                                await asyncio.sleep(0.5)
+                                stats = _admin(router.url + "/warply/cache_stats")
+                                overhead = stats["overhead_s"]["p50"]
+                                predicted = stats["hit_rate"]["predicted"]
+                except (RuntimeError, TimeoutError, OSError, aiohttp.ClientError) as exc:
+                    errors[name] = f"{type(exc).__name__}: {exc}"[:300]
+                    _log(f"{name} failed: {errors[name]}")
+                    continue
+                await asyncio.sleep(0.5)  # let the engines' counters settle
+                after = [_metrics(e) for e, _, _ in engines]
+                row = _row(wall, done, before, after)
+                row["overhead"] = None if overhead is None else overhead * 1e3
+                row["predicted"] = predicted
+                prompt_tokens = sum(d["prompt"] for d in done)
+                runs.setdefault(name, []).append(row)
+                dump.append({"row": name, "round": rep, "summary": row, "requests": [
+                    dict(d, conversation=it["conversation"]) for d, it in zip(done, items,
+                                                                              strict=True)]})
+                (workdir / "results.json").write_text(json.dumps(dump, indent=1))
+                _log(f"round {rep + 1} {name}: hit {row['hit']:.3f}, TTFT mean "
+                     f"{row['mean']:.1f} ms, wall {row['wall']:.1f} s")
     finally:
         for e, _, _ in engines:
             e.stop()
-    print(f"{len(items)} requests, {sum(len(i['prompt']) for i in items)} prompt characters, "
-          f"{args.in_flight} in flight, mean of {args.repeats} run(s)")
-    print(f"{'router':26s} {'hit rate':>9s} {'TTFT p50':>9s} {'TTFT p99':>9s} {'mean':>8s} "
-          f"{'wall s':>7s} {'served per engine':>18s}")
-    for name, r in runs.items():
-        print(f"{name:26s} {r['hit']:9.3f} {r['p50']:8.1f}m {r['p99']:8.1f}m {r['mean']:7.1f}m "
-              f"{r['wall']:7.1f} {r['split']:>18s}")
+    _print(args, items, prompt_tokens, distinct, blocks, runs, errors)
+    return 0 if not errors else 1
 
 
-def main() -> None:
+def _mean(rs: list[dict[str, Any]], k: str) -> Any:
+    vals = [r[k] for r in rs]
+    if vals[0] is None:
+        return None
+    if isinstance(vals[0], list):
+        return [statistics.fmean(v) for v in zip(*vals, strict=True)]
+    return statistics.fmean(vals)
+
+
+def _print(args: argparse.Namespace, items: list[dict[str, Any]], prompt_tokens: int | None,
+           distinct: int, blocks: int, runs: dict[str, list[dict[str, Any]]],
+           errors: dict[str, str]) -> None:
+    agg = {n: {k: _mean(rs, k) for k in rs[0]} for n, rs in runs.items()}
+    print(f"\n{len(items)} requests in {args.conversations} conversations, {prompt_tokens} "
+          f"prompt tokens, {distinct} distinct {demo.BLOCK_SIZE}-token blocks; KV cache "
+          f"{blocks} blocks per engine ({blocks / distinct:.2f} of the distinct context); "
+          f"{args.in_flight} in flight; mean of {args.repeats} run(s)")
+    head = (f"{'row':34s}{'hit':>7s}{'hit ctr':>8s}{'p50 ms':>8s}{'p90 ms':>8s}{'mean ms':>8s}"
+            f"{'wall s':>7s}{'req/engine':>11s}{'gap ms':>7s}{'router+':>8s}{'ovh p50':>8s}"
+            f"{'pred':>6s}")
+    print(head)
+    oracle_gap = agg.get(ORACLE, {}).get("gap")
+    for n, r in agg.items():
+        plus = "-" if oracle_gap is None or n == ORACLE else f"{r['gap'] - oracle_gap:+.1f}"
+        ovh = "-" if r["overhead"] is None else f"{r['overhead']:.2f}"
+        pred = "-" if r["predicted"] is None else f"{r['predicted']:.3f}"
+        split = "/".join(f"{x:.0f}" for x in r["served"])
+        print(f"{n:34s}{r['hit']:7.3f}{r['hit_counters']:8.3f}{r['p50']:8.1f}{r['p90']:8.1f}"
+              f"{r['mean']:8.1f}{r['wall']:7.1f}{split:>11s}{r['gap']:7.1f}{plus:>8s}{ovh:>8s}{pred:>6s}")
+    for n, msg in errors.items():
+        print(f"{n:34s} FAILED: {msg}")
+    print("hit: engine-reported cached_tokens / prompt_tokens (usage); hit ctr: vLLM "
+          "prefix_cache hits/queries; gap: client mean TTFT - engine mean TTFT; router+: gap - "
+          "oracle gap; ovh p50: warply's own receipt->upstream overhead; pred: warply's "
+          "router-predicted hit rate (its index's view when it placed)")
+    missing = {n: r["hit_usage_missing"] for n, r in agg.items() if r["hit_usage_missing"]}
+    if missing:
+        print(f"note: requests without usage (hit undercounted there): {missing}")
+    sgl = {n: r for n, r in agg.items() if n.startswith("sglang")}
+    rr = agg.get(RR)
+    oracle = agg.get(ORACLE)
+    print("\ntarget checks")
+    all_ok = True
+    for s in WARPLY:
+        n = f"warply {s}"
+        if n not in agg:
+            print(f"  {n}: no result")
+            all_ok = False
+            continue
+        r = agg[n]
+        checks = []
+        if oracle is not None:
+            checks.append((f"hit {r['hit']:.3f} >= sticky oracle {oracle['hit']:.3f}",
+                           r["hit"] >= oracle["hit"]))
+        for m, x in sgl.items():
+            checks.append((f"hit {r['hit']:.3f} >= {m} {x['hit']:.3f}", r["hit"] >= x["hit"]))
+        if rr is not None:
+            checks.append((f"TTFT mean {r['mean']:.1f} <= 0.9 x round_robin "
+                           f"{0.9 * rr['mean']:.1f} ms", r["mean"] <= 0.9 * rr["mean"]))
+        checks.append((f"busiest engine {r['max_share']:.0%} <= 60% of requests",
+                       r["max_share"] <= 0.6))
+        for text, ok in checks:
+            all_ok = all_ok and ok
+            print(f"  {n}: {'PASS' if ok else 'FAIL'}  {text}")
+    if errors or sgl == {} or oracle is None or rr is None:
+        all_ok = False
+    print(f"all targets {'met' if all_ok else 'NOT met'}")
+
+
+class Deadline(Exception):
+    """The whole-run --deadline passed (not caught per row)."""
+
+
+def _alarm(signum: int, frame: Any) -> None:
+    raise Deadline("whole-run --deadline reached")
+
+
+def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    ap.add_argument("--vllm", required=True)
-    ap.add_argument("--model", required=True)
-    ap.add_argument("--sglang-router", default="/tmp/sgr/bin/python", help="its venv's python")
+    ap.add_argument("--vllm", required=True, help="the vllm CLI of the engine venv")
+    ap.add_argument("--model", required=True,
+                    help="model folder: scripts/tiny_model.py --size tiny (default) or small")
+    ap.add_argument("--sglang-router", default="/tmp/sgr/bin/python",
+                    help="python of the sglang-router 0.3.2 venv ('' skips its rows)")
+    ap.add_argument("--sglang-tuned", action="append", metavar="ABS,REL",
+                    help="cache_aware with --balance-abs-threshold ABS --balance-rel-threshold "
+                    "REL (repeatable; default: 1,1.2 and 2,1.1)")
     ap.add_argument("--trace", type=Path, default=demo.TRACE)
     ap.add_argument("--conversations", type=int, default=16)
     ap.add_argument("--turns", type=int, default=4)
     ap.add_argument("--words-per-id", type=int, default=24)
+    ap.add_argument("--max-ids", type=int, default=48, help="hash ids kept per prompt")
     ap.add_argument("--in-flight", type=int, default=4)
+    ap.add_argument("--kv-fraction", type=float, default=0.55,
+                    help="KV blocks per engine as a fraction of the distinct context")
+    ap.add_argument("--num-blocks", type=int, default=0, help="KV blocks per engine (overrides)")
     ap.add_argument("--repeats", type=int, default=1)
-    ap.add_argument("--timeout-s", type=float, default=600)
+    ap.add_argument("--timeout-s", type=float, default=300, help="per row")
+    ap.add_argument("--deadline", type=float, default=1500, help="whole run, seconds")
+    ap.add_argument("--workdir", type=Path, help="logs and configs (default: a temp folder)")
     args = ap.parse_args()
-    asyncio.run(_main(args, Path(tempfile.mkdtemp(prefix="warply-vs-sglang-"))))
+    if args.sglang_tuned is None:
+        args.sglang_tuned = ["1,1.2", "2,1.1"]
+    if not args.trace.is_file():
+        ap.error(f"trace not found: {args.trace}")
+    workdir = args.workdir or Path(tempfile.mkdtemp(prefix="warply-vs-sglang-"))
+    workdir.mkdir(parents=True, exist_ok=True)
+    _log(f"logs in {workdir}")
+    signal.signal(signal.SIGALRM, _alarm)
+    signal.alarm(int(args.deadline))
+    try:
+        return asyncio.run(_main(args, workdir))
+    except (RuntimeError, TimeoutError, Deadline) as exc:
+        print(f"router_vs_sglang failed: {exc}", file=sys.stderr)
+        return 1
+    finally:
+        signal.alarm(0)
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())
