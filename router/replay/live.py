@@ -21,9 +21,9 @@ from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlsplit
 
-import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from router.replay.report import latency_fields
 from router.replay.trace import TraceRequest, request_tokens
 
 
@@ -169,13 +169,7 @@ def run_live(
 
 def _summary(cfg: LiveConfig, outcomes: list[_Outcome], wall_s: float) -> dict[str, Any]:
     ok = [o for o in outcomes if not o.error and o.ttft_ms >= 0]
-    ttft = np.array([o.ttft_ms for o in ok])
-    itl = np.array([o.itl_ms for o in ok if o.itl_ms >= 0])
     prompt = sum(o.prompt for o in ok)
-
-    def pct(values: Any, q: float) -> float:
-        return float(np.percentile(values, q)) if len(values) else 0.0
-
     return {
         "strategy": f"live {cfg.url}",
         "workers": "-",
@@ -184,13 +178,7 @@ def _summary(cfg: LiveConfig, outcomes: list[_Outcome], wall_s: float) -> dict[s
         "first_error": next((o.error for o in outcomes if o.error), ""),
         "reuse": sum(o.cached for o in ok) / prompt if prompt else 0.0,
         "vs_oracle": None,
-        "ttft_mean_ms": float(ttft.mean()) if len(ttft) else 0.0,
-        "ttft_p50_ms": pct(ttft, 50),
-        "ttft_p90_ms": pct(ttft, 90),
-        "ttft_p99_ms": pct(ttft, 99),
-        "itl_mean_ms": float(itl.mean()) if len(itl) else 0.0,
-        "itl_p50_ms": pct(itl, 50),
-        "itl_p99_ms": pct(itl, 99),
+        **latency_fields([o.ttft_ms for o in ok], [o.itl_ms for o in ok if o.itl_ms >= 0]),
         "throughput_tok_s": sum(o.output for o in ok) / wall_s if wall_s else 0.0,
         "imbalance": None,
         "preemptions": None,

@@ -26,13 +26,27 @@ def _pct(values: Any, q: float) -> float:
     return float(np.percentile(values, q)) if len(values) else 0.0
 
 
+def latency_fields(ttft_ms: Any, itl_ms: Any) -> dict[str, float]:
+    """TTFT mean/p50/p90/p99 and ITL mean/p50/p99 (ms): the columns simulated and live share."""
+    ttft, itl = np.asarray(ttft_ms, dtype=float), np.asarray(itl_ms, dtype=float)
+    return {
+        "ttft_mean_ms": float(ttft.mean()) if len(ttft) else 0.0,
+        "ttft_p50_ms": _pct(ttft, 50),
+        "ttft_p90_ms": _pct(ttft, 90),
+        "ttft_p99_ms": _pct(ttft, 99),
+        "itl_mean_ms": float(itl.mean()) if len(itl) else 0.0,
+        "itl_p50_ms": _pct(itl, 50),
+        "itl_p99_ms": _pct(itl, 99),
+    }
+
+
 def summarize(result: ReplayResult, oracle_lru: float | None = None) -> dict[str, Any]:
     """The metrics of one replay (module docstring), as a flat JSON-ready dict."""
     reqs = result.requests
     prompt = sum(r.prompt for r in reqs)
     reuse = sum(r.cached_tokens for r in reqs) / prompt if prompt else 0.0
-    ttft = np.array([r.first_token - r.arrival for r in reqs])
-    itl = np.array([(r.finished - r.first_token) / (r.output - 1) for r in reqs if r.output > 1])
+    ttft = [r.first_token - r.arrival for r in reqs]
+    itl = [(r.finished - r.first_token) / (r.output - 1) for r in reqs if r.output > 1]
     span_ms = max(r.finished for r in reqs) - min(r.arrival for r in reqs) if reqs else 0.0
     out_tokens = sum(r.output for r in reqs)
     work = [e.stats.prefill_tokens for e in result.engines.values()]
@@ -45,13 +59,7 @@ def summarize(result: ReplayResult, oracle_lru: float | None = None) -> dict[str
         "reuse": reuse,
         "host_reuse": sum(r.host_tokens for r in reqs) / prompt if prompt else 0.0,
         "vs_oracle": reuse / oracle_lru if oracle_lru else None,
-        "ttft_mean_ms": float(ttft.mean()) if len(ttft) else 0.0,
-        "ttft_p50_ms": _pct(ttft, 50),
-        "ttft_p90_ms": _pct(ttft, 90),
-        "ttft_p99_ms": _pct(ttft, 99),
-        "itl_mean_ms": float(itl.mean()) if len(itl) else 0.0,
-        "itl_p50_ms": _pct(itl, 50),
-        "itl_p99_ms": _pct(itl, 99),
+        **latency_fields(ttft, itl),
         "throughput_tok_s": out_tokens / (span_ms / 1000) if span_ms else 0.0,
         "imbalance": max(work) / (sum(work) / len(work)) if sum(work) else 1.0,
         "preemptions": sum(e.stats.preemptions for e in result.engines.values()),
