@@ -3,21 +3,15 @@
 from __future__ import annotations
 
 import asyncio
-import socket
 import time
 
 import msgspec
 import zmq
 
+from warply.launch import free_port
 from warply.protocol import PROTOCOL_VERSION, DecodedBatch, LoadSnapshot, Rejection, encode_batch
 from warply.protocol.publisher import StatePublisher
 from warply.protocol.subscriber import StateSubscriber
-
-
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _load(i: int) -> list[LoadSnapshot]:
@@ -52,7 +46,7 @@ async def _start(sub: StateSubscriber) -> asyncio.Task[None]:
 
 def test_bad_frames_are_counted_and_the_subscriber_keeps_going() -> None:
     async def main() -> None:
-        port = _port()
+        port = free_port()
         ctx = zmq.Context.instance()
         pub = ctx.socket(zmq.PUB)
         pub.bind(f"tcp://127.0.0.1:{port}")
@@ -87,7 +81,7 @@ def test_bad_frames_are_counted_and_the_subscriber_keeps_going() -> None:
 
 def test_late_joiner_recovers_history_from_replay() -> None:
     async def main() -> None:
-        port, rport = _port(), _port()
+        port, rport = free_port(), free_port()
         publisher = StatePublisher(
             f"tcp://127.0.0.1:{port}".replace("127.0.0.1", "*"),
             replay_endpoint=f"tcp://127.0.0.1:{rport}",
@@ -118,7 +112,7 @@ def test_late_joiner_recovers_history_from_replay() -> None:
 
 def test_unrecoverable_gap_and_restart_mark_the_worker_stale() -> None:
     async def main() -> None:
-        port = _port()
+        port = free_port()
         pub = zmq.Context.instance().socket(zmq.PUB)
         pub.bind(f"tcp://127.0.0.1:{port}")
         sink = _Sink()

@@ -10,9 +10,10 @@ import pytest
 import zmq
 from sglang.srt.mem_cache.base_prefix_cache import EvictParams, MatchPrefixParams
 from sglang.srt.mem_cache.radix_cache import RadixKey
-from test_hook_export import CHAT_A, CHAT_B, DOC, build_cache, free_port, insert
+from test_hook_export import CHAT_A, CHAT_B, DOC, build_cache, insert
 
 from sglang_hook.directives import DirectiveApplier
+from warply.launch import free_port
 from warply.protocol import Directive, DirectiveAck, DirectiveKind, Tier, encode_directive
 from warply.protocol.control import ControlServer
 

@@ -9,7 +9,6 @@ bound on 127.0.0.1 plays the router's collector; `router.index.MemoryIndex` is f
 from __future__ import annotations
 
 import importlib.util
-import socket
 from array import array
 from collections.abc import Iterator
 from pathlib import Path
@@ -26,6 +25,7 @@ from sglang.srt.runtime_context import get_parallel
 
 import warply_plugins.sglang as plugin
 from router.index import MemoryIndex
+from warply.launch import free_port
 from warply.protocol import BlockRemoved, BlockStored, LoadSnapshot, StreamDecoder, prefix_keys
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -43,12 +43,6 @@ def _capture_module() -> Any:
 
 
 build_cache = _capture_module().build_cache
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def insert(cache: Any, alloc: Any, tokens: list[int], salt: str | None = None) -> None:

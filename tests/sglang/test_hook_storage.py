@@ -56,7 +56,7 @@ def _moto_command(port: int) -> list[str] | None:
 @pytest.fixture(scope="module")
 def s3_endpoint() -> Iterator[str]:
     pytest.importorskip("boto3")
-    from test_hook_export import free_port
+    from warply.launch import free_port
 
     port = free_port()
     cmd = _moto_command(port)
