@@ -108,32 +108,6 @@ def _admin(url: str) -> dict[str, Any]:
         return dict(json.loads(resp.read()))
 
 
-async def _replay(route: Callable[[dict[str, Any]], str], items: list[dict[str, Any]],
-                  in_flight: int) -> tuple[float, list[dict[str, Any]]]:
-    """demo.replay with a target URL per item (the oracle sends straight to its engine).
-
-    At most `in_flight` requests at once; a conversation's turns never overlap."""
-    sem = asyncio.Semaphore(in_flight)
-    last: dict[int, asyncio.Task[dict[str, Any]]] = {}
-    t0 = time.perf_counter()
-    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=300)) as session:
-
-        async def run(item: dict[str, Any],
-                      before: asyncio.Task[dict[str, Any]] | None) -> dict[str, Any]:
-            if before is not None:
-                await before
-            async with sem:
-                return await demo.send(session, route(item), item)
-
-        tasks = []
-        for item in items:
-            task = asyncio.create_task(run(item, last.get(item["conversation"])))
-            last[item["conversation"]] = task
-            tasks.append(task)
-        done = await asyncio.gather(*tasks)
-    return time.perf_counter() - t0, list(done)
-
-
 def _distinct_blocks(items: list[dict[str, Any]], model: str, block: int) -> tuple[int, int]:
     """(distinct full KV blocks over all prompts, longest prompt in tokens), vLLM's tokenization
     for completions (special tokens added)."""
@@ -235,10 +209,11 @@ async def _main(args: argparse.Namespace, workdir: Path) -> int:
                 overhead = predicted = None
                 try:
                     if make is None:
-                        await _replay(lambda it: engines[-1 - it["conversation"]][0].url, warm, 1)
+                        own = [e.url for e, _, _ in engines]
+                        await demo.replay(lambda it, o=own: o[-1 - it["conversation"]], warm, 1)
                         before = [_metrics(e) for e, _, _ in engines]
                         wall, done = await asyncio.wait_for(
-                            _replay(lambda it: pin[it["conversation"]], items, args.in_flight),
+                            demo.replay(lambda it: pin[it["conversation"]], items, args.in_flight),
                             args.timeout_s)
                     else:
                         with make() as router:
@@ -246,10 +221,10 @@ async def _main(args: argparse.Namespace, workdir: Path) -> int:
                             if name.startswith("sglang"):
                                 _wait_registered(router, engines)
                             _log(f"{name} (pid {router.pid}) up; replaying")
-                            await _replay(lambda it, u=router.url: u, warm, 1)
+                            await demo.replay(lambda it, u=router.url: u, warm, 1)
                             before = [_metrics(e) for e, _, _ in engines]
                             wall, done = await asyncio.wait_for(
-                                _replay(lambda it, u=router.url: u, items, args.in_flight),
+                                demo.replay(lambda it, u=router.url: u, items, args.in_flight),
                                 args.timeout_s)
                             if name.startswith("warply"):
                                 await asyncio.sleep(0.5)

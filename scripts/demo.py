@@ -20,7 +20,7 @@ import sys
 import tempfile
 import time
 from collections import defaultdict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -112,10 +112,11 @@ async def send(session: aiohttp.ClientSession, url: str, item: dict[str, Any]) -
             "worker": r.headers.get("X-Warply-Worker", "?")}
 
 
-async def replay(url: str, items: list[dict[str, Any]], in_flight: int) -> tuple[float, list[Any]]:
-    """Send `items` in order, at most `in_flight` at once; a conversation's turns never overlap.
-
-    Returns the wall time and each request's `send()` result."""
+async def replay(
+    route: Callable[[dict[str, Any]], str], items: list[dict[str, Any]], in_flight: int
+) -> tuple[float, list[Any]]:
+    """Send each item to `route(item)`, in order, at most `in_flight` at once; a conversation's
+    turns never overlap. Returns the wall time and each request's `send()` result."""
     sem = asyncio.Semaphore(in_flight)
     last: dict[int, asyncio.Task[dict[str, Any]]] = {}
     t0 = time.perf_counter()
@@ -127,7 +128,7 @@ async def replay(url: str, items: list[dict[str, Any]], in_flight: int) -> tuple
             if before is not None:
                 await before
             async with sem:
-                return await send(session, url, item)
+                return await send(session, route(item), item)
 
         tasks = []
         for item in items:
@@ -206,7 +207,7 @@ async def _run(args: argparse.Namespace, workdir: Path) -> int:
             with router_process(strategy, engines, args.model, workdir) as router:
                 router.wait_healthy(60)
                 _log(f"router ({strategy}, pid {router.pid}) up; replaying ...")
-                wall, _ = await replay(router.url, items, args.in_flight)
+                wall, _ = await replay(lambda _, u=router.url: u, items, args.in_flight)
                 await asyncio.sleep(0.5)
                 req = aiohttp.ClientSession(headers={"Authorization": f"Bearer {TOKEN}"})
                 async with req, req.get(router.url + "/warply/cache_stats") as r:
