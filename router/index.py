@@ -187,26 +187,35 @@ class MemoryIndex(PrefixIndex):
         self, keys: Sequence[int], workers: Iterable[str] | None = None
     ) -> dict[str, WorkerMatch]:
         live = set(self._engine if workers is None else workers)
-        counts: dict[str, list[int]] = {w: [0] * len(_TIERS) for w in live}
-        depth: dict[str, int] = dict.fromkeys(live, 0)
+        depth = dict.fromkeys(live, 0)
+        chain: list[dict[str, int]] = []  # holders of each matched block, in request order
         blocks = self._blocks
+        touch = blocks.move_to_end
         for key in keys:
             holders = blocks.get(key)
-            if not holders:
+            if holders is None:
                 break
-            still = live & holders.keys()
-            if not still:
-                break
-            blocks.move_to_end(key)
-            for w in still:
-                bits = holders[w]
-                counts[w][(bits & -bits).bit_length() - 1] += 1  # fastest tier holding it
-                depth[w] += 1
-            live = still
-        return {
-            w: WorkerMatch(depth[w], {t: n for t, n in zip(_TIERS, counts[w], strict=True) if n})
-            for w in depth
-        }
+            if not live <= holders.keys():  # someone drops out here (rare: check before narrowing)
+                still = live & holders.keys()
+                for w in live - still:
+                    depth[w] = len(chain)
+                live = still
+                if not live:
+                    break
+            touch(key)
+            chain.append(holders)
+        for w in live:
+            depth[w] = len(chain)
+        return {w: WorkerMatch(d, self._by_tier(chain, w, d)) for w, d in depth.items()}
+
+    @staticmethod
+    def _by_tier(chain: list[dict[str, int]], worker: str, depth: int) -> dict[Tier, int]:
+        """Blocks per fastest tier holding them, over the worker's matched run."""
+        by_tier: dict[Tier, int] = {}
+        for bits, n in Counter(h[worker] for h in chain[:depth]).items():
+            tier = _TIERS[(bits & -bits).bit_length() - 1]
+            by_tier[tier] = by_tier.get(tier, 0) + n
+        return by_tier
 
     def stats(self) -> IndexStats:
         by_worker: Counter[tuple[str, Tier]] = Counter()
