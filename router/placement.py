@@ -52,6 +52,11 @@ class Decision:
     prompt_tokens: int
     namespace: str
 
+    @property
+    def prefill_tokens(self) -> int:
+        """Prompt tokens the engine is expected to compute (not served from its cache)."""
+        return self.prompt_tokens - self.predicted_cached
+
 
 @dataclass(slots=True)
 class _Pool:
@@ -113,18 +118,18 @@ class Placement:
         return best
 
     def started(self, decision: Decision) -> None:
-        """Count a request as in flight on its worker, its prompt as queued prefill."""
+        """Count a request as in flight on its worker, its uncached prompt as queued prefill."""
         load = decision.worker.load
         load.in_flight += 1
         load.in_flight_tokens += decision.prompt_tokens
-        load.pending_prefill_tokens += decision.prompt_tokens
+        load.pending_prefill_tokens += decision.prefill_tokens
 
     def progressed(self, decision: Decision, generated_before: int, tokens: int) -> None:
         """Generated tokens of an in-flight request; the first one ends its prefill."""
         load = decision.worker.load
         load.in_flight_tokens += tokens
         if generated_before == 0 and tokens:
-            load.pending_prefill_tokens -= decision.prompt_tokens
+            load.pending_prefill_tokens -= decision.prefill_tokens
 
     def finished(self, decision: Decision, generated: int) -> None:
         """The request is done (or failed): release its load."""
@@ -132,7 +137,7 @@ class Placement:
         load.in_flight -= 1
         load.in_flight_tokens -= decision.prompt_tokens + generated
         if generated == 0:  # never streamed a token (non-streaming, or failed): still queued
-            load.pending_prefill_tokens -= decision.prompt_tokens
+            load.pending_prefill_tokens -= decision.prefill_tokens
 
     def engine_load(self, worker: str, waiting: int, kv_usage: float) -> None:
         """Apply an engine `LoadSnapshot`."""

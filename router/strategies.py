@@ -9,7 +9,7 @@ Notation (per candidate worker w, for one request of P full blocks):
   hit_t(w)  leading blocks of the request that w holds on tier t (`WorkerMatch.by_tier`)
   load(w)   router in-flight requests on w + the engine's waiting queue (last load snapshot)
   active(w) KV blocks held by w's in-flight requests (router-side, prompt + generated so far)
-  queued(w) prompt blocks routed to w that have no first token yet (prefill ahead of a request)
+  queued(w) uncached prompt blocks routed to w that have no first token yet (prefill ahead)
 """
 
 from __future__ import annotations
@@ -35,7 +35,8 @@ class WorkerLoad:
     in_flight_tokens: int = 0
     """Prompt + generated tokens of those requests (their KV footprint)."""
     pending_prefill_tokens: int = 0
-    """Prompt tokens of those requests that have no first token yet (prefill queued or running)."""
+    """Uncached prompt tokens (prompt minus predicted prefix hit) of those requests that have no
+    first token yet: the prefill work queued or running ahead of a new request."""
     engine_waiting: int = 0
     """The engine's waiting queue from its last load snapshot."""
     kv_usage: float = 0.0

@@ -80,11 +80,15 @@ class SimRequest:
     cached_tokens: int = -1
     """Prefix reused at first admission (GPU + host); -1 until admitted."""
     host_tokens: int = 0
+    queued_prefill: int = -1
+    """Prefill tokens the router expects (prompt minus its predicted prefix hit; -1: prompt)."""
     first_token: float = -1.0
     finished: float = -1.0
 
     def __post_init__(self) -> None:
         self.target = self.prompt
+        if self.queued_prefill < 0:
+            self.queued_prefill = self.prompt
 
 
 @dataclass(slots=True)
@@ -128,7 +132,8 @@ class SimEngine:
         self.events: list[Event] = []
         self.stats = EngineStats()
         self.pending_prefill = 0
-        """Prompt tokens of requests without a first token yet."""
+        """Expected prefill tokens (`SimRequest.queued_prefill`) of requests without a first
+        token yet: what a router tracks for the worker."""
         self.live_prompt = 0
         """Prompt tokens of unfinished requests."""
         self.live_generated = 0
@@ -163,7 +168,7 @@ class SimEngine:
         if not self.has_work():
             self.now = max(self.now, req.arrival)
         self.waiting.append(req)
-        self.pending_prefill += req.prompt
+        self.pending_prefill += req.queued_prefill
         self.live_prompt += req.prompt
 
     def advance(self, horizon: float) -> None:
@@ -386,7 +391,7 @@ class SimEngine:
     def _token(self, req: SimRequest, at: float) -> None:
         if req.first_token < 0:
             req.first_token = at
-            self.pending_prefill -= req.prompt
+            self.pending_prefill -= req.queued_prefill
         req.generated += 1
         self.live_generated += 1
         req.finished = at

@@ -14,6 +14,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from router.index import MemoryIndex
+from router.placement import predicted_cached
 from router.replay.costmodel import CostModel
 from router.replay.engine import EngineConfig, SimEngine, SimRequest
 from router.replay.trace import ExpandedTrace
@@ -101,7 +102,10 @@ def simulate(
         name = strategy.choose(view, loads, matches)
         decisions.append(clock() - t0)
         placement[i] = name
-        by_name[name].enqueue(SimRequest(i, now, req.input_length, req.output_length, keys))
+        hit = predicted_cached(matches[name].blocks if name in matches else 0,
+                               req.input_length, cfg.block_size)
+        by_name[name].enqueue(SimRequest(i, now, req.input_length, req.output_length, keys,
+                                         queued_prefill=req.input_length - hit))
         step += 1
         if progress and step == 256:
             progress(step)
