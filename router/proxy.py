@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
@@ -85,6 +86,9 @@ class Proxy:
         self._metrics = metrics
         self._timeout = aiohttp.ClientTimeout(total=timeout_s, sock_connect=5)
         self._session: aiohttp.ClientSession | None = None
+        # One thread: the chunk cache is not shared between threads, and a cold 8k-token prompt
+        # (10-30 ms in `tokenizers`, which releases the GIL) must not stall the event loop.
+        self._tokenize_pool = ThreadPoolExecutor(1, thread_name_prefix="warply-tokenize")
 
     @property
     def session(self) -> aiohttp.ClientSession:
@@ -100,6 +104,7 @@ class Proxy:
         if self._session is not None:
             await self._session.close()
             self._session = None
+        self._tokenize_pool.shutdown(wait=False, cancel_futures=True)
 
     async def handle(self, request: web.Request, kind: str) -> web.StreamResponse:
         """One OpenAI request of `kind` ("chat" | "completion")."""
@@ -107,7 +112,7 @@ class Proxy:
         decision: Decision | None = None
         status = 500
         try:
-            prep = self._prepare(json_object(await request.read()), kind, t0)
+            prep = await self._prepare(json_object(await request.read()), kind, t0)
             headers = {h: request.headers[h] for h in _FORWARD_HEADERS if h in request.headers}
             tried: set[str] = set()
             while True:
@@ -152,7 +157,7 @@ class Proxy:
         finally:
             self._metrics.finished(decision, status, time.perf_counter() - t0)
 
-    def _prepare(self, body: dict[str, Any], kind: str, t0: float) -> _Prepared:
+    async def _prepare(self, body: dict[str, Any], kind: str, t0: float) -> _Prepared:
         """Validate and rewrite the body; tokenize its prompt the engine's way."""
         model = body.get("model")
         if model is not None and model != self.model:
@@ -163,7 +168,9 @@ class Proxy:
         salt = body.get("cache_salt")
         namespace = salt if isinstance(salt, str) else ""
         try:
-            prompts = prompt_tokens(self._tokenizer, kind, body)
+            prompts = await asyncio.get_running_loop().run_in_executor(
+                self._tokenize_pool, prompt_tokens, self._tokenizer, kind, body
+            )
         except PromptError as exc:
             raise ApiError(400, str(exc), "invalid_prompt") from None
         self._check_length(prompts, body)

@@ -23,6 +23,8 @@ import jinja2.ext
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer
 
+from router.token_cache import ChunkCache
+
 _SPECIAL_NAMES = (
     "bos_token",
     "eos_token",
@@ -105,7 +107,7 @@ def _message_content(content: Any) -> Any:
 class RouterTokenizer:
     """The engine's tokenizer and chat template, loaded from a model folder."""
 
-    def __init__(self, folder: Path) -> None:
+    def __init__(self, folder: Path, cache_bytes: int = 64 << 20) -> None:
         self.folder = Path(folder)
         try:
             self._tok = Tokenizer.from_file(str(self.folder / "tokenizer.json"))
@@ -121,10 +123,32 @@ class RouterTokenizer:
         self._env = _environment()
         source = _default_template(self.folder, config)
         self._template = self._env.from_string(source) if source else None
+        self.cache = ChunkCache(self._tok, cache_bytes)
+        self._wrap = self._special_wrap()
+
+    def _special_wrap(self) -> tuple[list[int], list[int]] | None:
+        """The ids the post-processor puts before and after a single text (e.g. BOS), if it only
+        wraps it; None when it does more (then such encodes skip the chunk cache)."""
+        probe, other = "Warply probe text.\n", "x"
+        bare = self._tok.encode(probe, add_special_tokens=False).ids
+        full = self._tok.encode(probe, add_special_tokens=True).ids
+        for h in range(len(full) - len(bare) + 1):
+            if full[h : h + len(bare)] == bare:
+                head, tail = full[:h], full[h + len(bare) :]
+                check = self._tok.encode(other, add_special_tokens=False).ids
+                if self._tok.encode(other, add_special_tokens=True).ids == head + check + tail:
+                    return head, tail
+        return None
 
     def encode(self, text: str, add_special_tokens: bool) -> list[int]:
-        """Token ids of `text` (with the tokenizer's post-processor when add_special_tokens)."""
-        return list(self._tok.encode(text, add_special_tokens=add_special_tokens).ids)
+        """Token ids of `text` (with the tokenizer's post-processor when add_special_tokens),
+        reusing cached chunks of earlier prompts (`router.token_cache`)."""
+        if not add_special_tokens:
+            return self.cache.encode(text).tolist()
+        if self._wrap is None:
+            return list(self._tok.encode(text, add_special_tokens=True).ids)
+        head, tail = self._wrap
+        return head + self.cache.encode(text).tolist() + tail
 
     def render_chat(self, body: Mapping[str, Any]) -> str:
         """The prompt text the chat template makes of a /v1/chat/completions body."""

@@ -1,0 +1,164 @@
+"""Incremental tokenization: encode only the parts of a prompt the router has not seen before.
+
+A multi-turn request repeats the earlier turns' text, and encoding 8k tokens costs the
+`tokenizers` library 10–30 ms on these CPUs, far above the routing budget. `ChunkCache` cuts
+the text where the tokenizer's own splitting restarts, so that encoding the pieces one by one
+gives exactly the ids of encoding the whole, and keeps the ids of recent pieces in an LRU cache
+bounded in bytes. Two kinds of cut, each enabled only when the tokenizer allows it:
+
+* at added (special) tokens: `tokenizers` splits them out before normalizing and
+  pre-tokenizing, so the text between them is encoded independently anyway (needs every added
+  token to be non-normalized and without lstrip / rstrip / single_word);
+* after a newline that follows a non-space character and precedes a printable ASCII one, when
+  the pre-tokenizer is a byte-level one driven by a GPT-2 / tiktoken-style regex (ByteLevel
+  with `use_regex`, or a Split followed by ByteLevel, and no prefix space): those regexes never
+  match across such a point. Newline cuts are grouped into chunks of at least `min_chunk_chars`.
+
+Both are checked once at load time against whole-text encodes of a probe; a tokenizer that
+disagrees gets the plain whole-text encode. Misses are encoded with `encode_batch_fast`, which
+releases the GIL and spreads a batch over cores.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from array import array
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from tokenizers import Tokenizer
+
+# After a newline between a non-space character and a printable ASCII one: a cut after a run of
+# whitespace would change how `\s+(?!\S)` splits that run at the end of the piece.
+_NEWLINE_CUT = re.compile(r"(?<=\S)\n(?=[!-~])")
+_PROBE = (
+    "You are a helpful assistant.\n\nAnswer briefly.\n  indented line\nx = [1, 22, 333]\n"
+    "trailing space \n\ttab\n\n\n(paren) 'quote' \"dq\"\n42 is the answer.\nnaïve café 東京\nend"
+)
+
+
+@dataclass(slots=True)
+class ChunkStats:
+    """Cache counters (chunks, not tokens) for metrics."""
+
+    hits: int = 0
+    misses: int = 0
+    bytes: int = 0
+
+
+def _pre_tokenizer_allows_newline_cuts(spec: object) -> bool:
+    if not isinstance(spec, dict):
+        return False
+    if spec.get("type") == "ByteLevel":
+        return bool(spec.get("use_regex")) and not spec.get("add_prefix_space")
+    if spec.get("type") == "Sequence":
+        parts = spec.get("pretokenizers") or []
+        return (
+            len(parts) == 2
+            and parts[0].get("type") == "Split"
+            and parts[1].get("type") == "ByteLevel"
+            and not parts[1].get("use_regex")
+            and not parts[1].get("add_prefix_space")
+        )
+    return False
+
+
+class ChunkCache:
+    """Token ids of a text (no special tokens added), reusing the ids of chunks seen before."""
+
+    def __init__(self, tok: Tokenizer, max_bytes: int = 64 << 20, min_chunk_chars: int = 1024):
+        self._tok = tok
+        self.max_bytes = max_bytes
+        self.min_chunk_chars = min_chunk_chars
+        self.stats = ChunkStats()
+        self._cache: OrderedDict[str, array[int]] = OrderedDict()
+        added = list(tok.get_added_tokens_decoder().values())
+        self._special_ids = {t.content: i for i, t in tok.get_added_tokens_decoder().items()}
+        plain = all(not (t.normalized or t.lstrip or t.rstrip or t.single_word) for t in added)
+        contents = sorted(self._special_ids, key=len, reverse=True)
+        self._special_split = (
+            re.compile("(" + "|".join(map(re.escape, contents)) + ")") if plain and added else None
+        )
+        pre = json.loads(tok.to_str()).get("pre_tokenizer")
+        # An lstrip / rstrip token may swallow the newline at a cut: no cuts for such tokenizers.
+        newline_token = any("\n" in c for c in contents)
+        self._newline_cuts = plain and not newline_token and _pre_tokenizer_allows_newline_cuts(pre)
+        self.enabled = True
+        probe = _PROBE + "".join(f"{c}{_PROBE}" for c in contents[:3])
+        want = tok.encode(probe, add_special_tokens=False).ids
+        if self._newline_cuts and self._encode(probe, min_chunk=1).tolist() != want:
+            self._newline_cuts = False
+        if self._encode(probe, min_chunk=1).tolist() != want:
+            self.enabled = False
+        self._cache.clear()
+        self.stats = ChunkStats()
+
+    @property
+    def mode(self) -> str:
+        """Which cuts are in use: "special+newline", "special", "newline" or "off"."""
+        if not self.enabled:
+            return "off"
+        cuts = [n for n, on in (("special", self._special_split), ("newline", self._newline_cuts))
+                if on]
+        return "+".join(cuts) or "off"
+
+    def encode(self, text: str) -> array[int]:
+        """Ids of `text` without special tokens added, equal to a whole-text encode."""
+        if not self.enabled:
+            return array("I", self._tok.encode_batch_fast([text], add_special_tokens=False)[0].ids)
+        return self._encode(text, self.min_chunk_chars)
+
+    def _encode(self, text: str, min_chunk: int) -> array[int]:
+        pieces: list[str | int] = []
+        if self._special_split is not None:
+            for i, part in enumerate(self._special_split.split(text)):
+                if i % 2:
+                    pieces.append(self._special_ids[part])
+                elif part:
+                    pieces.extend(self._chunks(part, min_chunk))
+        else:
+            pieces.extend(self._chunks(text, min_chunk))
+        cache = self._cache
+        missing = list(dict.fromkeys(p for p in pieces if isinstance(p, str) and p not in cache))
+        fresh: dict[str, array[int]] = {}
+        if missing:
+            encoded = self._tok.encode_batch_fast(missing, add_special_tokens=False)
+            fresh = {c: array("I", enc.ids) for c, enc in zip(missing, encoded, strict=True)}
+        out = array("I")
+        for p in pieces:
+            if isinstance(p, int):
+                out.append(p)
+            elif p in fresh:
+                out.extend(fresh[p])
+            else:
+                out.extend(cache[p])
+                cache.move_to_end(p)
+                self.stats.hits += 1
+        self.stats.misses += len(fresh)
+        for chunk, ids in fresh.items():  # after the lookups: storing may evict older chunks
+            self._store(chunk, ids)
+        return out
+
+    def _chunks(self, text: str, min_chunk: int) -> Sequence[str]:
+        if not self._newline_cuts or len(text) <= min_chunk:
+            return (text,)
+        chunks = []
+        start = 0
+        while True:
+            m = _NEWLINE_CUT.search(text, start + min_chunk - 1)
+            if m is None:
+                break
+            chunks.append(text[start : m.end()])
+            start = m.end()
+        chunks.append(text[start:])
+        return chunks
+
+    def _store(self, chunk: str, ids: array[int]) -> None:
+        cache = self._cache
+        cache[chunk] = ids
+        self.stats.bytes += len(chunk) + 4 * len(ids)
+        while self.stats.bytes > self.max_bytes and len(cache) > 1:
+            old, old_ids = cache.popitem(last=False)
+            self.stats.bytes -= len(old) + 4 * len(old_ids)

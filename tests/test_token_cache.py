@@ -1,0 +1,108 @@
+"""Incremental tokenization (router/token_cache.py) equals whole-text encoding, for the cuts it
+takes and the tokenizers it must refuse, on random texts and on growing conversations."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+from tokenizers import AddedToken, Regex, Tokenizer, models, pre_tokenizers, trainers
+
+from router.token_cache import ChunkCache
+
+SPECIALS = ["<s>", "<|start|>", "<|end|>"]
+# The Llama 3 pre-tokenizer regex (a tiktoken-style Split before a regex-free ByteLevel).
+LLAMA3_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+    r"|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+PIECES = ["the", "cache", " ", "  ", "\n", "\n\n", " \n", "\t", "12", "3456", ".", ",", "'s",
+          "(x)", "naïve", "東京", "é", "\u0301", "-", "!!", "a", "Z", *SPECIALS]
+
+
+def _train(pre: pre_tokenizers.PreTokenizer, decoder_alphabet: bool = True) -> Tokenizer:
+    tok = Tokenizer(models.BPE(unk_token=None if decoder_alphabet else "<unk>"))
+    tok.pre_tokenizer = pre
+    trainer = trainers.BpeTrainer(
+        vocab_size=600,
+        special_tokens=SPECIALS if decoder_alphabet else [*SPECIALS, "<unk>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet() if decoder_alphabet else [],
+        show_progress=False,
+    )
+    rng = random.Random(1)
+    corpus = ["".join(rng.choice(PIECES[:-3]) for _ in range(60)) for _ in range(300)]
+    tok.train_from_iterator(corpus, trainer=trainer)
+    return tok
+
+
+def _bytelevel() -> Tokenizer:
+    return _train(pre_tokenizers.ByteLevel(add_prefix_space=False))
+
+
+def _split_bytelevel() -> Tokenizer:
+    return _train(pre_tokenizers.Sequence([
+        pre_tokenizers.Split(Regex(LLAMA3_SPLIT), behavior="isolated"),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+    ]))
+
+
+def _metaspace() -> Tokenizer:
+    return _train(pre_tokenizers.Metaspace(), decoder_alphabet=False)
+
+
+def _prefix_space() -> Tokenizer:
+    return _train(pre_tokenizers.ByteLevel(add_prefix_space=True))
+
+
+def _lstrip_token() -> Tokenizer:
+    tok = _bytelevel()
+    tok.add_special_tokens([AddedToken("<mask>", lstrip=True)])
+    return tok
+
+
+def _text(rng: random.Random, n: int) -> str:
+    return "".join(rng.choice(PIECES) for _ in range(n))
+
+
+@pytest.mark.parametrize(
+    ("build", "mode"),
+    [
+        (_bytelevel, "special+newline"),
+        (_split_bytelevel, "special+newline"),
+        (_metaspace, "special"),
+        (_prefix_space, "special"),
+        (_lstrip_token, "off"),
+    ],
+    ids=["bytelevel", "split+bytelevel", "metaspace", "prefix-space", "lstrip-token"],
+)
+def test_chunked_encode_equals_whole_encode(build: object, mode: str) -> None:
+    tok: Tokenizer = build()  # type: ignore[operator]
+    cache = ChunkCache(tok, min_chunk_chars=4)  # many cuts: every newline boundary is one
+    assert cache.mode == mode
+    rng = random.Random(7)
+    for _ in range(150):
+        text = _text(rng, rng.randrange(1, 120))
+        assert cache.encode(text).tolist() == tok.encode(text, add_special_tokens=False).ids, text
+
+
+def test_growing_conversation_reuses_chunks() -> None:
+    tok = _bytelevel()
+    cache = ChunkCache(tok, min_chunk_chars=64)
+    rng = random.Random(3)
+    text = ""
+    for turn in range(12):
+        text += "<|start|>user\n" + _text(rng, 200) + "\nend of turn.\n<|end|>"
+        before = cache.stats.hits
+        assert cache.encode(text).tolist() == tok.encode(text, add_special_tokens=False).ids
+        if turn:
+            assert cache.stats.hits > before, "earlier turns' chunks were encoded again"
+
+
+def test_cache_stays_within_its_byte_budget() -> None:
+    tok = _bytelevel()
+    cache = ChunkCache(tok, max_bytes=4096, min_chunk_chars=16)
+    rng = random.Random(5)
+    for _ in range(100):
+        text = "line one.\n" + _text(rng, 80)
+        assert cache.encode(text).tolist() == tok.encode(text, add_special_tokens=False).ids
+        assert cache.stats.bytes <= 4096
