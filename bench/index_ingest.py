@@ -60,6 +60,7 @@ def main() -> None:
     args = ap.parse_args()
     frames = _frames(args.blocks, args.workers, args.blocks_per_event, args.replicas)
     n = len(frames) * args.blocks_per_event
+    gc.freeze()  # the input frames are the bench's, not the router's: keep them out of GC passes
 
     dec = StreamDecoder()
     t0 = time.perf_counter()

@@ -3,9 +3,12 @@ tokenization, for 8 workers over an index of 1 M (block, worker) entries.
 
 The index is filled through `MemoryIndex.apply` with chained `BlockStored` events (16-token
 blocks, the GPU default and the hardest case for the key walk); each measured prompt shares a
-cached prefix (half its blocks) with one worker, so `match` walks deep chains. "with
-tokenization" adds what the router does first for a chat request: render the chat template and
-encode with the model's tokenizer (default: the newest tiny model built by scripts/tiny_model.py).
+cached prefix (half its blocks) with one worker, so `match` walks deep chains. "+ tokenization"
+adds what the router does first for a chat request: render the chat template and encode with
+the model's tokenizer (default: the newest tiny model built by scripts/tiny_model.py), through
+the router's chunk cache (router/token_cache.py). "warm" is a conversation's next turn (a new
+512-token user message after a history the router tokenized for the previous turn, held by one
+worker); "cold" is a conversation the router has never seen (every chunk encoded).
 Targets at 8k tokens: p99 <= 1 ms without tokenization, <= 5 ms with.
 
     .venvs/core/bin/python bench/router_decision.py [--entries 1000000] [--tokenizer DIR]
@@ -14,9 +17,11 @@ Targets at 8k tokens: p99 <= 1 ms without tokenization, <= 5 ms with.
 from __future__ import annotations
 
 import argparse
+import gc
 import random
 import statistics
 import time
+from array import array
 from pathlib import Path
 
 from router.config import RouterConfig
@@ -75,10 +80,37 @@ def _newest_tiny() -> Path | None:
     return found[-1].parent if found else None
 
 
+def _lines(rng: random.Random, n: int) -> list[str]:
+    words = "the cache holds a prefix of tokens for each request and block".split()
+    return [" ".join(rng.choice(words) for _ in range(rng.randrange(4, 24))) + ".\n"
+            for _ in range(n)]
+
+
+def _conversation(tok: RouterTokenizer, rng: random.Random, n_tokens: int,
+                  new_turn: int) -> tuple[dict[str, object], dict[str, object]]:
+    """A chat body of ~n_tokens whose last user message has ~new_turn tokens, and the same
+    conversation one turn earlier (its history)."""
+    messages: list[dict[str, str]] = []
+    lines = _lines(rng, n_tokens // 4)
+    per_line = max(1, len(tok.chat_tokens({"messages": [
+        {"role": "user", "content": "".join(lines)}]})) // len(lines))
+    history, turn = (n_tokens - new_turn) // per_line, new_turn // per_line
+    for k in range(0, history, 40):  # 40-line messages, alternating roles
+        role = "user" if len(messages) % 2 == 0 else "assistant"
+        messages.append({"role": role, "content": "".join(lines[k:min(k + 40, history)])})
+    if messages[-1]["role"] == "user":
+        messages.append({"role": "assistant", "content": "ok.\n"})
+    before = {"messages": list(messages)}
+    messages.append({"role": "user", "content": "".join(lines[history:history + turn])})
+    return before, {"messages": messages}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--entries", type=int, default=1_000_000)
     ap.add_argument("--samples", type=int, default=200)
+    ap.add_argument("--new-turn", type=int, default=512,
+                    help="tokens of the new user message in the warm case (default 512)")
     ap.add_argument("--tokenizer", type=Path, default=_newest_tiny())
     args = ap.parse_args()
     rng = random.Random(0)
@@ -88,12 +120,16 @@ def main() -> None:
     print(f"index: {index.stats().entries} entries over {WORKERS} workers "
           f"(filled in {time.perf_counter() - t0:.1f}s); block size {BS}")
     placement = _placement(index)
+    gc.freeze()  # as warply-router does after start-up (router/__main__.py)
     tok = RouterTokenizer(args.tokenizer) if args.tokenizer else None
-    words = "the cache holds a prefix of tokens for each request and block".split()
+    if tok is not None:
+        tok.chat_tokens({"messages": [{"role": "user", "content": "warm up.\n"}]})  # thread pool
+        print(f"tokenizer: {args.tokenizer} (chunk cache: {tok.cache.mode}); warm = a new "
+              f"{args.new_turn}-token turn after a history the router has seen, cold = all new")
     for n_tokens in (1024, 8192, 32768):
         prompts = []
         for i in range(args.samples):
-            tokens = [rng.randrange(8000) for _ in range(n_tokens)]
+            tokens = array("I", [rng.randrange(8000) for _ in range(n_tokens)])
             held = n_tokens // 2 // BS * BS  # half the prompt cached on one worker
             index.apply(f"w{i % WORKERS}", [BlockStored(
                 list(range(10**9 + i * 10**5, 10**9 + i * 10**5 + held // BS)), None,
@@ -104,20 +140,25 @@ def main() -> None:
             t = time.perf_counter()
             placement.choose(tokens)
             bare.append(time.perf_counter() - t)
-        line = f"{n_tokens:6d} tokens  decision {_q(bare)}"
-        if tok is not None:
-            text = " ".join(rng.choice(words) for _ in range(n_tokens))
-            body = {"messages": [{"role": "user", "content": text}]}
-            n_real = len(tok.chat_tokens(body))
-            scale = n_tokens / n_real  # fit the text to ~n_tokens
-            body = {"messages": [{"role": "user", "content": text[: int(len(text) * scale)]}]}
-            full = []
-            for _ in range(min(args.samples, 100)):
-                t = time.perf_counter()
-                placement.choose(tok.chat_tokens(body))
-                full.append(time.perf_counter() - t)
-            line += f"  |  with tokenization {_q(full)}"
-        print(line)
+        print(f"{n_tokens:6d} tokens  decision            {_q(bare)}")
+        if tok is None:
+            continue
+        warm, cold = [], []
+        for i in range(min(args.samples, 100)):
+            before, body = _conversation(tok, rng, n_tokens, min(args.new_turn, n_tokens // 2))
+            seen = tok.chat_tokens(before)  # the earlier turn went through the router
+            index.apply(f"w{i % WORKERS}", [BlockStored(
+                list(range(2 * 10**9 + i * 10**5, 2 * 10**9 + i * 10**5 + len(seen) // BS)),
+                None, seen[: len(seen) // BS * BS], BS)])
+            t = time.perf_counter()
+            placement.choose(tok.chat_tokens(body))
+            warm.append(time.perf_counter() - t)
+            _, fresh = _conversation(tok, rng, n_tokens, n_tokens // 2)
+            t = time.perf_counter()
+            placement.choose(tok.chat_tokens(fresh))
+            cold.append(time.perf_counter() - t)
+        print(f"{'':6s}         + tokenization, warm {_q(warm)}")
+        print(f"{'':6s}         + tokenization, cold {_q(cold)}")
     if tok is None:
         print("(no tokenizer found: build one with scripts/tiny_model.py or pass --tokenizer)")
 

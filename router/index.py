@@ -87,8 +87,10 @@ class MemoryIndex(PrefixIndex):
         self.max_entries = max_entries
         # canonical key -> {worker: tier bits}; order = recency (oldest first).
         self._blocks: OrderedDict[int, dict[str, int]] = OrderedDict()
-        # worker -> engine hash -> (canonical key, namespace).
-        self._engine: dict[str, dict[int, tuple[int, str]]] = {}
+        # worker -> engine hash -> canonical key (the namespace is folded into the key's chain).
+        # Only ints in these maps and in `_blocks`' holder dicts: the garbage collector does not
+        # track such dicts, so a million entries add no GC pauses to the router's event loop.
+        self._engine: dict[str, dict[int, int]] = {}
         self._entries = 0
         self._evictions = 0
         self._skipped: Counter[str] = Counter()
@@ -107,10 +109,9 @@ class MemoryIndex(PrefixIndex):
                 self._clear_bits(worker, hashes, list(hashes), bits)
         self._enforce_cap()
 
-    def _stored(self, worker: str, hashes: dict[int, tuple[int, str]], ev: BlockStored) -> None:
+    def _stored(self, worker: str, hashes: dict[int, int], ev: BlockStored) -> None:
         if ev.parent_hash is None:
-            namespace = ev.namespace or ""
-            seed = root_seed(self.model, namespace)
+            seed = root_seed(self.model, ev.namespace or "")
         else:
             parent = hashes.get(ev.parent_hash)
             if parent is None:
@@ -118,33 +119,33 @@ class MemoryIndex(PrefixIndex):
                 # tokens extend is unknown, so no canonical key can be computed.
                 self._skipped["unknown_parent"] += len(ev.block_hashes)
                 return
-            seed, namespace = parent
+            seed = parent
+        keys = chain_keys(ev.token_ids, ev.block_size, seed)  # one per hash: BlockStored checks
+        hashes.update(zip(ev.block_hashes, keys, strict=True))
         bit = _BIT[ev.tier]
         blocks = self._blocks
-        for engine_hash, key in zip(
-            ev.block_hashes, chain_keys(ev.token_ids, ev.block_size, seed), strict=True
-        ):
-            hashes[engine_hash] = (key, namespace)
-            holders = blocks.get(key)
+        get = blocks.get
+        added = 0
+        for key in keys:
+            holders = get(key)
             if holders is None:
                 blocks[key] = {worker: bit}
-                self._entries += 1
+                added += 1
             else:
                 blocks.move_to_end(key)
                 old = holders.get(worker, 0)
-                if not old:
-                    self._entries += 1
+                added += not old
                 holders[worker] = old | bit
+        self._entries += added
 
     def _clear_bits(
-        self, worker: str, hashes: dict[int, tuple[int, str]], engine_hashes: list[int], bits: int
+        self, worker: str, hashes: dict[int, int], engine_hashes: list[int], bits: int
     ) -> None:
         for engine_hash in engine_hashes:
-            entry = hashes.get(engine_hash)
-            if entry is None:
+            key = hashes.get(engine_hash)
+            if key is None:
                 self._skipped["unknown_block"] += 1
                 continue
-            key = entry[0]
             holders = self._blocks.get(key)
             left = (holders.get(worker, 0) & ~bits) if holders else 0
             if left:
@@ -157,10 +158,10 @@ class MemoryIndex(PrefixIndex):
                 if not holders:
                     del self._blocks[key]
 
-    def _moved(self, worker: str, hashes: dict[int, tuple[int, str]], ev: TierMoved) -> None:
+    def _moved(self, worker: str, hashes: dict[int, int], ev: TierMoved) -> None:
         for engine_hash in ev.block_hashes:
-            entry = hashes.get(engine_hash)
-            holders = self._blocks.get(entry[0]) if entry else None
+            key = hashes.get(engine_hash)
+            holders = self._blocks.get(key) if key is not None else None
             if not holders or worker not in holders:
                 self._skipped["unknown_block"] += 1
                 continue
@@ -176,7 +177,7 @@ class MemoryIndex(PrefixIndex):
 
     def drop_worker(self, worker: str) -> None:
         hashes = self._engine.pop(worker, {})
-        for key, _ in hashes.values():
+        for key in hashes.values():
             holders = self._blocks.get(key)
             if holders and holders.pop(worker, None) is not None:
                 self._entries -= 1

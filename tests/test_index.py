@@ -46,6 +46,10 @@ def test_namespaces_never_share_blocks() -> None:
     assert idx.match(prefix_keys(prompt, BS, MODEL, "tenant-b"))["a"].blocks == 0
     assert idx.match(prefix_keys(prompt, BS, MODEL))["a"].blocks == 0
     assert idx.match(prefix_keys(prompt, BS, MODEL, "tenant-a"))["a"].blocks == 4
+    longer = list(range(24))  # a child event names only its parent: it stays in tenant-a
+    idx.apply("a", [_stored(longer[16:], 5, parent=4)])
+    assert idx.match(prefix_keys(longer, BS, MODEL, "tenant-a"))["a"].blocks == 6
+    assert idx.match(prefix_keys(longer, BS, MODEL))["a"].blocks == 0
 
 
 def test_removal_per_tier_and_tier_moves() -> None:
