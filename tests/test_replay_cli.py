@@ -87,7 +87,10 @@ def test_missing_trace_and_bad_numbers(capsys: pytest.CaptureFixture[str]) -> No
     assert "cannot read trace" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         main(["replay", "t.jsonl", "--limit", "-3"])
-    assert "must be positive" in capsys.readouterr().err
+    assert "'-3' must be > 0" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["replay", "t.jsonl", "--jobs", "two"])
+    assert "'two' is not an integer" in capsys.readouterr().err
 
 
 def test_strategy_specs() -> None:

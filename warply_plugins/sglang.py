@@ -15,6 +15,8 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
+from warply.argtypes import fraction, positive
+
 SGLANG_VERSION = "0.5.23"
 """The SGLang release whose internals the hooks target."""
 
@@ -57,26 +59,6 @@ def tcp_endpoint(value: str) -> str:
     return value
 
 
-def _fraction(value: str) -> float:
-    try:
-        number = float(value)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{value!r} is not a number") from None
-    if not 0.0 <= number <= 1.0:
-        raise argparse.ArgumentTypeError(f"{value} is not in [0, 1]")
-    return number
-
-
-def _positive(value: str) -> float:
-    try:
-        number = float(value)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{value!r} is not a number") from None
-    if number <= 0:
-        raise argparse.ArgumentTypeError(f"{value} must be > 0")
-    return number
-
-
 def add_cli_args(parser: argparse.ArgumentParser) -> None:
     """Add `--enable-warply` and the `--warply-*` options to SGLang's parser."""
     group = parser.add_argument_group("Warply", "KV-cache state export and directives (Warply)")
@@ -104,11 +86,14 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
     )
     group.add_argument("--warply-topic", default="", help="ZMQ topic of the state stream.")
     group.add_argument(
-        "--warply-snapshot-interval", type=_positive, default=1.0, help="Load snapshot period (s)."
+        "--warply-snapshot-interval",
+        type=positive(float),
+        default=1.0,
+        help="Load snapshot period (s).",
     )
     group.add_argument(
         "--warply-max-pinned-fraction",
-        type=_fraction,
+        type=fraction,
         default=0.5,
         help="Pins may hold at most this share of the KV pool.",
     )

@@ -24,6 +24,7 @@ from router.replay.report import plot, summarize, table, write_json
 from router.replay.sim import simulate
 from router.replay.trace import ExpandedTrace, TraceError, read_trace
 from router.strategies import BUILTIN, Strategy
+from warply.argtypes import positive
 
 STRATEGIES: dict[str, type[Strategy]] = {**BUILTIN, **BASELINES}
 DEFAULT_STRATEGIES = (
@@ -195,28 +196,15 @@ def _live(args: argparse.Namespace) -> int:
     return 0
 
 
-def _positive(kind: type[int] | type[float]) -> Callable[[str], Any]:
-    def parse(text: str) -> Any:
-        try:
-            value = kind(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
-        if value <= 0:
-            raise argparse.ArgumentTypeError(f"must be positive: {text!r}")
-        return value
-
-    return parse
-
-
 def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("trace", help="Mooncake-format JSONL trace (timestamp ms, input_length, ...)")
     p.add_argument(
         "--trace-block",
-        type=_positive(int),
+        type=positive(int),
         default=512,
         help="tokens per trace hash id (Mooncake: 512; the SGLang GSP trace here: 16)",
     )
-    p.add_argument("--limit", type=_positive(int), help="replay only the first N requests")
+    p.add_argument("--limit", type=positive(int), help="replay only the first N requests")
     p.add_argument("--json", metavar="PATH", help="write the report as JSON")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
 
@@ -246,7 +234,7 @@ def parser() -> argparse.ArgumentParser:
         f"known: {', '.join(sorted(STRATEGIES))}",
     )
     r.add_argument("--plot", metavar="PATH", help="write a PNG plot (matplotlib)")
-    r.add_argument("--jobs", type=_positive(int), default=1, help="replays run in parallel")
+    r.add_argument("--jobs", type=positive(int), default=1, help="replays run in parallel")
     r.add_argument("--num-blocks", type=int, default=16384, help="KV blocks per worker")
     r.add_argument("--block-size", type=int, default=64, help="tokens per engine block")
     r.add_argument("--max-batched-tokens", type=int, default=8192, help="per scheduler pass")
@@ -266,12 +254,12 @@ def parser() -> argparse.ArgumentParser:
     _common(lv)
     lv.add_argument("--url", required=True, help="base URL, e.g. http://127.0.0.1:8000")
     lv.add_argument("--model", default="", help="model name to send (default: the first served)")
-    lv.add_argument("--speedup", type=_positive(float), default=1.0, help="time compression")
-    lv.add_argument("--concurrency", type=_positive(int), default=64, help="max open requests")
-    lv.add_argument("--timeout", type=_positive(float), default=600.0, help="whole run, seconds")
-    lv.add_argument("--max-output-tokens", type=_positive(int), help="cap each output_length")
-    lv.add_argument("--max-prompt-tokens", type=_positive(int), help="cap each prompt length")
-    lv.add_argument("--vocab", type=_positive(int), default=32000, help="token ids < vocab")
+    lv.add_argument("--speedup", type=positive(float), default=1.0, help="time compression")
+    lv.add_argument("--concurrency", type=positive(int), default=64, help="max open requests")
+    lv.add_argument("--timeout", type=positive(float), default=600.0, help="whole run, seconds")
+    lv.add_argument("--max-output-tokens", type=positive(int), help="cap each output_length")
+    lv.add_argument("--max-prompt-tokens", type=positive(int), help="cap each prompt length")
+    lv.add_argument("--vocab", type=positive(int), default=32000, help="token ids < vocab")
     lv.add_argument("--allow-remote", action="store_true", help="allow a URL that is not loopback")
     lv.set_defaults(func=_live)
     return ap
