@@ -152,7 +152,7 @@ class PrefixAffinity(Strategy):
     If max load − min load > balance_abs and max load > balance_rel · min load, the system is
     imbalanced and the least-loaded worker wins. Otherwise the worker with the largest
     credit(w) = Σ_t weight_t · hit_t(w) wins (ties → lower load), unless credit / P <
-    min_match_ratio, when load decides.
+    min_match_ratio, when load decides (ties → larger credit).
     """
 
     name = "prefix_affinity"
@@ -180,7 +180,16 @@ class PrefixAffinity(Strategy):
         credit = k.tier_weights.credit(matches.get(best.name, _NO_MATCH))
         blocks = max(1, len(request.keys))
         if credit == 0 or credit / blocks < k.min_match_ratio:
-            return _least_loaded(candidates).name
+            # Too little cached to bind the request: load decides, and among equally loaded
+            # workers the one holding the (small) shared prefix still gets it.
+            return min(
+                candidates,
+                key=lambda w: (
+                    w.load,
+                    -k.tier_weights.credit(matches.get(w.name, _NO_MATCH)),
+                    w.in_flight_tokens,
+                ),
+            ).name
         return best.name
 
 

@@ -50,6 +50,14 @@ def test_prefix_affinity_guard_and_overrides() -> None:
     assert s.choose(REQ, _workers(2, 1), {}) == "w1"  # nothing cached anywhere
 
 
+def test_prefix_affinity_small_match_goes_by_load_then_credit() -> None:
+    s = PrefixAffinity(PrefixAffinity.Knobs(min_match_ratio=0.3))
+    small = {"w1": WorkerMatch(2, {Tier.GPU: 2})}  # 2 of 10 blocks: below the floor
+    assert s.choose(REQ, _workers(1, 2), small) == "w0"  # load decides
+    assert s.choose(REQ, _workers(1, 1), small) == "w1"  # equal load: the holder
+    assert s.choose(REQ, _workers(1, 1), {"w1": WorkerMatch(3, {Tier.GPU: 3})}) == "w1"
+
+
 def test_kv_reuse_counts_uncached_and_queued_prefill() -> None:
     s = KvReuse()  # defaults: queue_weight 0.5, decode_weight 0
     matches = {"w0": WorkerMatch(10, {Tier.GPU: 10})}
