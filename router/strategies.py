@@ -16,9 +16,9 @@ from __future__ import annotations
 
 import abc
 import itertools
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import Any, ClassVar
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -74,6 +74,19 @@ class Strategy(abc.ABC):
 
     def __init__(self, knobs: BaseModel | None = None) -> None:
         self.knobs = knobs if knobs is not None else self.Knobs()
+        self._ties = itertools.count()
+
+    def _best(self, candidates: Sequence[WorkerLoad], key: Callable[[WorkerLoad], Any]) -> str:
+        """The candidate with the smallest key; exact ties are served in turn, so idle, equal
+        workers share new conversations instead of the first one taking them all."""
+        keys = [key(w) for w in candidates]
+        low = min(keys)
+        tied = [w for w, k in zip(candidates, keys, strict=True) if k == low]
+        return tied[next(self._ties) % len(tied)].name if len(tied) > 1 else tied[0].name
+
+    def _least_loaded(self, candidates: Sequence[WorkerLoad]) -> str:
+        """argmin load(w), then fewer in-flight tokens, then in turn."""
+        return self._best(candidates, lambda w: (w.load, w.in_flight_tokens))
 
     @abc.abstractmethod
     def choose(
@@ -90,25 +103,17 @@ class RoundRobin(Strategy):
 
     name = "round_robin"
 
-    def __init__(self, knobs: BaseModel | None = None) -> None:
-        super().__init__(knobs)
-        self._turn = itertools.count()
-
     def choose(
         self,
         request: RequestView,
         candidates: Sequence[WorkerLoad],
         matches: Mapping[str, WorkerMatch],
     ) -> str:
-        return candidates[next(self._turn) % len(candidates)].name
-
-
-def _least_loaded(candidates: Sequence[WorkerLoad]) -> WorkerLoad:
-    return min(candidates, key=lambda w: (w.load, w.in_flight_tokens))
+        return candidates[next(self._ties) % len(candidates)].name
 
 
 class LeastLoaded(Strategy):
-    """Baseline: argmin load(w), ties broken by fewer in-flight tokens."""
+    """Baseline: argmin load(w), ties broken by fewer in-flight tokens, then in turn."""
 
     name = "least_loaded"
 
@@ -118,7 +123,7 @@ class LeastLoaded(Strategy):
         candidates: Sequence[WorkerLoad],
         matches: Mapping[str, WorkerMatch],
     ) -> str:
-        return _least_loaded(candidates).name
+        return self._least_loaded(candidates)
 
 
 class TierWeights(BaseModel):
@@ -152,7 +157,7 @@ class PrefixAffinity(Strategy):
     If max load − min load > balance_abs and max load > balance_rel · min load, the system is
     imbalanced and the least-loaded worker wins. Otherwise the worker with the largest
     credit(w) = Σ_t weight_t · hit_t(w) wins (ties → lower load), unless credit / P <
-    min_match_ratio, when load decides (ties → larger credit).
+    min_match_ratio, when load decides (ties → larger credit). Remaining ties: in turn.
     """
 
     name = "prefix_affinity"
@@ -168,29 +173,14 @@ class PrefixAffinity(Strategy):
         loads = [w.load for w in candidates]
         hi, lo = max(loads), min(loads)
         if not request.prefix_reuse or (hi - lo > k.balance_abs and hi > k.balance_rel * lo):
-            return _least_loaded(candidates).name
-        best = max(
-            candidates,
-            key=lambda w: (
-                k.tier_weights.credit(matches.get(w.name, _NO_MATCH)),
-                -w.load,
-                -w.in_flight_tokens,
-            ),
-        )
-        credit = k.tier_weights.credit(matches.get(best.name, _NO_MATCH))
-        blocks = max(1, len(request.keys))
-        if credit == 0 or credit / blocks < k.min_match_ratio:
+            return self._least_loaded(candidates)
+        credit = {w.name: k.tier_weights.credit(matches.get(w.name, _NO_MATCH)) for w in candidates}
+        top = max(credit.values())
+        if top == 0 or top / max(1, len(request.keys)) < k.min_match_ratio:
             # Too little cached to bind the request: load decides, and among equally loaded
             # workers the one holding the (small) shared prefix still gets it.
-            return min(
-                candidates,
-                key=lambda w: (
-                    w.load,
-                    -k.tier_weights.credit(matches.get(w.name, _NO_MATCH)),
-                    w.in_flight_tokens,
-                ),
-            ).name
-        return best.name
+            return self._best(candidates, lambda w: (w.load, -credit[w.name], w.in_flight_tokens))
+        return self._best(candidates, lambda w: (-credit[w.name], w.load, w.in_flight_tokens))
 
 
 class KvReuseKnobs(_Knobs):
@@ -208,9 +198,9 @@ class KvReuse(Strategy):
 
     cost(w) = prefill_weight · (max(0, P − credit(w)) + queue_weight · queued(w))
               + decode_weight · active(w)
-    The lowest cost wins; ties → lower load. The defaults (queue 0.5, decode 0) were tuned with
-    `warply bench replay` on the Mooncake conversation trace: TTFT follows the prefill queued on
-    a worker, not its count of decoding requests (docs/replay.md).
+    The lowest cost wins; ties → lower load, then in turn. The defaults (queue 0.5, decode 0)
+    were tuned with `warply bench replay` on the Mooncake conversation trace: TTFT follows the
+    prefill queued on a worker, not its count of decoding requests (docs/replay.md).
     """
 
     name = "kv-reuse"
@@ -231,7 +221,7 @@ class KvReuse(Strategy):
             prefill = uncached + k.queue_weight * w.pending_prefill_tokens / bs
             return (k.prefill_weight * prefill + k.decode_weight * w.in_flight_tokens / bs, w.load)
 
-        return min(candidates, key=cost).name
+        return self._best(candidates, cost)
 
 
 class NoCandidate(LookupError):

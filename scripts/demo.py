@@ -91,7 +91,8 @@ def workload(
 
 
 async def send(session: aiohttp.ClientSession, url: str, item: dict[str, Any]) -> dict[str, Any]:
-    """One streamed completion; returns TTFT and cached tokens as the client sees them."""
+    """One streamed completion; returns TTFT and cached tokens as the client sees them, and the
+    router's worker and predicted cached tokens (-1 without a Warply router)."""
     body = {"model": MODEL_NAME, "prompt": item["prompt"], "max_tokens": item["max_tokens"],
             "temperature": 0, "ignore_eos": True, "stream": True,
             "stream_options": {"include_usage": True}}
@@ -109,7 +110,8 @@ async def send(session: aiohttp.ClientSession, url: str, item: dict[str, Any]) -
     details = usage.get("prompt_tokens_details") or {}
     return {"ttft_s": ttft, "cached": details.get("cached_tokens") or 0,
             "prompt": usage.get("prompt_tokens") or 0,
-            "worker": r.headers.get("X-Warply-Worker", "?")}
+            "worker": r.headers.get("X-Warply-Worker", "?"),
+            "predicted": int(r.headers.get("X-Warply-Predicted-Cached", -1))}
 
 
 async def replay(

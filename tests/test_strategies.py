@@ -100,3 +100,10 @@ def test_knobs_are_validated_with_the_field_named() -> None:
         "kv-reuse",
         "tenant_isolated",
     }
+
+
+@pytest.mark.parametrize("name", ["least_loaded", "prefix_affinity", "kv-reuse"])
+def test_equal_idle_workers_take_new_requests_in_turn(name: str) -> None:
+    s = BUILTIN[name]()
+    picks = [s.choose(REQ, _workers(0, 0, 0), {}) for _ in range(6)]
+    assert sorted(picks) == ["w0", "w0", "w1", "w1", "w2", "w2"]
