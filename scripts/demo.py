@@ -184,11 +184,19 @@ def router_process(strategy: str, engines: list[tuple[EngineProcess, int, int]],
 
 
 def reset_caches(engines: list[tuple[EngineProcess, int, int]]) -> None:
-    """Empty both engines' prefix caches (VLLM_SERVER_DEV_MODE), so each run starts cold."""
+    """Empty both engines' prefix caches (VLLM_SERVER_DEV_MODE), so each run starts cold.
+
+    vLLM 0.32 publishes the reset's AllBlocksCleared event only from its next scheduler step, so
+    each engine then serves one sub-block request (nothing cached): a router subscribing next
+    sees the caches empty instead of the previous run's blocks."""
     for engine, _, _ in engines:
         status, body = http_json("POST", engine.url + "/reset_prefix_cache")
         if status != 200:
             raise RuntimeError(f"reset_prefix_cache on {engine.url}: {status} {body}")
+        status, body = http_json("POST", engine.url + "/v1/completions", {
+            "model": MODEL_NAME, "prompt": "warm up.\n", "max_tokens": 1})
+        if status != 200:
+            raise RuntimeError(f"warm-up on {engine.url}: {status} {body}")
 
 
 async def _run(args: argparse.Namespace, workdir: Path) -> int:
