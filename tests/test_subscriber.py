@@ -98,6 +98,7 @@ def test_late_joiner_recovers_history_from_replay() -> None:
             replay_endpoint=f"tcp://127.0.0.1:{rport}",
         )
         task = await _start(sub)
+        await _until(lambda: len(sink.batches) == 3)  # history first, before any new batch
         for i in range(3, 6):
             publisher.publish(_load(i))
         await _until(lambda: len(sink.batches) == 6)
@@ -105,7 +106,36 @@ def test_late_joiner_recovers_history_from_replay() -> None:
         publisher.close()
         assert [b.seq for b in sink.batches] == list(range(6))
         assert [b.events[0].running for b in sink.batches] == list(range(6))  # type: ignore[union-attr]
-        assert (sub.gaps, sub.replayed, sink.stale) == (1, 3, [])
+        assert (sub.gaps, sub.replayed, sink.stale) == (0, 3, [])
+
+    asyncio.run(main())
+
+
+def test_late_joiner_takes_what_a_rotated_replay_buffer_still_holds() -> None:
+    async def main() -> None:
+        port, rport = free_port(), free_port()
+        publisher = StatePublisher(
+            f"tcp://*:{port}", replay_endpoint=f"tcp://127.0.0.1:{rport}", buffer_steps=2
+        )
+        for i in range(5):
+            publisher.publish(_load(i))  # the buffer keeps 3 and 4 only
+        await asyncio.sleep(0.3)
+        sink = _Sink()
+        sub = StateSubscriber(
+            "w0",
+            f"tcp://127.0.0.1:{port}",
+            sink.on_batch,
+            sink.on_stale,
+            replay_endpoint=f"tcp://127.0.0.1:{rport}",
+        )
+        task = await _start(sub)
+        await _until(lambda: len(sink.batches) == 2)
+        publisher.publish(_load(5))
+        await _until(lambda: len(sink.batches) == 3)
+        task.cancel()
+        publisher.close()
+        assert [b.seq for b in sink.batches] == [3, 4, 5]
+        assert (sub.gaps, sub.replayed, sink.stale) == (0, 2, [])
 
     asyncio.run(main())
 

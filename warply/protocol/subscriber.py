@@ -68,6 +68,8 @@ class StateSubscriber:
             self.open()
         assert self._sub is not None
         try:
+            if self.replay_endpoint and self.last_seq is None:
+                await self._catch_up()
             while True:
                 frames = await self._sub.recv_multipart()
                 batch = self.decoder.decode_frames(frames)
@@ -99,32 +101,62 @@ class StateSubscriber:
         self._on_stale(self.worker)
 
     async def _replay(self, start: int, stop: int) -> bool:
-        """Fetch and deliver batches `start..stop-1` from the replay socket; True if complete."""
-        if not self.replay_endpoint:
+        """Fetch batches `start..stop-1` from the replay socket and deliver them all at once;
+        True if complete (nothing is delivered otherwise).
+
+        Delivery waits for the whole range because a replay walks through history: a late
+        joiner's replay from 0 holds blocks stored before a cache reset, then the reset. Applied
+        batch by batch across awaits, the router would place requests on those past states."""
+        batches = await self._fetch(start, stop)
+        if batches is None:
             return False
+        for batch in batches:
+            self._deliver(batch)
+        self.replayed += len(batches)
+        return True
+
+    async def _catch_up(self) -> None:
+        """On start, take the publisher's whole buffered history (from its oldest batch) instead
+        of waiting for the next batch to reveal a gap: the index knows what the worker holds
+        before the first request is placed."""
+        batches = await self._fetch(0, None)
+        if batches is None:
+            _log.info("state stream %s: no replay history; starting from live", self.worker)
+            return
+        for batch in batches:
+            self._deliver(batch)
+        self.replayed += len(batches)
+
+    async def _fetch(self, start: int, stop: int | None) -> list[DecodedBatch] | None:
+        """Batches `start..stop-1` (stop None: all the publisher buffers from `start` on, the
+        first one being whatever it still holds); None if incomplete or undecodable."""
+        if not self.replay_endpoint:
+            return None
         sock = self._ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
         sock.connect(self.replay_endpoint)
-        got = start
+        batches: list[DecodedBatch] = []
+        got: int | None = start if stop is not None else None
         try:
             await sock.send_multipart([b"", start.to_bytes(8, "big")])
             while True:
-                ready = await sock.poll(int(self._replay_timeout_s * 1000))
-                if not ready:
-                    return False
+                if not await sock.poll(int(self._replay_timeout_s * 1000)):
+                    return None
                 frames = await sock.recv_multipart()
                 seq = int.from_bytes(frames[-2], "big", signed=True) if len(frames) >= 2 else None
                 if seq is None or seq == _END_SEQ:
-                    return got >= stop
-                if seq < got or seq >= stop:
+                    break
+                if (got is not None and seq < got) or (stop is not None and seq >= stop):
                     continue
-                if seq > got:
-                    return False  # the publisher's buffer no longer holds `got`
+                if got is not None and seq > got:
+                    return None  # the publisher's buffer no longer holds `got`
                 batch = self.decoder.decode_payload(seq, frames[-1])
                 if batch is None:
-                    return False
-                self.replayed += 1
-                self._deliver(batch)
+                    return None
+                batches.append(batch)
                 got = seq + 1
         finally:
             sock.close(linger=0)
+        if stop is not None and (got is None or got < stop):
+            return None
+        return batches
