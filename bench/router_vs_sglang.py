@@ -18,10 +18,12 @@ with the model's tokenizer), so where a conversation lands decides whether its p
 Per row: engine-reported hit rate, twice (usage.prompt_tokens_details.cached_tokens over
 prompt_tokens as the client got them; vLLM's own vllm:prefix_cache_hits/queries counters),
 client TTFT p50/p90/mean, wall time, requests per engine (vllm:request_success), and the
-client-minus-engine TTFT gap (client mean TTFT - vllm:time_to_first_token_seconds mean): the
-oracle's gap is the HTTP path with no router, so `router +ms` = gap - oracle gap is what the
-router adds; warply rows also show the router's own overhead p50 (/warply/cache_stats). Then
-the target checks for each warply cache-aware row.
+client-minus-engine TTFT gap (client mean TTFT - vllm:time_to_first_token_seconds mean) and
+`router+` = gap - the oracle's gap (its path has no router); under load this also holds the
+engines' API-server queueing, which depends on placement. Warply rows also show the router's
+own overhead p50 (/warply/cache_stats). After the rows, what each router adds with nothing
+queued: sub-block requests one at a time, alternating direct and routed (`--latency-samples`).
+Then the target checks for each warply cache-aware row.
 
 sglang-router runs from a scratch venv (`python3 -m venv /tmp/sgr && /tmp/sgr/bin/pip install
 sglang-router==0.3.2`). Bounded: a fixed request list, a per-row timeout and a whole-run
@@ -52,9 +54,9 @@ import aiohttp
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
 import demo  # noqa: E402  (the demo's engines, workload and client; not a package)
 
-from warply.launch import HOST, EngineProcess, free_port, http_json  # noqa: E402
+from warply.launch import HOST, EngineProcess, VllmServer, free_port, http_json  # noqa: E402
 
-Engines = list[tuple[EngineProcess, int, int]]
+Engines = list[tuple[VllmServer, int, int]]
 ORACLE = "sticky oracle"
 RR = "warply round_robin"
 WARPLY = ("prefix_affinity", "kv-reuse")
@@ -83,23 +85,19 @@ def _wait_registered(router: EngineProcess, engines: Engines) -> None:
     raise TimeoutError("sglang-router did not register both workers in 120 s")
 
 
-def _metrics(engine: EngineProcess) -> dict[str, float]:
+_COUNTERS = {
+    "served": "vllm:request_success_total",
+    "pc_queries": "vllm:prefix_cache_queries_total",
+    "pc_hits": "vllm:prefix_cache_hits_total",
+    "ttft_sum": "vllm:time_to_first_token_seconds_sum",
+    "ttft_count": "vllm:time_to_first_token_seconds_count",
+}
+
+
+def _metrics(engine: VllmServer) -> dict[str, float]:
     """The engine's own counters we read (summed over label sets)."""
-    with urllib.request.urlopen(engine.url + "/metrics", timeout=10) as r:
-        text = r.read().decode()
-    names = {
-        "served": "vllm:request_success_total",
-        "pc_queries": "vllm:prefix_cache_queries_total",
-        "pc_hits": "vllm:prefix_cache_hits_total",
-        "ttft_sum": "vllm:time_to_first_token_seconds_sum",
-        "ttft_count": "vllm:time_to_first_token_seconds_count",
-    }
-    out = dict.fromkeys(names, 0.0)
-    for line in text.splitlines():
-        for key, name in names.items():
-            if line.startswith(name) and line[len(name)] in "{ ":
-                out[key] += float(line.rsplit(" ", 1)[1])
-    return out
+    got = engine.metrics(*_COUNTERS.values())
+    return {key: got[name] for key, name in _COUNTERS.items()}
 
 
 def _admin(url: str) -> dict[str, Any]:
@@ -124,6 +122,19 @@ def _distinct_blocks(items: list[dict[str, Any]], model: str, block: int) -> tup
             key = hash((key, tuple(ids[i * block:(i + 1) * block])))
             seen.add(key)
     return len(seen), longest
+
+
+async def _added_latency(router: str, engines: list[str], samples: int) -> dict[str, float]:
+    """What the router path adds with nothing queued: sub-block prompts (nothing cached), one at
+    a time, alternating direct to an engine and through the router; TTFT differences in ms."""
+    item = {"conversation": 0, "prompt": "warm up.\n", "max_tokens": 1}
+    diffs = []
+    async with aiohttp.ClientSession() as session:
+        for i in range(samples):
+            direct = await demo.send(session, engines[i % len(engines)], item)
+            routed = await demo.send(session, router, item)
+            diffs.append((routed["ttft_s"] - direct["ttft_s"]) * 1e3)
+    return {"mean": statistics.fmean(diffs), "p50": statistics.median(diffs)}
 
 
 def _quantile(xs: list[float], q: float) -> float:
@@ -191,6 +202,7 @@ async def _main(args: argparse.Namespace, workdir: Path) -> int:
     runs: dict[str, list[dict[str, Any]]] = {}
     dump: list[dict[str, Any]] = []
     errors: dict[str, str] = {}
+    added: dict[str, dict[str, float]] = {}
     try:
         for e, _, _ in engines:
             e.start()
@@ -248,10 +260,21 @@ async def _main(args: argparse.Namespace, workdir: Path) -> int:
                 (workdir / "results.json").write_text(json.dumps(dump, indent=1))
                 _log(f"round {rep + 1} {name}: hit {row['hit']:.3f}, TTFT mean "
                      f"{row['mean']:.1f} ms, wall {row['wall']:.1f} s")
+        urls = [e.url for e, _, _ in engines]
+        for name, make in (("warply-router (round_robin)", warply("round_robin")),
+                           ("sglang-router (cache_aware)", sgl("added", []))):
+            if args.latency_samples <= 0 or (name.startswith("sglang") and not args.sglang_router):
+                continue
+            with make() as router:
+                router.wait_healthy(120, path="/v1/models")
+                if name.startswith("sglang"):
+                    _wait_registered(router, engines)
+                added[name] = await _added_latency(router.url, urls, args.latency_samples)
+                _log(f"{name}: adds {added[name]['mean']:.1f} ms mean at 1 in flight")
     finally:
         for e, _, _ in engines:
             e.stop()
-    _print(args, items, prompt_tokens, distinct, blocks, runs, errors)
+    _print(args, items, prompt_tokens, distinct, blocks, runs, errors, added)
     return 0 if not errors else 1
 
 
@@ -266,7 +289,7 @@ def _mean(rs: list[dict[str, Any]], k: str) -> Any:
 
 def _print(args: argparse.Namespace, items: list[dict[str, Any]], prompt_tokens: int | None,
            distinct: int, blocks: int, runs: dict[str, list[dict[str, Any]]],
-           errors: dict[str, str]) -> None:
+           errors: dict[str, str], added: dict[str, dict[str, float]]) -> None:
     agg = {n: {k: _mean(rs, k) for k in rs[0]} for n, rs in runs.items()}
     print(f"\n{len(items)} requests in {args.conversations} conversations, {prompt_tokens} "
           f"prompt tokens, {distinct} distinct {demo.BLOCK_SIZE}-token blocks; KV cache "
@@ -290,6 +313,11 @@ def _print(args: argparse.Namespace, items: list[dict[str, Any]], prompt_tokens:
           "prefix_cache hits/queries; gap: client mean TTFT - engine mean TTFT; router+: gap - "
           "oracle gap; ovh p50: warply's own receipt->upstream overhead; pred: warply's "
           "router-predicted hit rate (its index's view when it placed)")
+    if added:
+        print(f"\nrouter-added TTFT with nothing queued ({args.latency_samples} sub-block "
+              "requests, alternating direct and routed, one at a time):")
+        for n, a in added.items():
+            print(f"  {n:30s} mean {a['mean']:+6.1f} ms  p50 {a['p50']:+6.1f} ms")
     missing = {n: r["hit_usage_missing"] for n, r in agg.items() if r["hit_usage_missing"]}
     if missing:
         print(f"note: requests without usage (hit undercounted there): {missing}")
@@ -343,7 +371,7 @@ def main() -> int:
                     help="cache_aware with --balance-abs-threshold ABS --balance-rel-threshold "
                     "REL (repeatable; default: 1,1.2 and 2,1.1)")
     ap.add_argument("--trace", type=Path, default=demo.TRACE)
-    ap.add_argument("--conversations", type=int, default=16)
+    ap.add_argument("--conversations", type=int, default=32)
     ap.add_argument("--turns", type=int, default=4)
     ap.add_argument("--words-per-id", type=int, default=24)
     ap.add_argument("--max-ids", type=int, default=48, help="hash ids kept per prompt")
@@ -351,7 +379,9 @@ def main() -> int:
     ap.add_argument("--kv-fraction", type=float, default=0.55,
                     help="KV blocks per engine as a fraction of the distinct context")
     ap.add_argument("--num-blocks", type=int, default=0, help="KV blocks per engine (overrides)")
-    ap.add_argument("--repeats", type=int, default=1)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--latency-samples", type=int, default=40,
+                    help="pairs for the router-added latency at 1 in flight (0: skip)")
     ap.add_argument("--timeout-s", type=float, default=300, help="per row")
     ap.add_argument("--deadline", type=float, default=1500, help="whole run, seconds")
     ap.add_argument("--workdir", type=Path, help="logs and configs (default: a temp folder)")

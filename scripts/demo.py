@@ -143,7 +143,7 @@ async def replay(
 
 def engine_pair(
     vllm: str, model: str, workdir: Path, extra_args: Sequence[str] = ()
-) -> list[tuple[EngineProcess, int, int]]:
+) -> list[tuple[VllmServer, int, int]]:
     """Two vLLM CPU engines (cores 0 and 1) with KV-event streams: (engine, pub, replay) each.
 
     `extra_args` go last on each `vllm serve` line (a repeated flag overrides the default)."""

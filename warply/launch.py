@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import signal
 import socket
 import subprocess
@@ -204,9 +203,20 @@ class VllmServer(EngineProcess):
             raise RuntimeError(f"/v1/completions answered {status}: {body}")
         return dict(body)
 
-    def metric(self, name: str) -> float:
-        """Sum of one Prometheus series over all its labels on /metrics (0 if absent)."""
+    def metrics(self, *names: str) -> dict[str, float]:
+        """Each named Prometheus sample (e.g. `vllm:prefix_cache_hits_total`) summed over its
+        label sets, from one /metrics fetch (0 if absent)."""
+        from prometheus_client.parser import text_string_to_metric_families
+
         with urllib.request.urlopen(self.url + "/metrics", timeout=10) as resp:
             text = resp.read().decode()
-        pattern = re.compile(rf"^{re.escape(name)}(?:\{{[^}}]*\}})? ([0-9.eE+-]+)$", re.M)
-        return sum(float(v) for v in pattern.findall(text))
+        out = dict.fromkeys(names, 0.0)
+        for family in text_string_to_metric_families(text):
+            for sample in family.samples:
+                if sample.name in out:
+                    out[sample.name] += sample.value
+        return out
+
+    def metric(self, name: str) -> float:
+        """One sample summed over its label sets (see `metrics`)."""
+        return self.metrics(name)[name]
