@@ -157,7 +157,8 @@ class PrefixAffinity(Strategy):
     If max load − min load > balance_abs and max load > balance_rel · min load, the system is
     imbalanced and the least-loaded worker wins. Otherwise the worker with the largest
     credit(w) = Σ_t weight_t · hit_t(w) wins (ties → lower load), unless credit / P <
-    min_match_ratio, when load decides (ties → larger credit). Remaining ties: in turn.
+    min_match_ratio, when load decides (requests, then in-flight tokens, then larger credit).
+    Remaining ties: in turn.
     """
 
     name = "prefix_affinity"
@@ -177,9 +178,10 @@ class PrefixAffinity(Strategy):
         credit = {w.name: k.tier_weights.credit(matches.get(w.name, _NO_MATCH)) for w in candidates}
         top = max(credit.values())
         if top == 0 or top / max(1, len(request.keys)) < k.min_match_ratio:
-            # Too little cached to bind the request: load decides, and among equally loaded
-            # workers the one holding the (small) shared prefix still gets it.
-            return self._best(candidates, lambda w: (w.load, -credit[w.name], w.in_flight_tokens))
+            # Too little cached to bind the request (a new conversation): load decides, in
+            # requests then in-flight tokens, so new conversations spread out; only between
+            # equally loaded workers does a small shared prefix (a system prompt) pick one.
+            return self._best(candidates, lambda w: (w.load, w.in_flight_tokens, -credit[w.name]))
         return self._best(candidates, lambda w: (-credit[w.name], w.load, w.in_flight_tokens))
 
 
