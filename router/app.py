@@ -42,11 +42,12 @@ class Router:
         self.config = config
         self.index = MemoryIndex(config.model, max_entries=config.index_max_entries)
         self.placement = Placement(config, self.index)
-        self.metrics = RouterMetrics(config, self.placement, self.index)
+        tokenizer = tokenizer or RouterTokenizer(config.tokenizer)
+        self.metrics = RouterMetrics(config, self.placement, self.index, tokenizer.cache.stats)
         self.feed = IndexFeed(self.placement, self.index, self.metrics)
         self.proxy = Proxy(
             config.model,
-            tokenizer or RouterTokenizer(config.tokenizer),
+            tokenizer,
             self.placement,
             self.metrics,
             config.request_timeout_s,

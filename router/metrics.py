@@ -12,7 +12,7 @@ from __future__ import annotations
 import logging
 from collections import Counter, OrderedDict, deque
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Gauge, Histogram
@@ -22,6 +22,7 @@ from prometheus_client.exposition import generate_latest
 from router.config import AlertConfig, ConfigError, RouterConfig
 from router.index import PrefixIndex
 from router.placement import Decision, Placement
+from router.token_cache import ChunkStats
 from warply_plugins.strategies import StrategyLoadError, load_path
 
 _log = logging.getLogger("warply.router")
@@ -89,8 +90,15 @@ class HitWindow:
 class RouterMetrics:
     """All router measurements; `render()` for Prometheus, `cache_stats()` for JSON."""
 
-    def __init__(self, config: RouterConfig, placement: Placement, index: PrefixIndex) -> None:
+    def __init__(
+        self,
+        config: RouterConfig,
+        placement: Placement,
+        index: PrefixIndex,
+        tokenizer_cache: ChunkStats | None = None,
+    ) -> None:
         self._config = config
+        self._tokenizer_cache = tokenizer_cache
         self._placement = placement
         self._index = index
         self._alert_cfg: AlertConfig = config.alerts
@@ -166,6 +174,15 @@ class RouterMetrics:
             "warply_router_in_flight", "In-flight requests by worker", ["worker"], registry=r
         )
         self._healthy = Gauge("warply_worker_healthy", "1 if healthy", ["worker"], registry=r)
+        self._tok_chunks = Gauge(
+            "warply_router_tokenizer_chunks",
+            "Prompt chunks the tokenizer cache served (hit) or encoded (miss)",
+            ["result"],
+            registry=r,
+        )
+        self._tok_bytes = Gauge(
+            "warply_router_tokenizer_cache_bytes", "Bytes held by the tokenizer cache", registry=r
+        )
 
     # -- recording ------------------------------------------------------------------------------
 
@@ -271,6 +288,10 @@ class RouterMetrics:
         for w in self._placement.workers.values():
             self._in_flight.labels(w.name).set(w.load.in_flight)
             self._healthy.labels(w.name).set(1 if w.healthy else 0)
+        if (tok := self._tokenizer_cache) is not None:
+            self._tok_chunks.labels("hit").set(tok.hits)
+            self._tok_chunks.labels("miss").set(tok.misses)
+            self._tok_bytes.set(tok.bytes)
         by_tier: Counter[str] = Counter()
         for (_, tier_name), nbytes in by_pool_tier.items():
             by_tier[tier_name] += nbytes
@@ -325,6 +346,9 @@ class RouterMetrics:
             ],
             "ttft_s": _quantiles(self._ttft),
             "overhead_s": _quantiles(self._overhead),
+            "tokenizer_cache": None
+            if self._tokenizer_cache is None
+            else asdict(self._tokenizer_cache),
             "alert": {
                 "min_hit_ratio": self._alert_cfg.min_hit_ratio,
                 "firing": self.alert_firing,

@@ -74,8 +74,9 @@ class ChunkCache:
         self.min_chunk_chars = min_chunk_chars
         self.stats = ChunkStats()
         self._cache: OrderedDict[str, array[int]] = OrderedDict()
-        added = list(tok.get_added_tokens_decoder().values())
-        self._special_ids = {t.content: i for i, t in tok.get_added_tokens_decoder().items()}
+        decoder = tok.get_added_tokens_decoder()
+        added = list(decoder.values())
+        self._special_ids = {t.content: i for i, t in decoder.items()}
         plain = all(not (t.normalized or t.lstrip or t.rstrip or t.single_word) for t in added)
         contents = sorted(self._special_ids, key=len, reverse=True)
         self._special_split = (
