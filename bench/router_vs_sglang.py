@@ -360,6 +360,10 @@ def _alarm(signum: int, frame: Any) -> None:
     raise Deadline("whole-run --deadline reached")
 
 
+def _terminated(signum: int, frame: Any) -> None:
+    raise Deadline(f"stopped by signal {signum}")  # unwinds through the engines' `finally`
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--vllm", required=True, help="the vllm CLI of the engine venv")
@@ -394,6 +398,7 @@ def main() -> int:
     workdir.mkdir(parents=True, exist_ok=True)
     _log(f"logs in {workdir}")
     signal.signal(signal.SIGALRM, _alarm)
+    signal.signal(signal.SIGTERM, _terminated)
     signal.alarm(int(args.deadline))
     try:
         return asyncio.run(_main(args, workdir))
