@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import abc
 import itertools
+from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar
@@ -157,12 +158,17 @@ class PrefixAffinity(Strategy):
     If max load − min load > balance_abs and max load > balance_rel · min load, the system is
     imbalanced and the least-loaded worker wins. Otherwise the worker with the largest
     credit(w) = Σ_t weight_t · hit_t(w) wins (ties → lower load), unless credit / P <
-    min_match_ratio, when load decides (requests, then in-flight tokens, then larger credit).
-    Remaining ties: in turn.
+    min_match_ratio: then the request starts a conversation and goes to the worker that started
+    the fewest (then lower load, then larger credit). Remaining ties: in turn.
     """
 
     name = "prefix_affinity"
     Knobs = PrefixAffinityKnobs
+
+    def __init__(self, knobs: BaseModel | None = None) -> None:
+        super().__init__(knobs)
+        self._started: Counter[str] = Counter()
+        """Requests placed below min_match_ratio (conversations started), per worker."""
 
     def choose(
         self,
@@ -178,10 +184,15 @@ class PrefixAffinity(Strategy):
         credit = {w.name: k.tier_weights.credit(matches.get(w.name, _NO_MATCH)) for w in candidates}
         top = max(credit.values())
         if top == 0 or top / max(1, len(request.keys)) < k.min_match_ratio:
-            # Too little cached to bind the request (a new conversation): load decides, in
-            # requests then in-flight tokens, so new conversations spread out; only between
-            # equally loaded workers does a small shared prefix (a system prompt) pick one.
-            return self._best(candidates, lambda w: (w.load, w.in_flight_tokens, -credit[w.name]))
+            # Too little cached to bind the request (a new conversation): the worker that
+            # started the fewest conversations takes it (then lower load, then a small shared
+            # prefix such as a system prompt), so conversations split evenly and then stick;
+            # load skew beyond the guard above is handled there.
+            name = self._best(
+                candidates, lambda w: (self._started[w.name], w.load, -credit[w.name])
+            )
+            self._started[name] += 1
+            return name
         return self._best(candidates, lambda w: (-credit[w.name], w.load, w.in_flight_tokens))
 
 

@@ -50,12 +50,15 @@ def test_prefix_affinity_guard_and_overrides() -> None:
     assert s.choose(REQ, _workers(2, 1), {}) == "w1"  # nothing cached anywhere
 
 
-def test_prefix_affinity_small_match_goes_by_load_then_credit() -> None:
-    s = PrefixAffinity(PrefixAffinity.Knobs(min_match_ratio=0.3))
+def test_prefix_affinity_new_conversations_split_evenly_then_by_load_then_credit() -> None:
+    knobs = PrefixAffinity.Knobs(min_match_ratio=0.3)
     small = {"w1": WorkerMatch(2, {Tier.GPU: 2})}  # 2 of 10 blocks: below the floor
-    assert s.choose(REQ, _workers(1, 2), small) == "w0"  # load decides
-    assert s.choose(REQ, _workers(1, 1), small) == "w1"  # equal load: the holder
-    assert s.choose(REQ, _workers(1, 1), {"w1": WorkerMatch(3, {Tier.GPU: 3})}) == "w1"
+    s = PrefixAffinity(knobs)
+    assert s.choose(REQ, _workers(1, 1), small) == "w1"  # nothing started yet: the holder
+    assert s.choose(REQ, _workers(1, 3), small) == "w0"  # w1 started one conversation already
+    assert s.choose(REQ, _workers(2, 1), small) == "w1"  # one each: lower load
+    at_floor = {"w1": WorkerMatch(3, {Tier.GPU: 3})}  # 3 of 10: binds to the holder
+    assert s.choose(REQ, _workers(1, 1), at_floor) == "w1"
 
 
 def test_kv_reuse_counts_uncached_and_queued_prefill() -> None:
