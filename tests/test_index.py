@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import random
+from collections import Counter
+
 from router.index import MemoryIndex
 from warply.protocol import (
     AllCleared,
@@ -95,3 +98,37 @@ def test_drop_worker_forgets_only_that_worker() -> None:
     idx.drop_worker("a")
     m = idx.match(prefix_keys(prompt, BS, MODEL))
     assert "a" not in m and m["b"].blocks == 4 and idx.stats().entries == 4
+
+
+def test_stats_counts_stay_equal_to_a_full_walk_under_random_events() -> None:
+    rng = random.Random(4)
+    idx = MemoryIndex(MODEL, max_entries=60)
+    tiers = list(Tier)
+    next_hash = 1
+    stored: dict[str, list[int]] = {"a": [], "b": [], "c": []}
+    for _ in range(400):
+        worker = rng.choice(list(stored))
+        op = rng.random()
+        if op < 0.5 or not stored[worker]:
+            n = rng.randint(1, 4)
+            tokens = [rng.randrange(3) for _ in range(n * BS)]  # few values: shared blocks
+            idx.apply(worker, [_stored(tokens, next_hash, tier=rng.choice(tiers))])
+            stored[worker] += range(next_hash, next_hash + n)
+            next_hash += n
+        elif op < 0.7:
+            idx.apply(worker, [BlockRemoved(rng.sample(stored[worker], 1), rng.choice(tiers))])
+        elif op < 0.85:
+            src, dst = rng.sample(tiers, 2)
+            idx.apply(worker, [TierMoved(rng.sample(stored[worker], 1), src, dst)])
+        elif op < 0.95:
+            idx.apply(worker, [AllCleared(rng.choice([None, *tiers]))])
+        else:
+            idx.drop_worker(worker)
+            stored[worker] = []
+        walked: Counter[tuple[str, Tier]] = Counter()
+        for holders in idx._blocks.values():
+            for w, bits in holders.items():
+                walked[(w, list(Tier)[(bits & -bits).bit_length() - 1])] += 1
+        stats = idx.stats()
+        assert stats.entries_by_worker_tier == walked
+        assert stats.entries == sum(walked.values()) <= 60
