@@ -79,9 +79,13 @@ def main() -> None:
             idx.apply(worker, batch.events)
         return idx, time.perf_counter() - t0
 
-    idx, t_ingest = ingest()
-    del idx
-    gc.collect()
+    times = []
+    for _ in range(3):  # this VM's speed drifts by ±30 % between seconds: median of 3 runs
+        idx, t = ingest()
+        times.append(t)
+        del idx
+        gc.collect()
+    t_ingest = statistics.median(times)
     tracemalloc.start()
     idx, _ = ingest()  # again under tracemalloc (slow), for memory only
     mem, _ = tracemalloc.get_traced_memory()
@@ -89,9 +93,9 @@ def main() -> None:
     entries = idx.stats().entries
     rate = n / t_ingest
     print(
-        f"decode + index:   {rate / 1e3:8.0f} k blocks/s "
-        f"({t_ingest / t_decode:.2f}x decode-only time; target >= 300 k/s: "
-        f"{'meets' if rate >= 300e3 else 'MISSES'})"
+        f"decode + index:   {rate / 1e3:8.0f} k blocks/s median of 3 (best "
+        f"{n / min(times) / 1e3:.0f} k; {t_ingest / t_decode:.2f}x decode-only time; target "
+        f">= 300 k/s: {'meets' if rate >= 300e3 else 'MISSES'})"
     )
     print(
         f"index memory:     {mem / entries:8.0f} bytes per (block, worker) entry "
