@@ -79,25 +79,31 @@ def test_bad_frames_are_counted_and_the_subscriber_keeps_going() -> None:
     asyncio.run(main())
 
 
+async def _late_joiner(
+    published: int, buffer_steps: int
+) -> tuple[StatePublisher, StateSubscriber, _Sink, asyncio.Task[None]]:
+    """A publisher that sent `published` batches before a replay-capable subscriber started."""
+    port, rport = free_port(), free_port()
+    publisher = StatePublisher(
+        f"tcp://*:{port}", replay_endpoint=f"tcp://127.0.0.1:{rport}", buffer_steps=buffer_steps
+    )
+    for i in range(published):
+        publisher.publish(_load(i))
+    await asyncio.sleep(0.3)  # published before anyone listened
+    sink = _Sink()
+    sub = StateSubscriber(
+        "w0",
+        f"tcp://127.0.0.1:{port}",
+        sink.on_batch,
+        sink.on_stale,
+        replay_endpoint=f"tcp://127.0.0.1:{rport}",
+    )
+    return publisher, sub, sink, await _start(sub)
+
+
 def test_late_joiner_recovers_history_from_replay() -> None:
     async def main() -> None:
-        port, rport = free_port(), free_port()
-        publisher = StatePublisher(
-            f"tcp://127.0.0.1:{port}".replace("127.0.0.1", "*"),
-            replay_endpoint=f"tcp://127.0.0.1:{rport}",
-        )
-        for i in range(3):
-            publisher.publish(_load(i))
-        await asyncio.sleep(0.3)  # published before anyone listened
-        sink = _Sink()
-        sub = StateSubscriber(
-            "w0",
-            f"tcp://127.0.0.1:{port}",
-            sink.on_batch,
-            sink.on_stale,
-            replay_endpoint=f"tcp://127.0.0.1:{rport}",
-        )
-        task = await _start(sub)
+        publisher, sub, sink, task = await _late_joiner(3, buffer_steps=100)
         await _until(lambda: len(sink.batches) == 3)  # history first, before any new batch
         for i in range(3, 6):
             publisher.publish(_load(i))
@@ -113,22 +119,7 @@ def test_late_joiner_recovers_history_from_replay() -> None:
 
 def test_late_joiner_takes_what_a_rotated_replay_buffer_still_holds() -> None:
     async def main() -> None:
-        port, rport = free_port(), free_port()
-        publisher = StatePublisher(
-            f"tcp://*:{port}", replay_endpoint=f"tcp://127.0.0.1:{rport}", buffer_steps=2
-        )
-        for i in range(5):
-            publisher.publish(_load(i))  # the buffer keeps 3 and 4 only
-        await asyncio.sleep(0.3)
-        sink = _Sink()
-        sub = StateSubscriber(
-            "w0",
-            f"tcp://127.0.0.1:{port}",
-            sink.on_batch,
-            sink.on_stale,
-            replay_endpoint=f"tcp://127.0.0.1:{rport}",
-        )
-        task = await _start(sub)
+        publisher, sub, sink, task = await _late_joiner(5, buffer_steps=2)  # keeps 3 and 4
         await _until(lambda: len(sink.batches) == 2)
         publisher.publish(_load(5))
         await _until(lambda: len(sink.batches) == 3)
