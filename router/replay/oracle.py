@@ -21,17 +21,9 @@ def _reusable(trace: ExpandedTrace, index: int) -> int:
 
 
 def infinite_reuse(trace: ExpandedTrace) -> float:
-    """Reused tokens / prompt tokens with one infinite cache."""
-    seen: set[int] = set()
-    reused = total = 0
-    for i, req in enumerate(trace.requests):
-        keys, cap, hit = trace.keys[i], _reusable(trace, i), 0
-        while hit < cap and keys[hit] in seen:
-            hit += 1
-        reused += hit * trace.block_size
-        total += req.input_length
-        seen.update(keys)
-    return reused / total
+    """Reused tokens / prompt tokens with one infinite cache: an LRU that holds every distinct
+    block of the trace never evicts."""
+    return lru_reuse(trace, max(1, len({key for keys in trace.keys for key in keys})))
 
 
 def lru_reuse(trace: ExpandedTrace, capacity: int) -> float:
