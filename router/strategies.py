@@ -67,6 +67,12 @@ class _Knobs(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
 
+def imbalanced(loads: Sequence[int], balance_abs: float, balance_rel: float) -> bool:
+    """The load guard: max − min load > balance_abs and max > balance_rel · min."""
+    hi, lo = max(loads), min(loads)
+    return hi - lo > balance_abs and hi > balance_rel * lo
+
+
 class Strategy(abc.ABC):
     """Chooses a worker for a request among the healthy candidates (never empty)."""
 
@@ -178,8 +184,7 @@ class PrefixAffinity(Strategy):
     ) -> str:
         k: PrefixAffinityKnobs = self.knobs  # type: ignore[assignment]
         loads = [w.load for w in candidates]
-        hi, lo = max(loads), min(loads)
-        if not request.prefix_reuse or (hi - lo > k.balance_abs and hi > k.balance_rel * lo):
+        if not request.prefix_reuse or imbalanced(loads, k.balance_abs, k.balance_rel):
             return self._least_loaded(candidates)
         credit = {w.name: k.tier_weights.credit(matches.get(w.name, _NO_MATCH)) for w in candidates}
         top = max(credit.values())

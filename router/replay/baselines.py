@@ -18,7 +18,7 @@ from collections.abc import Mapping, Sequence
 from pydantic import BaseModel, ConfigDict, Field
 
 from router.index import WorkerMatch
-from router.strategies import RequestView, Strategy, WorkerLoad
+from router.strategies import RequestView, Strategy, WorkerLoad, imbalanced
 
 _NO_MATCH = WorkerMatch(0, {})
 
@@ -64,8 +64,7 @@ class SglangCacheAware(Strategy):
     ) -> str:
         k: SglangCacheAwareKnobs = self.knobs  # type: ignore[assignment]
         loads = [w.in_flight for w in candidates]
-        hi, lo = max(loads), min(loads)
-        if hi - lo > k.balance_abs_threshold and hi > k.balance_rel_threshold * lo:
+        if imbalanced(loads, k.balance_abs_threshold, k.balance_rel_threshold):
             name = min(candidates, key=lambda w: w.in_flight).name
         else:
             names = {w.name for w in candidates}
