@@ -4,11 +4,15 @@ tokenization, for 8 workers over an index of 1 M (block, worker) entries.
 The index is filled through `MemoryIndex.apply` with chained `BlockStored` events (16-token
 blocks, the GPU default and the hardest case for the key walk); each measured prompt shares a
 cached prefix (half its blocks) with one worker, so `match` walks deep chains. "+ tokenization"
-adds what the router does first for a chat request: render the chat template and encode with
-the model's tokenizer (default: the newest tiny model built by scripts/tiny_model.py), through
-the router's chunk cache (router/token_cache.py). "warm" is a conversation's next turn (a new
-512-token user message after a history the router tokenized for the previous turn, held by one
-worker); "cold" is a conversation the router has never seen (every chunk encoded).
+is the router's own request path up to its choice (`Proxy.prepare` + `Proxy.place`, tokenizer
+thread included): render the chat template and encode with the model's tokenizer (default: the
+newest tiny model built by scripts/tiny_model.py) through the chunk cache
+(router/token_cache.py), as far as the placement needs (router/placement.py `choose_early`).
+"warm" is a conversation's next turn (a new 512-token user message after a history the router
+tokenized for the previous turn, held by one worker); "cold" is a conversation the router has
+never seen. "whole" adds encoding the rest of the prompt, which the router does while the
+request is on its way (the engine's own limit, --max-model-len, lets it; a prompt that may not
+fit is tokenized whole before the choice).
 Targets at 8k tokens: p99 <= 1 ms without tokenization, <= 5 ms with.
 
     .venvs/core/bin/python bench/router_decision.py [--entries 1000000] [--tokenizer DIR]
@@ -17,6 +21,7 @@ Targets at 8k tokens: p99 <= 1 ms without tokenization, <= 5 ms with.
 from __future__ import annotations
 
 import argparse
+import asyncio
 import gc
 import random
 import statistics
@@ -26,7 +31,9 @@ from pathlib import Path
 
 from router.config import RouterConfig
 from router.index import MemoryIndex
+from router.metrics import RouterMetrics
 from router.placement import Placement
+from router.proxy import Proxy
 from router.tokenize import RouterTokenizer
 from warply.protocol import BlockStored
 
@@ -36,8 +43,8 @@ MODEL = "bench"
 CACHE = Path.home() / ".cache" / "warply" / "models"
 
 
-def _placement(index: MemoryIndex) -> Placement:
-    config = RouterConfig.model_validate(
+def _config() -> RouterConfig:
+    return RouterConfig.model_validate(
         {
             "model": MODEL,
             "tokenizer": "/unused",
@@ -53,7 +60,10 @@ def _placement(index: MemoryIndex) -> Placement:
             ],
         }
     )
-    placement = Placement(config, index)
+
+
+def _placement(index: MemoryIndex) -> Placement:
+    placement = Placement(_config(), index)
     for w in placement.workers.values():
         w.healthy = True
     return placement
@@ -105,12 +115,45 @@ def _conversation(tok: RouterTokenizer, rng: random.Random, n_tokens: int,
     return before, {"messages": messages}
 
 
+async def _timed(proxy: Proxy, body: dict[str, object]) -> tuple[float, float]:
+    """Seconds to the router's choice, and to the whole prompt's tokens."""
+    t = time.perf_counter()
+    prep = await proxy.prepare(dict(body), "chat", t)
+    await proxy.place(prep, set())
+    chosen = time.perf_counter() - t
+    if prep.rest is not None:
+        await prep.rest
+    return chosen, time.perf_counter() - t
+
+
+async def _tokenized(proxy: Proxy, tok: RouterTokenizer, index: MemoryIndex,
+                     rng: random.Random, args: argparse.Namespace) -> None:
+    for n_tokens in (1024, 8192, 32768):
+        rows: dict[str, list[float]] = {"warm": [], "warm whole": [], "cold": [], "cold whole": []}
+        for i in range(min(args.samples, 100)):
+            before, body = _conversation(tok, rng, n_tokens, min(args.new_turn, n_tokens // 2))
+            seen = tok.chat_tokens(before)  # the earlier turn went through the router
+            index.apply(f"w{i % WORKERS}", [BlockStored(
+                list(range(2 * 10**9 + i * 10**5, 2 * 10**9 + i * 10**5 + len(seen) // BS)),
+                None, seen[: len(seen) // BS * BS], BS)])
+            for kind, b in (("warm", body), ("cold", _conversation(tok, rng, n_tokens,
+                                                                   n_tokens // 2)[1])):
+                chosen, whole = await _timed(proxy, b)
+                rows[kind].append(chosen)
+                rows[f"{kind} whole"].append(whole)
+        print(f"{n_tokens:6d} tokens")
+        for name, samples in rows.items():
+            print(f"{'':6s}         + tokenization, {name:10s} {_q(samples)}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--entries", type=int, default=1_000_000)
     ap.add_argument("--samples", type=int, default=200)
     ap.add_argument("--new-turn", type=int, default=512,
                     help="tokens of the new user message in the warm case (default 512)")
+    ap.add_argument("--max-model-len", type=int, default=131072,
+                    help="the engine's context limit the router checks prompts against")
     ap.add_argument("--tokenizer", type=Path, default=_newest_tiny())
     args = ap.parse_args()
     rng = random.Random(0)
@@ -121,11 +164,6 @@ def main() -> None:
           f"(filled in {time.perf_counter() - t0:.1f}s); block size {BS}")
     placement = _placement(index)
     gc.freeze()  # as warply-router does after start-up (router/__main__.py)
-    tok = RouterTokenizer(args.tokenizer) if args.tokenizer else None
-    if tok is not None:
-        tok.chat_tokens({"messages": [{"role": "user", "content": "warm up.\n"}]})  # thread pool
-        print(f"tokenizer: {args.tokenizer} (chunk cache: {tok.cache.mode}); warm = a new "
-              f"{args.new_turn}-token turn after a history the router has seen, cold = all new")
     for n_tokens in (1024, 8192, 32768):
         prompts = []
         for i in range(args.samples):
@@ -141,26 +179,16 @@ def main() -> None:
             placement.choose(tokens)
             bare.append(time.perf_counter() - t)
         print(f"{n_tokens:6d} tokens  decision            {_q(bare)}")
-        if tok is None:
-            continue
-        warm, cold = [], []
-        for i in range(min(args.samples, 100)):
-            before, body = _conversation(tok, rng, n_tokens, min(args.new_turn, n_tokens // 2))
-            seen = tok.chat_tokens(before)  # the earlier turn went through the router
-            index.apply(f"w{i % WORKERS}", [BlockStored(
-                list(range(2 * 10**9 + i * 10**5, 2 * 10**9 + i * 10**5 + len(seen) // BS)),
-                None, seen[: len(seen) // BS * BS], BS)])
-            t = time.perf_counter()
-            placement.choose(tok.chat_tokens(body))
-            warm.append(time.perf_counter() - t)
-            _, fresh = _conversation(tok, rng, n_tokens, n_tokens // 2)
-            t = time.perf_counter()
-            placement.choose(tok.chat_tokens(fresh))
-            cold.append(time.perf_counter() - t)
-        print(f"{'':6s}         + tokenization, warm {_q(warm)}")
-        print(f"{'':6s}         + tokenization, cold {_q(cold)}")
-    if tok is None:
+    if args.tokenizer is None:
         print("(no tokenizer found: build one with scripts/tiny_model.py or pass --tokenizer)")
+        return
+    tok = RouterTokenizer(args.tokenizer)
+    print(f"tokenizer: {args.tokenizer} (chunk cache: {tok.cache.mode}); warm = a new "
+          f"{args.new_turn}-token turn after a history the router has seen, cold = all new; "
+          f"max_model_len {args.max_model_len}")
+    proxy = Proxy(MODEL, tok, placement, RouterMetrics(_config(), placement, index), 60)
+    proxy.max_model_len = args.max_model_len
+    asyncio.run(_tokenized(proxy, tok, index, rng, args))
 
 
 if __name__ == "__main__":

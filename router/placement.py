@@ -94,20 +94,53 @@ class Placement:
         exclude: Collection[str] = (),
     ) -> Decision:
         """The placement for a prompt; raises `NoCandidate` when no worker may take it."""
+        decision = self._choose(tokens, len(tokens), namespace, prefix_reuse, exclude, False)
+        assert decision is not None  # only early choices give up
+        return decision
+
+    def choose_early(
+        self,
+        tokens: Sequence[int],
+        prompt_tokens: int,
+        namespace: str = "",
+        prefix_reuse: bool = True,
+        exclude: Collection[str] = (),
+    ) -> Decision | None:
+        """The placement for a prompt of `prompt_tokens` tokens from its leading `tokens` alone;
+        None when some worker holds every full block of them (the rest could extend its match,
+        so the caller must tokenize the whole prompt and `choose`). Key chains are prefix
+        hashes: once every worker's match has ended inside `tokens`, no later token changes it.
+        """
+        return self._choose(tokens, prompt_tokens, namespace, prefix_reuse, exclude, True)
+
+    def _choose(
+        self,
+        tokens: Sequence[int],
+        prompt_tokens: int,
+        namespace: str,
+        prefix_reuse: bool,
+        exclude: Collection[str],
+        early: bool,
+    ) -> Decision | None:
         best: Decision | None = None
+        picks: list[tuple[_Pool, Sequence[int], dict[str, WorkerMatch], list[Worker]]] = []
         for pool in self._pools:
             candidates = [w for w in pool.workers if w.available and w.name not in exclude]
             if not candidates:
                 continue
-            bs = pool.config.block_size
-            keys = prefix_keys(tokens, bs, self.model, namespace)
+            keys = prefix_keys(tokens, pool.config.block_size, self.model, namespace)
             matches = self.index.match(keys, [w.name for w in candidates])
-            view = RequestView(keys, len(tokens), bs, namespace, prefix_reuse)
+            if early and any(m.blocks >= len(keys) for m in matches.values()):
+                return None
+            picks.append((pool, keys, matches, candidates))
+        for pool, chain, matches, candidates in picks:
+            bs = pool.config.block_size
+            view = RequestView(chain, prompt_tokens, bs, namespace, prefix_reuse)
             name = pool.strategy.choose(view, [w.load for w in candidates], matches)
             worker = self.workers[name]
             blocks = matches.get(name, WorkerMatch(0, {})).blocks
-            predicted = predicted_cached(blocks, len(tokens), bs)
-            decision = Decision(worker, keys, blocks, predicted, len(tokens), namespace)
+            predicted = predicted_cached(blocks, prompt_tokens, bs)
+            decision = Decision(worker, chain, blocks, predicted, prompt_tokens, namespace)
             if best is None or (decision.predicted_cached, -worker.load.load) > (
                 best.predicted_cached,
                 -best.worker.load.load,

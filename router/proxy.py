@@ -10,11 +10,12 @@ which closes the upstream connection, and the engine aborts the request.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
-from collections.abc import Sequence
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import aiohttp
 import msgspec
@@ -24,8 +25,9 @@ from router.errors import ApiError, json_object
 from router.metrics import RouterMetrics
 from router.placement import Decision, Placement
 from router.strategies import NoCandidate
-from router.tokenize import PromptError, RouterTokenizer, prompt_tokens
+from router.tokenize import Prompt, PromptError, RouterTokenizer, start_prompts
 
+_T = TypeVar("_T")
 _PATHS = {"chat": "/v1/chat/completions", "completion": "/v1/completions"}
 _FORWARD_HEADERS = ("Authorization", "X-Request-Id")
 _SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
@@ -41,13 +43,16 @@ class Overrides(msgspec.Struct, forbid_unknown_fields=True):
 @dataclass(slots=True)
 class _Prepared:
     body: dict[str, Any]
-    tokens: list[int]
+    prompt: Prompt
+    """The (first) prompt: whole, or its leading part while the router places it early."""
     namespace: str
     prefix_reuse: bool
     stream: bool
     client_wants_usage: bool
     t0: float
     """When the router received the request (TTFT and overhead start here)."""
+    rest: asyncio.Future[Prompt] | None = None
+    """The whole prompt, being tokenized after an early placement."""
 
 
 def _overrides(body: dict[str, Any]) -> Overrides:
@@ -58,6 +63,12 @@ def _overrides(body: dict[str, Any]) -> Overrides:
         return msgspec.convert(raw, Overrides)
     except msgspec.ValidationError as exc:
         raise ApiError(400, f"invalid 'warply' options: {exc}", "invalid_value", "warply") from None
+
+
+def _max_tokens(body: dict[str, Any]) -> int:
+    """The output tokens a request asks for (0 when it sets no limit)."""
+    max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
+    return max_tokens if isinstance(max_tokens, int) else 0
 
 
 def _placed_headers(decision: Decision) -> dict[str, str]:
@@ -112,22 +123,25 @@ class Proxy:
         decision: Decision | None = None
         status = 500
         try:
-            prep = await self._prepare(json_object(await request.read()), kind, t0)
+            prep = await self.prepare(json_object(await request.read()), kind, t0)
             headers = {h: request.headers[h] for h in _FORWARD_HEADERS if h in request.headers}
             tried: set[str] = set()
             while True:
-                try:
-                    decision = self._placement.choose(
-                        prep.tokens, prep.namespace, prep.prefix_reuse, tried
-                    )
-                except NoCandidate as exc:
-                    raise ApiError(503, str(exc), "no_healthy_worker") from None
-                sample = self._metrics.routed(decision, time.perf_counter() - t0)
+                decision = await self.place(prep, tried)
+                routed_s = time.perf_counter() - t0
+                measured = decision  # as the metrics see it: with the exact prompt length
+                sample = self._metrics.routed(decision, routed_s) if prep.rest is None else None
                 self._placement.started(decision)
                 streamed = [0]  # generated-token events relayed so far (load accounting)
                 try:
                     url = decision.worker.config.url + _PATHS[kind]
                     async with self.session.post(url, json=prep.body, headers=headers) as up:
+                        if prep.rest is not None:
+                            prep.prompt, prep.rest = await prep.rest, None
+                            measured = dataclasses.replace(
+                                decision, prompt_tokens=prep.prompt.estimate
+                            )
+                            sample = self._metrics.routed(measured, routed_s)
                         if prep.stream and up.status == 200:
                             resp = web.StreamResponse(headers=_SSE_HEADERS)
                             resp.headers.update(_placed_headers(decision))
@@ -135,8 +149,8 @@ class Proxy:
                         else:
                             resp, usage = await self._whole(up)
                             resp.headers.update(_placed_headers(decision))
-                        if usage is not None:
-                            self._metrics.usage(decision, sample, usage)
+                        if usage is not None and sample is not None:
+                            self._metrics.usage(measured, sample, usage)
                         status = resp.status
                         return resp
                 except aiohttp.ClientConnectorError:
@@ -157,8 +171,36 @@ class Proxy:
         finally:
             self._metrics.finished(decision, status, time.perf_counter() - t0)
 
-    async def _prepare(self, body: dict[str, Any], kind: str, t0: float) -> _Prepared:
-        """Validate and rewrite the body; tokenize its prompt the engine's way."""
+    async def place(self, prep: _Prepared, tried: set[str]) -> Decision:
+        """Choose the worker. An incomplete prompt is placed from its leading part when every
+        worker's cached prefix ends inside it (its rest is then tokenized while the request is
+        on its way); otherwise it is tokenized whole first."""
+        try:
+            if prep.rest is not None:  # a retry after an early placement
+                prep.prompt, prep.rest = await prep.rest, None
+            prompt = prep.prompt
+            if not prompt.complete:
+                decision = self._placement.choose_early(
+                    prompt.tokens, prompt.estimate, prep.namespace, prep.prefix_reuse, tried
+                )
+                if decision is not None:
+                    rest = self._tokenize(self._tokenizer.finish, prompt)
+                    prep.rest = asyncio.ensure_future(rest)
+                    return decision
+                prep.prompt = prompt = await self._tokenize(self._tokenizer.finish, prompt)
+            return self._placement.choose(
+                prompt.tokens, prep.namespace, prep.prefix_reuse, tried
+            )
+        except NoCandidate as exc:
+            raise ApiError(503, str(exc), "no_healthy_worker") from None
+
+    async def _tokenize(self, fn: Callable[..., _T], *args: Any) -> _T:
+        """`fn(*args)` on the tokenizer thread."""
+        return await asyncio.get_running_loop().run_in_executor(self._tokenize_pool, fn, *args)
+
+    async def prepare(self, body: dict[str, Any], kind: str, t0: float) -> _Prepared:
+        """Validate and rewrite the body; tokenize its prompt the engine's way (a long single
+        prompt only up to its second new chunk, unless its length must be checked)."""
         model = body.get("model")
         if model is not None and model != self.model:
             raise ApiError(404, f"The model `{model}` does not exist.", "model_not_found", "model")
@@ -168,36 +210,35 @@ class Proxy:
         salt = body.get("cache_salt")
         namespace = salt if isinstance(salt, str) else ""
         try:
-            prompts = await asyncio.get_running_loop().run_in_executor(
-                self._tokenize_pool, prompt_tokens, self._tokenizer, kind, body
-            )
+            prompts = await self._tokenize(start_prompts, self._tokenizer, kind, body)
         except PromptError as exc:
             raise ApiError(400, str(exc), "invalid_prompt") from None
-        self._check_length(prompts, body)
+        first = prompts[0]
+        if not first.complete and self._too_long(first.bound, body):
+            first = await self._tokenize(self._tokenizer.finish, first)
+        longest = max(p.estimate for p in [first, *prompts[1:]])
+        if self._too_long(longest, body):
+            raise ApiError(
+                400,
+                f"This model's maximum context length is {self.max_model_len} tokens. However, "
+                f"your request has {longest} input tokens and asks for {_max_tokens(body)} "
+                "output tokens. Please reduce the length of the input.",
+                "context_length_exceeded",
+                "messages" if "messages" in body else "prompt",
+            )
         stream = bool(body.get("stream", False))
         options = body.get("stream_options")
         wants_usage = isinstance(options, dict) and bool(options.get("include_usage"))
         if stream:
             base = options if isinstance(options, dict) else {}
             body["stream_options"] = {**base, "include_usage": True}
-        return _Prepared(body, prompts[0], namespace, ov.prefix_reuse, stream, wants_usage, t0)
+        return _Prepared(body, first, namespace, ov.prefix_reuse, stream, wants_usage, t0)
 
-    def _check_length(self, prompts: Sequence[list[int]], body: dict[str, Any]) -> None:
+    def _too_long(self, prompt_tokens: int, body: dict[str, Any]) -> bool:
         limit = self.max_model_len
-        if limit is None:
-            return
-        longest = max(len(p) for p in prompts)
-        max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
-        extra = max_tokens if isinstance(max_tokens, int) else 0
-        if longest >= limit or longest + extra > limit:
-            raise ApiError(
-                400,
-                f"This model's maximum context length is {limit} tokens. However, your request "
-                f"has {longest} input tokens and asks for {extra} output tokens. Please reduce "
-                "the length of the input.",
-                "context_length_exceeded",
-                "messages" if "messages" in body else "prompt",
-            )
+        return limit is not None and (
+            prompt_tokens >= limit or prompt_tokens + _max_tokens(body) > limit
+        )
 
     async def _whole(
         self, up: aiohttp.ClientResponse

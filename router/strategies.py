@@ -53,11 +53,18 @@ class RequestView:
     """The request as strategies see it: its key chain and size."""
 
     keys: Sequence[int]
+    """Keys of the prompt's full blocks; of its leading part only, when the router placed it
+    before tokenizing the rest (nothing after that part can be cached anywhere)."""
     prompt_tokens: int
     block_size: int
     namespace: str = ""
     prefix_reuse: bool = True
     """False (per-request override) means: place by load alone."""
+
+    @property
+    def blocks(self) -> int:
+        """P: the whole prompt's full blocks."""
+        return max(len(self.keys), self.prompt_tokens // self.block_size)
 
 
 _NO_MATCH = WorkerMatch(0, {})
@@ -188,7 +195,7 @@ class PrefixAffinity(Strategy):
             return self._least_loaded(candidates)
         credit = {w.name: k.tier_weights.credit(matches.get(w.name, _NO_MATCH)) for w in candidates}
         top = max(credit.values())
-        if top == 0 or top / max(1, len(request.keys)) < k.min_match_ratio:
+        if top == 0 or top / max(1, request.blocks) < k.min_match_ratio:
             # Too little cached to bind the request (a new conversation): the worker that
             # started the fewest conversations takes it (then lower load, then a small shared
             # prefix such as a system prompt), so conversations split evenly and then stick;
@@ -231,7 +238,7 @@ class KvReuse(Strategy):
         matches: Mapping[str, WorkerMatch],
     ) -> str:
         k: KvReuseKnobs = self.knobs  # type: ignore[assignment]
-        bs, blocks = request.block_size, len(request.keys)
+        bs, blocks = request.block_size, request.blocks
 
         def cost(w: WorkerLoad) -> tuple[float, int]:
             match = matches.get(w.name, _NO_MATCH) if request.prefix_reuse else _NO_MATCH

@@ -16,7 +16,8 @@ bounded in bytes. Two kinds of cut, each enabled only when the tokenizer allows 
 
 Both are checked once at load time against whole-text encodes of a probe; a tokenizer that
 disagrees gets the plain whole-text encode. Misses are encoded with `encode_batch_fast`, which
-releases the GIL and spreads a batch over cores.
+releases the GIL and spreads a batch over cores. `begin` / `encode_rest` split one encode in
+two, so the router can place a never-seen prompt from its leading part (router/placement.py).
 """
 
 from __future__ import annotations
@@ -65,6 +66,19 @@ def _pre_tokenizer_allows_newline_cuts(spec: object) -> bool:
     return False
 
 
+@dataclass(frozen=True, slots=True)
+class Partial:
+    """A text encoded up to a cut (`ChunkCache.begin`): leading ids, and what is left."""
+
+    ids: array[int]
+    rest: list[str | int]
+    """Chunks not encoded yet, and special-token ids; empty when `ids` is the whole text."""
+    estimate: int
+    """Tokens the rest is expected to have (from the tokens per character encoded so far)."""
+    bound: int
+    """Tokens the rest has at most."""
+
+
 class ChunkCache:
     """Token ids of a text (no special tokens added), reusing the ids of chunks seen before."""
 
@@ -74,6 +88,8 @@ class ChunkCache:
         self.min_chunk_chars = min_chunk_chars
         self.stats = ChunkStats()
         self._cache: OrderedDict[str, array[int]] = OrderedDict()
+        self._new_chars = self._new_tokens = 0
+        """Text encoded so far and its tokens: the ratio estimates the length of a rest."""
         decoder = tok.get_added_tokens_decoder()
         added = list(decoder.values())
         self._special_ids = {t.content: i for i, t in decoder.items()}
@@ -89,9 +105,9 @@ class ChunkCache:
         self.enabled = True
         probe = _PROBE + "".join(f"{c}{_PROBE}" for c in contents[:3])
         want = tok.encode(probe, add_special_tokens=False).ids
-        if self._newline_cuts and self._encode(probe, min_chunk=1).tolist() != want:
+        if self._newline_cuts and self._ids(self._pieces(probe, 1)).tolist() != want:
             self._newline_cuts = False
-        if self._encode(probe, min_chunk=1).tolist() != want:
+        if self._ids(self._pieces(probe, 1)).tolist() != want:
             self.enabled = False
         self._cache.clear()
         self.stats = ChunkStats()
@@ -109,9 +125,39 @@ class ChunkCache:
         """Ids of `text` without special tokens added, equal to a whole-text encode."""
         if not self.enabled:
             return array("I", self._tok.encode_batch_fast([text], add_special_tokens=False)[0].ids)
-        return self._encode(text, self.min_chunk_chars)
+        return self._ids(self._pieces(text, self.min_chunk_chars))
 
-    def _encode(self, text: str, min_chunk: int) -> array[int]:
+    def begin(self, text: str) -> Partial:
+        """Ids of `text` up to its second chunk never seen before; the rest is left for
+        `encode_rest`. A cold prompt then costs one chunk's encode before the router can see
+        whether any worker's cached prefix reaches past it (with newline cuts only: elsewhere
+        the whole text is encoded)."""
+        if not (self.enabled and self._newline_cuts):
+            return Partial(self.encode(text), [], 0, 0)
+        pieces = self._pieces(text, self.min_chunk_chars)
+        cache, new, cut = self._cache, 0, len(pieces)
+        for i, p in enumerate(pieces):
+            if isinstance(p, str) and p not in cache:
+                if new:
+                    cut = i
+                    break
+                new += len(p)
+        rest = pieces[cut:]
+        chars = sum(len(p) for p in rest if isinstance(p, str))
+        specials = len(rest) - sum(isinstance(p, str) for p in rest)
+        ratio = self._new_tokens / max(1, self._new_chars)
+        ids = self._ids(pieces[:cut])
+        # Byte-level BPE: every token covers at least one UTF-8 byte of its piece.
+        bound = specials + sum(len(p.encode()) for p in rest if isinstance(p, str))
+        estimate = min(bound, specials + max(1, round(chars * ratio))) if rest else 0
+        return Partial(ids, rest, estimate, bound)
+
+    def encode_rest(self, partial: Partial) -> array[int]:
+        """Ids of what `begin` left of a text: its ids follow `partial.ids`."""
+        return self._ids(partial.rest)
+
+    def _pieces(self, text: str, min_chunk: int) -> list[str | int]:
+        """The text cut into chunks and special-token ids."""
         pieces: list[str | int] = []
         if self._special_split is not None:
             for i, part in enumerate(self._special_split.split(text)):
@@ -121,6 +167,10 @@ class ChunkCache:
                     pieces.extend(self._chunks(part, min_chunk))
         else:
             pieces.extend(self._chunks(text, min_chunk))
+        return pieces
+
+    def _ids(self, pieces: Sequence[str | int]) -> array[int]:
+        """Ids of the pieces: cached chunks reused, the others encoded in one batch."""
         cache = self._cache
         missing = list(dict.fromkeys(p for p in pieces if isinstance(p, str) and p not in cache))
         fresh: dict[str, array[int]] = {}
@@ -140,6 +190,8 @@ class ChunkCache:
         self.stats.misses += len(fresh)
         for chunk, ids in fresh.items():  # after the lookups: storing may evict older chunks
             self._store(chunk, ids)
+            self._new_chars += len(chunk)
+            self._new_tokens += len(ids)
         return out
 
     def _chunks(self, text: str, min_chunk: int) -> Sequence[str]:

@@ -13,7 +13,8 @@ BOS), completion prompts with them (`add_special_tokens` in the request override
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
+from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
 from typing import Any
@@ -23,7 +24,7 @@ import jinja2.ext
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer
 
-from router.token_cache import ChunkCache
+from router.token_cache import ChunkCache, Partial
 
 _SPECIAL_NAMES = (
     "bos_token",
@@ -38,6 +39,28 @@ _SPECIAL_NAMES = (
 
 class PromptError(ValueError):
     """The request's prompt or messages cannot be tokenized (the router answers 400)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Prompt:
+    """A prompt's token ids: all of them, or (while `complete` is false) a leading part, with
+    the expected and the largest possible whole length. `RouterTokenizer.finish` completes it."""
+
+    tokens: list[int]
+    estimate: int
+    """Whole-prompt tokens: exact when complete, else expected."""
+    bound: int
+    """Whole-prompt tokens at most."""
+    _partial: Partial | None = None
+    _tail: tuple[int, ...] = ()
+
+    @property
+    def complete(self) -> bool:
+        return self._partial is None
+
+    @classmethod
+    def whole(cls, tokens: list[int]) -> Prompt:
+        return cls(tokens, len(tokens), len(tokens))
 
 
 def _raise_exception(message: str) -> None:
@@ -143,12 +166,29 @@ class RouterTokenizer:
     def encode(self, text: str, add_special_tokens: bool) -> list[int]:
         """Token ids of `text` (with the tokenizer's post-processor when add_special_tokens),
         reusing cached chunks of earlier prompts (`router.token_cache`)."""
-        if not add_special_tokens:
-            return self.cache.encode(text).tolist()
-        if self._wrap is None:
-            return list(self._tok.encode(text, add_special_tokens=True).ids)
-        head, tail = self._wrap
-        return head + self.cache.encode(text).tolist() + tail
+        return self.finish(self.start(text, add_special_tokens)).tokens
+
+    def start(self, text: str, add_special_tokens: bool) -> Prompt:
+        """Token ids of `text` up to its second never-seen chunk (`ChunkCache.begin`)."""
+        head: list[int] = []
+        tail: list[int] = []
+        if add_special_tokens:
+            if self._wrap is None:
+                return Prompt.whole(list(self._tok.encode(text, add_special_tokens=True).ids))
+            head, tail = self._wrap
+        part = self.cache.begin(text)
+        tokens = head + part.ids.tolist()
+        if not part.rest:
+            return Prompt.whole(tokens + tail)
+        extra = len(tail) + len(tokens)
+        return Prompt(tokens, extra + part.estimate, extra + part.bound, part, tuple(tail))
+
+    def finish(self, prompt: Prompt) -> Prompt:
+        """The whole prompt of a `start` (itself when already complete)."""
+        if prompt._partial is None:
+            return prompt
+        tokens = prompt.tokens + self.cache.encode_rest(prompt._partial).tolist()
+        return Prompt.whole(tokens + list(prompt._tail))
 
     def render_chat(self, body: Mapping[str, Any]) -> str:
         """The prompt text the chat template makes of a /v1/chat/completions body."""
@@ -189,8 +229,11 @@ class RouterTokenizer:
 
     def chat_tokens(self, body: Mapping[str, Any]) -> list[int]:
         """Prompt tokens of a /v1/chat/completions body."""
-        text = self.render_chat(body)
-        return self.encode(text, bool(body.get("add_special_tokens", False)))
+        return self.finish(self.start_chat(body)).tokens
+
+    def start_chat(self, body: Mapping[str, Any]) -> Prompt:
+        """`start` on the prompt of a /v1/chat/completions body."""
+        return self.start(self.render_chat(body), bool(body.get("add_special_tokens", False)))
 
     def completion_tokens(self, body: Mapping[str, Any]) -> list[list[int]]:
         """Prompt tokens of each prompt in a /v1/completions body (OpenAI allows a batch)."""
@@ -213,10 +256,12 @@ class RouterTokenizer:
         raise PromptError("'prompt' must be a string, a list of token ids, or a list of those")
 
 
-def prompt_tokens(tokenizer: RouterTokenizer, kind: str, body: Mapping[str, Any]) -> Sequence[
-    list[int]
-]:
-    """Prompts of a request by endpoint kind ("chat" or "completion")."""
+def start_prompts(tokenizer: RouterTokenizer, kind: str, body: Mapping[str, Any]) -> list[Prompt]:
+    """Prompts of a request by endpoint kind ("chat" or "completion"); a single text prompt may
+    be left incomplete (`RouterTokenizer.start`), a batch is encoded whole."""
     if kind == "chat":
-        return [tokenizer.chat_tokens(body)]
-    return tokenizer.completion_tokens(body)
+        return [tokenizer.start_chat(body)]
+    prompt = body.get("prompt")
+    if isinstance(prompt, str):
+        return [tokenizer.start(prompt, bool(body.get("add_special_tokens", True)))]
+    return [Prompt.whole(p) for p in tokenizer.completion_tokens(body)]

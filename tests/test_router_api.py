@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import random
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
@@ -58,6 +59,7 @@ class FakeEngine:
     name: str
     cached_tokens: int = 0
     hang: bool = False
+    max_model_len: int = 64
     bodies: list[dict[str, Any]] = field(default_factory=list)
     cancelled: asyncio.Event = field(default_factory=asyncio.Event)
     url: str = ""
@@ -78,7 +80,7 @@ class FakeEngine:
         return web.json_response({})
 
     async def _models(self, _: web.Request) -> web.Response:
-        return web.json_response({"data": [{"id": "m", "max_model_len": 64}]})
+        return web.json_response({"data": [{"id": "m", "max_model_len": self.max_model_len}]})
 
     async def _generate(self, request: web.Request) -> web.StreamResponse:
         body = await request.json()
@@ -270,6 +272,53 @@ def test_cache_key_namespaces_the_key_chain(tokenizer_dir: Path) -> None:
                 names.append((await call("POST", "/v1/completions", req))[1]["choices"][0]["text"])
             # load alone decides (idle, equal: in turn); b's cached prefix does not pin the prompt
             assert sorted(names) == ["a", "a", "b", "b"]
+
+    _run(scenario())
+
+
+def _document(seed: int, lines: int) -> str:
+    words = "the cache holds a prefix of tokens".split()
+    rng = random.Random(seed)
+    return "".join(" ".join(rng.choice(words) for _ in range(12)) + ".\n" for _ in range(lines))
+
+
+def test_long_prompts_are_placed_from_their_leading_part(tokenizer_dir: Path) -> None:
+    """A long never-seen prompt is placed once its second new chunk is reached, and tokenized
+    whole only when some worker's cached prefix runs through the part already tokenized."""
+
+    async def scenario() -> None:
+        engines = [FakeEngine("a", max_model_len=100_000), FakeEngine("b", max_model_len=100_000)]
+        async with running(tokenizer_dir, engines) as (router, call, _s, _b):
+            early: list[bool] = []
+            choose_early = router.placement.choose_early
+
+            def spy(*args: Any, **kw: Any) -> Any:
+                decision = choose_early(*args, **kw)
+                early.append(decision is not None)
+                return decision
+
+            router.placement.choose_early = spy  # type: ignore[method-assign]
+            tok = RouterTokenizer(tokenizer_dir)  # not the router's: its chunk cache is cold
+            held, cold = _document(1, 120), _document(2, 120)
+            ids = tok.encode(held, True)
+            n = len(ids) // BS * BS
+            router.index.apply("b", [BlockStored(list(range(1, n // BS + 1)), None, ids[:n], BS)])
+            for _ in range(2):
+                status, body = await call("POST", "/v1/completions", {"prompt": held})
+                assert status == 200 and body["choices"][0]["text"] == "b"
+            assert early == [False], "b's prefix runs past the leading part: tokenize it all"
+            before = router.metrics.cache_stats()
+            status, _ = await call("POST", "/v1/completions", {"prompt": cold})
+            assert status == 200 and early == [False, True]
+            after = router.metrics.cache_stats()
+            # the metrics count the exact length, tokenized after the request left
+            assert after["prompt_tokens"] - before["prompt_tokens"] == len(tok.encode(cold, True))
+            misses = after["tokenizer_cache"]["misses"]
+            assert (await call("POST", "/v1/completions", {"prompt": cold}))[0] == 200
+            assert router.metrics.cache_stats()["tokenizer_cache"]["misses"] == misses, (
+                "the rest was cached"
+            )
+            assert early == [False, True], "a prompt seen before is tokenized whole"
 
     _run(scenario())
 

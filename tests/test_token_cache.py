@@ -106,3 +106,20 @@ def test_cache_stays_within_its_byte_budget() -> None:
         text = "line one.\n" + _text(rng, 80)
         assert cache.encode(text).tolist() == tok.encode(text, add_special_tokens=False).ids
         assert cache.stats.bytes <= 4096
+
+
+def test_begin_then_rest_equals_whole_encode() -> None:
+    tok = _bytelevel()
+    cache = ChunkCache(tok, min_chunk_chars=16)
+    rng = random.Random(9)
+    left = 0
+    for _ in range(100):
+        text = "line one.\n" + _text(rng, rng.randrange(1, 200))
+        want = tok.encode(text, add_special_tokens=False).ids
+        part = cache.begin(text)
+        rest = cache.encode_rest(part).tolist()
+        assert part.ids.tolist() + rest == want, text
+        assert len(rest) <= part.bound and (part.estimate > 0) == bool(part.rest)
+        left += bool(part.rest)
+        assert not cache.begin(text).rest, "every chunk of a text seen before is cached"
+    assert left > 20, "long texts leave a rest"
