@@ -132,14 +132,13 @@ class MemoryIndex(PrefixIndex):
         hashes.update(zip(ev.block_hashes, keys, strict=True))
         bit = _BIT[ev.tier]
         blocks = self._blocks
-        get = blocks.get
+        known = blocks.keys() & keys  # usually empty: a stored block is new to the index
         fresh = 0
-        for key in keys:
-            holders = get(key)
-            if holders is None:
-                blocks[key] = {worker: bit}
-                fresh += 1
-            else:
+        if known:
+            for key in keys:
+                if key not in known:
+                    continue
+                holders = blocks[key]
                 blocks.move_to_end(key)
                 old = holders.get(worker, 0)
                 if not old:
@@ -147,6 +146,9 @@ class MemoryIndex(PrefixIndex):
                 elif old | bit != old:
                     self._retier(worker, old, old | bit)
                 holders[worker] = old | bit
+        new = {key: {worker: bit} for key in keys if key not in known}
+        blocks.update(new)
+        fresh += len(new)
         self._entries += fresh
         self._held[(worker, _fastest(bit))] += fresh
 

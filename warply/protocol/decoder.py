@@ -141,7 +141,7 @@ def salt_namespace(extra_keys: Any, lora_name: Any) -> str:
 
 def _stored(raw: Any) -> BlockStored:
     f = _fields(raw, _STORED_FIELDS, "BlockStored")
-    hashes = [_engine_hash(h) for h in _int_or_bytes_list(f.get("block_hashes"))]
+    hashes = _engine_hashes(f.get("block_hashes"))
     parent_raw = f.get("parent_block_hash")
     parent = None if parent_raw is None else _engine_hash(parent_raw)
     tokens = _int_list(f.get("token_ids"), "token_ids")
@@ -170,15 +170,22 @@ def _stored(raw: Any) -> BlockStored:
     )
 
 
-def _int_or_bytes_list(value: Any) -> list[Any]:
+def _engine_hashes(value: Any) -> list[int]:
+    """`block_hashes` as u64 ids; a list of in-range ints (vLLM's default) is checked in C."""
     if not isinstance(value, list):
         raise _Reject(Rejection.BAD_SCHEMA, "block_hashes must be a list")
-    return value
+    try:
+        ids: list[int] = msgspec.convert(value, list[int])
+        if not ids or (min(ids) >= 0 and max(ids) <= _U64):
+            return ids
+    except msgspec.ValidationError:
+        pass  # bytes digests or bad items: one at a time below
+    return [_engine_hash(h) for h in value]
 
 
 def _removed(raw: Any) -> BlockRemoved:
     f = _fields(raw, _REMOVED_FIELDS, "BlockRemoved")
-    hashes = [_engine_hash(h) for h in _int_or_bytes_list(f.get("block_hashes"))]
+    hashes = _engine_hashes(f.get("block_hashes"))
     return BlockRemoved(block_hashes=hashes, tier=_tier(f.get("medium")))
 
 
