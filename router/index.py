@@ -16,6 +16,7 @@ import abc
 from collections import Counter, OrderedDict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
+from operator import itemgetter
 
 from warply.protocol import (
     AllCleared,
@@ -257,7 +258,9 @@ class MemoryIndex(PrefixIndex):
     def _by_tier(chain: list[dict[str, int]], worker: str, depth: int) -> dict[Tier, int]:
         """Blocks per fastest tier holding them, over the worker's matched run."""
         by_tier: dict[Tier, int] = {}
-        for bits, n in Counter(h[worker] for h in chain[:depth]).items():
+        if not depth:
+            return by_tier
+        for bits, n in Counter(map(itemgetter(worker), chain[:depth])).items():
             tier = _TIERS[_fastest(bits)]
             by_tier[tier] = by_tier.get(tier, 0) + n
         return by_tier

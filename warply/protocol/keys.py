@@ -54,7 +54,7 @@ def chain_keys(tokens: Sequence[int] | Any, block_size: int, seed: int) -> list[
     """
     if block_size <= 0:
         raise ValueError(f"block_size must be positive, got {block_size}")
-    data = _pack_tokens(tokens)
+    data = memoryview(_pack_tokens(tokens))  # block slices without copies
     step = block_size * 4
     end = len(data) - len(data) % step
     keys: list[int] = []
