@@ -213,6 +213,11 @@ async def _run(args: argparse.Namespace, workdir: Path) -> int:
             _log(f"starting vLLM (pid {engine.pid}, log {engine.log_path})")
         for engine, _, _ in engines:
             _log(f"vLLM {engine.url} healthy after {engine.wait_healthy():.0f}s")
+        # vLLM's first prefills of each length run slower (CPU kernels warming up): one untimed
+        # pass straight to the engines, so the first strategy measured does not pay for it.
+        _log("warm-up pass straight to the engines (not measured) ...")
+        urls = [engine.url for engine, _, _ in engines]
+        await replay(lambda item: urls[item["conversation"] % len(urls)], items, args.in_flight)
         for strategy in STRATEGIES:
             reset_caches(engines)
             with router_process(strategy, engines, args.model, workdir) as router:
