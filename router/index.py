@@ -14,9 +14,8 @@ from __future__ import annotations
 
 import abc
 from collections import Counter, OrderedDict
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
-from operator import itemgetter
 
 from warply.protocol import (
     AllCleared,
@@ -32,6 +31,14 @@ from warply.protocol import (
 _TIERS = tuple(Tier)
 _BIT = {tier: 1 << i for i, tier in enumerate(_TIERS)}
 _ALL_TIERS = (1 << len(_TIERS)) - 1
+_SLOT = len(_TIERS)
+"""Bits per worker in a block's holders int."""
+_NIBBLE = _ALL_TIERS
+
+
+def _occupied(holders: int) -> int:
+    """The lowest bit of each worker slot that holds any tier bit (slots are 4 bits wide)."""
+    return holders | holders >> 1 | holders >> 2 | holders >> 3
 
 
 def _fastest(bits: int) -> int:
@@ -84,19 +91,26 @@ class PrefixIndex(abc.ABC):
 
 
 class MemoryIndex(PrefixIndex):
-    """In-process index with an LRU cap on (block, worker) entries."""
+    """In-process index with an LRU cap on (block, worker) entries.
+
+    Each block's holders are one int: worker slot i owns the 4 bits at 4·i (its tier bits), so
+    a block costs no per-block dict, a batch of new blocks is inserted with `dict.fromkeys`, and
+    the garbage collector tracks nothing here (no collection pauses from a million entries).
+    """
 
     def __init__(self, model: str, max_entries: int = 4_000_000) -> None:
         if max_entries <= 0:
             raise ValueError("max_entries must be positive")
         self.model = model
         self.max_entries = max_entries
-        # canonical key -> {worker: tier bits}; order = recency (oldest first).
-        self._blocks: OrderedDict[int, dict[str, int]] = OrderedDict()
+        # canonical key -> holders (tier bits per worker slot); order = recency (oldest first).
+        self._blocks: OrderedDict[int, int] = OrderedDict()
         # worker -> engine hash -> canonical key (the namespace is folded into the key's chain).
-        # Only ints in these maps and in `_blocks`' holder dicts: the garbage collector does not
-        # track such dicts, so a million entries add no GC pauses to the router's event loop.
         self._engine: dict[str, dict[int, int]] = {}
+        self._shift: dict[str, int] = {}
+        """Worker -> bit offset of its slot (4 · slot number), kept for the process's life."""
+        self._workers: list[str] = []
+        """Slot number -> worker."""
         self._entries = 0
         self._evictions = 0
         self._skipped: Counter[str] = Counter()
@@ -106,19 +120,23 @@ class MemoryIndex(PrefixIndex):
 
     def apply(self, worker: str, events: Iterable[Event]) -> None:
         hashes = self._engine.setdefault(worker, {})
+        shift = self._shift.get(worker)
+        if shift is None:
+            shift = self._shift[worker] = _SLOT * len(self._workers)
+            self._workers.append(worker)
         for ev in events:
             if isinstance(ev, BlockStored):
-                self._stored(worker, hashes, ev)
+                self._stored(worker, shift, hashes, ev)
             elif isinstance(ev, BlockRemoved):
-                self._clear_bits(worker, hashes, ev.block_hashes, _BIT[ev.tier])
+                self._clear_bits(shift, hashes, ev.block_hashes, _BIT[ev.tier])
             elif isinstance(ev, TierMoved):
-                self._moved(worker, hashes, ev)
+                self._moved(shift, hashes, ev)
             elif isinstance(ev, AllCleared):
                 bits = _ALL_TIERS if ev.tier is None else _BIT[ev.tier]
-                self._clear_bits(worker, hashes, list(hashes), bits)
+                self._clear_bits(shift, hashes, list(hashes), bits)
         self._enforce_cap()
 
-    def _stored(self, worker: str, hashes: dict[int, int], ev: BlockStored) -> None:
+    def _stored(self, worker: str, shift: int, hashes: dict[int, int], ev: BlockStored) -> None:
         if ev.parent_hash is None:
             seed = root_seed(self.model, ev.namespace or "")
         else:
@@ -141,13 +159,13 @@ class MemoryIndex(PrefixIndex):
                     continue
                 holders = blocks[key]
                 blocks.move_to_end(key)
-                old = holders.get(worker, 0)
+                old = holders >> shift & _NIBBLE
                 if not old:
                     fresh += 1
                 elif old | bit != old:
                     self._retier(worker, old, old | bit)
-                holders[worker] = old | bit
-        new = {key: {worker: bit} for key in keys if key not in known}
+                blocks[key] = holders | bit << shift
+        new = dict.fromkeys((k for k in keys if k not in known) if known else keys, bit << shift)
         blocks.update(new)
         fresh += len(new)
         self._entries += fresh
@@ -160,107 +178,124 @@ class MemoryIndex(PrefixIndex):
         if new:
             self._held[(worker, _fastest(new))] += 1
 
+    def _set(self, key: int, holders: int, shift: int, old: int, new: int) -> None:
+        """Replace one worker's tier bits `old` by `new` in a block's holders (0: it left)."""
+        self._retier(self._workers[shift // _SLOT], old, new)
+        rest = holders & ~(_NIBBLE << shift) | new << shift
+        if rest:
+            self._blocks[key] = rest
+        else:
+            del self._blocks[key]
+        if not new:
+            self._entries -= 1
+
     def _clear_bits(
-        self, worker: str, hashes: dict[int, int], engine_hashes: list[int], bits: int
+        self, shift: int, hashes: dict[int, int], engine_hashes: list[int], bits: int
     ) -> None:
+        blocks = self._blocks
         for engine_hash in engine_hashes:
             key = hashes.get(engine_hash)
             if key is None:
                 self._skipped["unknown_block"] += 1
                 continue
-            holders = self._blocks.get(key)
-            old = holders.get(worker, 0) if holders else 0
+            holders = blocks.get(key, 0)
+            old = holders >> shift & _NIBBLE
             left = old & ~bits
-            if left:
-                if left != old:
-                    self._retier(worker, old, left)
-                holders[worker] = left  # type: ignore[index]
-                continue
-            del hashes[engine_hash]
-            if holders and worker in holders:
-                self._retier(worker, holders.pop(worker), 0)
-                self._entries -= 1
-                if not holders:
-                    del self._blocks[key]
+            if not left:
+                del hashes[engine_hash]
+            if left != old:
+                self._set(key, holders, shift, old, left)
 
-    def _moved(self, worker: str, hashes: dict[int, int], ev: TierMoved) -> None:
+    def _moved(self, shift: int, hashes: dict[int, int], ev: TierMoved) -> None:
         for engine_hash in ev.block_hashes:
             key = hashes.get(engine_hash)
-            holders = self._blocks.get(key) if key is not None else None
-            if not holders or worker not in holders:
+            holders = self._blocks.get(key, 0) if key is not None else 0
+            old = holders >> shift & _NIBBLE
+            if key is None or not old:
                 self._skipped["unknown_block"] += 1
                 continue
-            old = holders[worker]
             new = (old & ~_BIT[ev.src]) | _BIT[ev.dst]
             if new != old:
-                self._retier(worker, old, new)
-            holders[worker] = new
+                self._set(key, holders, shift, old, new)
 
     def _enforce_cap(self) -> None:
         while self._entries > self.max_entries:
-            key, holders = self._blocks.popitem(last=False)
-            self._entries -= len(holders)
-            self._evictions += len(holders)
-            for worker, bits in holders.items():
+            _, holders = self._blocks.popitem(last=False)
+            for worker, bits in self._holders(holders):
                 self._held[(worker, _fastest(bits))] -= 1
+                self._entries -= 1
+                self._evictions += 1
             # The engine-hash maps keep their entries: a later BlockRemoved for them is a no-op,
             # and a child block stored later can still chain from them.
 
+    def _holders(self, holders: int) -> Iterator[tuple[str, int]]:
+        """(worker, tier bits) of each worker in a block's holders."""
+        while holders:
+            slot = ((holders & -holders).bit_length() - 1) // _SLOT
+            yield self._workers[slot], holders >> _SLOT * slot & _NIBBLE
+            holders &= ~(_NIBBLE << _SLOT * slot)
+
+    def entries(self) -> Iterator[tuple[int, str, int]]:
+        """Every (canonical key, worker, tier bits) entry, oldest block first (a full walk: for
+        tests and debugging, not for metrics)."""
+        for key, holders in self._blocks.items():
+            for worker, bits in self._holders(holders):
+                yield key, worker, bits
+
     def drop_worker(self, worker: str) -> None:
         hashes = self._engine.pop(worker, {})
+        shift = self._shift.get(worker, 0)
         for key in hashes.values():
-            holders = self._blocks.get(key)
-            bits = holders.pop(worker, None) if holders else None
-            if bits is not None:
-                self._retier(worker, bits, 0)
-                self._entries -= 1
-                if not holders:
-                    del self._blocks[key]
+            holders = self._blocks.get(key, 0)
+            old = holders >> shift & _NIBBLE
+            if old:
+                self._set(key, holders, shift, old, 0)
 
     def match(
         self, keys: Sequence[int], workers: Iterable[str] | None = None
     ) -> dict[str, WorkerMatch]:
-        live = set(self._engine if workers is None else workers)
-        if not live:
-            return {}
-        depth = dict.fromkeys(live, 0)
-        chain: list[dict[str, int]] = []  # holders of each matched block, in request order
+        asked = set(self._engine if workers is None else workers)
+        depth = dict.fromkeys(asked, 0)
+        shifts = {w: self._shift[w] for w in asked if w in self._shift}
+        live = sum(1 << s for s in shifts.values())  # lowest bit of each live worker's slot
+        chain: list[int] = []  # holders of each matched block, in request order
         get, touch, append = self._blocks.get, self._blocks.move_to_end, chain.append
-        it = iter(keys)
+        it = iter(keys if live else ())
         for key in it:
-            holders = get(key)
-            if holders is None:
-                break
-            if not live <= holders.keys():  # someone drops out here (rare: check before narrowing)
-                still = live & holders.keys()
-                for w in live - still:
-                    depth[w] = len(chain)
-                live = still
+            holders = get(key, 0)
+            present = _occupied(holders) & live
+            if present != live:  # someone's run ends here (everyone's, at a block nobody holds)
+                for w, s in shifts.items():
+                    if (live & ~present) >> s & 1:
+                        depth[w] = len(chain)
+                live = present
                 if not live:
                     break
             touch(key)
             append(holders)
-            if len(live) == 1:
+            if not live & (live - 1):
                 break
-        if len(live) == 1:  # one worker left (the deep part of most walks): a plain lookup loop
-            (only,) = live
+        if live and not live & (live - 1):  # one worker left (the deep part of most walks)
+            only = live.bit_length() - 1
             for key in it:
-                holders = get(key)
-                if holders is None or only not in holders:
+                holders = get(key, 0)
+                if not holders >> only & _NIBBLE:
                     break
                 touch(key)
                 append(holders)
-        for w in live:
-            depth[w] = len(chain)
-        return {w: WorkerMatch(d, self._by_tier(chain, w, d)) for w, d in depth.items()}
+        for w, s in shifts.items():
+            if live >> s & 1:
+                depth[w] = len(chain)
+        return {
+            w: WorkerMatch(d, self._by_tier(chain, shifts[w], d) if d else {})
+            for w, d in depth.items()
+        }
 
     @staticmethod
-    def _by_tier(chain: list[dict[str, int]], worker: str, depth: int) -> dict[Tier, int]:
+    def _by_tier(chain: list[int], shift: int, depth: int) -> dict[Tier, int]:
         """Blocks per fastest tier holding them, over the worker's matched run."""
         by_tier: dict[Tier, int] = {}
-        if not depth:
-            return by_tier
-        for bits, n in Counter(map(itemgetter(worker), chain[:depth])).items():
+        for bits, n in Counter(h >> shift & _NIBBLE for h in chain[:depth]).items():
             tier = _TIERS[_fastest(bits)]
             by_tier[tier] = by_tier.get(tier, 0) + n
         return by_tier

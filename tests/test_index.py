@@ -126,9 +126,32 @@ def test_stats_counts_stay_equal_to_a_full_walk_under_random_events() -> None:
             idx.drop_worker(worker)
             stored[worker] = []
         walked: Counter[tuple[str, Tier]] = Counter()
-        for holders in idx._blocks.values():
-            for w, bits in holders.items():
-                walked[(w, list(Tier)[(bits & -bits).bit_length() - 1])] += 1
+        for _, w, bits in idx.entries():
+            walked[(w, list(Tier)[(bits & -bits).bit_length() - 1])] += 1
         stats = idx.stats()
         assert stats.entries_by_worker_tier == walked
         assert stats.entries == sum(walked.values()) <= 60
+
+
+def test_a_run_ends_at_a_missing_block_even_for_one_candidate() -> None:
+    idx = MemoryIndex(MODEL, max_entries=7)
+    prompt = list(range(32))
+    idx.apply("a", [_stored(prompt, 1)])  # 8 blocks, cap 7: the chain's first one is evicted
+    keys = prefix_keys(prompt, BS, MODEL)
+    assert idx.match(keys, ["a"])["a"].blocks == 0
+    assert idx.match(keys[1:], ["a"])["a"].blocks == 7
+
+
+def test_many_workers_share_blocks() -> None:
+    idx = MemoryIndex(MODEL)
+    prompt = list(range(24))
+    workers = [f"w{i}" for i in range(40)]  # slots far past 64 bits
+    for i, w in enumerate(workers):
+        idx.apply(w, [_stored(prompt[: BS * (1 + i % 6)], 1000 * i, tier=list(Tier)[i % 4])])
+    m = idx.match(prefix_keys(prompt, BS, MODEL))
+    assert {w: m[w].blocks for w in workers} == {w: 1 + i % 6 for i, w in enumerate(workers)}
+    assert m["w7"].by_tier == {list(Tier)[3]: 2}
+    assert idx.stats().entries == sum(1 + i % 6 for i in range(40))
+    idx.drop_worker("w5")
+    after = idx.match(prefix_keys(prompt, BS, MODEL), ["w5", "w11"])
+    assert (after["w5"].blocks, after["w11"]) == (0, m["w11"])
