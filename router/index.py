@@ -276,10 +276,10 @@ class MemoryIndex(PrefixIndex):
             if not live & (live - 1):
                 break
         if live and not live & (live - 1):  # one worker left (the deep part of most walks)
-            only = live.bit_length() - 1
+            slot = _NIBBLE << live.bit_length() - 1
             for key in it:
                 holders = get(key, 0)
-                if not holders >> only & _NIBBLE:
+                if not holders & slot:
                     break
                 touch(key)
                 append(holders)
@@ -295,8 +295,8 @@ class MemoryIndex(PrefixIndex):
     def _by_tier(chain: list[int], shift: int, depth: int) -> dict[Tier, int]:
         """Blocks per fastest tier holding them, over the worker's matched run."""
         by_tier: dict[Tier, int] = {}
-        for bits, n in Counter(h >> shift & _NIBBLE for h in chain[:depth]).items():
-            tier = _TIERS[_fastest(bits)]
+        for holders, n in Counter(chain[:depth]).items():  # few distinct values: count in C
+            tier = _TIERS[_fastest(holders >> shift & _NIBBLE)]
             by_tier[tier] = by_tier.get(tier, 0) + n
         return by_tier
 
