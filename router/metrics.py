@@ -124,6 +124,11 @@ class RouterMetrics:
         self._prompt_tokens = PromCounter(
             "warply_router_prompt_tokens", "Prompt tokens routed", ["pool"], registry=r
         )
+        self._early = PromCounter(
+            "warply_router_early_placements",
+            "Requests placed from the leading part of their prompt (the rest tokenized after)",
+            registry=r,
+        )
         self._predicted_tokens = PromCounter(
             "warply_router_predicted_cached_tokens",
             "Prompt tokens the index predicted cached on the chosen worker",
@@ -186,9 +191,13 @@ class RouterMetrics:
 
     # -- recording ------------------------------------------------------------------------------
 
-    def routed(self, decision: Decision, overhead_s: float) -> _Sample:
-        """A request was placed; returns its window sample (engine numbers are filled later)."""
+    def routed(self, decision: Decision, overhead_s: float, early: bool = False) -> _Sample:
+        """A request was placed (`early`: from its prompt's leading part); returns its window
+        sample (engine numbers are filled later)."""
         pool = decision.worker.pool.name
+        if early:
+            self._early.inc()
+            self._totals["placed_early"] += 1
         self._prompt_tokens.labels(pool).inc(decision.prompt_tokens)
         self._predicted_tokens.labels(pool).inc(decision.predicted_cached)
         self._overhead_h.observe(overhead_s)
@@ -322,6 +331,7 @@ class RouterMetrics:
             "strategy": self._placement.strategy_name,
             "requests": t["requests"],
             "prompt_tokens": t["prompt_tokens"],
+            "placed_early": t["placed_early"],
             "hit_rate": {
                 "predicted": _ratio(t["predicted_cached_tokens"], t["prompt_tokens"]),
                 "engine": _ratio(t["engine_cached_tokens"], t["engine_prompt_tokens"]),

@@ -141,7 +141,7 @@ class Proxy:
                             measured = dataclasses.replace(
                                 decision, prompt_tokens=prep.prompt.estimate
                             )
-                            sample = self._metrics.routed(measured, routed_s)
+                            sample = self._metrics.routed(measured, routed_s, early=True)
                         if prep.stream and up.status == 200:
                             resp = web.StreamResponse(headers=_SSE_HEADERS)
                             resp.headers.update(_placed_headers(decision))

@@ -313,6 +313,7 @@ def test_long_prompts_are_placed_from_their_leading_part(tokenizer_dir: Path) ->
             after = router.metrics.cache_stats()
             # the metrics count the exact length, tokenized after the request left
             assert after["prompt_tokens"] - before["prompt_tokens"] == len(tok.encode(cold, True))
+            assert (before["placed_early"], after["placed_early"]) == (0, 1)
             misses = after["tokenizer_cache"]["misses"]
             assert (await call("POST", "/v1/completions", {"prompt": cold}))[0] == 200
             assert router.metrics.cache_stats()["tokenizer_cache"]["misses"] == misses, (

@@ -144,12 +144,48 @@ def test_conversations_stick_to_their_prefix(stack: dict[str, Any]) -> None:
         for (_, prev_prompt, _), (_, _, cached) in zip(turns, turns[1:], strict=False):
             assert cached >= (prev_prompt // BLOCK) * BLOCK - BLOCK, f"conversation {n}: {turns}"
     assert {turns[0][0] for turns in results.values()} == {"w0", "w1"}, results
-    with urllib.request.urlopen(
-        urllib.request.Request(stack["url"] + "/warply/cache_stats", headers=ADMIN), timeout=10
-    ) as r:
-        stats = json.loads(r.read())
+    stats = _stats(stack["url"])
     assert stats["hit_rate"]["engine"] > 0.3 and stats["index"]["entries"] > 0
     assert stats["index"]["bytes_by_tier"]["gpu"] == stats["index"]["entries"] * BLOCK * 512
+
+
+def _stats(url: str) -> dict[str, Any]:
+    req = urllib.request.Request(url + "/warply/cache_stats", headers=ADMIN)
+    with urllib.request.urlopen(req, timeout=10) as r:
+        return dict(json.loads(r.read()))
+
+
+def _lines(seed: int, n: int) -> str:
+    words = "engines keep prefix blocks while the router reads their event streams".split()
+    return "".join(
+        f"{seed}.{i} " + " ".join(words[(seed + i * j) % len(words)] for j in range(9)) + ".\n"
+        for i in range(n)
+    )
+
+
+def test_a_new_long_prompt_is_placed_early_and_its_next_turn_sticks(
+    stack: dict[str, Any],
+) -> None:
+    """A never-seen prompt of two text chunks is placed from its first: the metrics still get
+    its exact length (the engine's own count), and the extended prompt goes to the same worker
+    and hits there."""
+    url = stack["url"]
+    first = _lines(11, 24)  # ~1.5k characters: two chunks of the router's tokenizer cache
+    body = {"model": "tiny", "prompt": first, "max_tokens": 4, "temperature": 0}
+    before = _stats(url)
+    status, out, headers = _post(url + "/v1/completions", body)
+    assert status == 200, out
+    after = _stats(url)
+    assert after["placed_early"] == before["placed_early"] + 1
+    assert after["prompt_tokens"] - before["prompt_tokens"] == out["usage"]["prompt_tokens"]
+    time.sleep(0.5)  # the engine's KV events reach the router
+    longer = dict(body, prompt=first + _lines(12, 20))
+    status, again, headers2 = _post(url + "/v1/completions", longer)
+    assert status == 200, again
+    assert headers2["X-Warply-Worker"] == headers["X-Warply-Worker"]
+    held = out["usage"]["prompt_tokens"] // BLOCK * BLOCK
+    assert _cached(again) >= held - BLOCK, (_cached(again), held)
+    assert int(headers2["X-Warply-Predicted-Cached"]) == _cached(again)
 
 
 def test_streaming_through_the_router(stack: dict[str, Any]) -> None:
