@@ -12,7 +12,9 @@ bounded in bytes. Two kinds of cut, each enabled only when the tokenizer allows 
 * after a newline that follows a non-space character and precedes a printable ASCII one, when
   the pre-tokenizer is a byte-level one driven by a GPT-2 / tiktoken-style regex (ByteLevel
   with `use_regex`, or a Split followed by ByteLevel, and no prefix space): those regexes never
-  match across such a point. Newline cuts are grouped into chunks of at least `min_chunk_chars`.
+  match across such a point. Newline cuts are grouped into chunks of at least `min_chunk_chars`
+  (256 by default: `tokenizers` encodes a batch of such chunks about twice as fast as one long
+  text, and a new prompt's first chunk stays cheap; see bench/router_decision.py).
 
 Both are checked once at load time against whole-text encodes of a probe; a tokenizer that
 disagrees gets the plain whole-text encode. Misses are encoded with `encode_batch_fast`, which
@@ -24,6 +26,7 @@ from __future__ import annotations
 
 import json
 import re
+import sys
 from array import array
 from collections import OrderedDict
 from collections.abc import Sequence
@@ -47,6 +50,11 @@ class ChunkStats:
     hits: int = 0
     misses: int = 0
     bytes: int = 0
+
+
+def _entry_bytes(chunk: str, ids: array[int]) -> int:
+    """Memory of one cache entry: both objects plus the ordered dict's slot and link (~100 B)."""
+    return sys.getsizeof(chunk) + sys.getsizeof(ids) + 100
 
 
 def _pre_tokenizer_allows_newline_cuts(spec: object) -> bool:
@@ -82,7 +90,7 @@ class Partial:
 class ChunkCache:
     """Token ids of a text (no special tokens added), reusing the ids of chunks seen before."""
 
-    def __init__(self, tok: Tokenizer, max_bytes: int = 64 << 20, min_chunk_chars: int = 1024):
+    def __init__(self, tok: Tokenizer, max_bytes: int = 64 << 20, min_chunk_chars: int = 256):
         self._tok = tok
         self.max_bytes = max_bytes
         self.min_chunk_chars = min_chunk_chars
@@ -211,7 +219,7 @@ class ChunkCache:
     def _store(self, chunk: str, ids: array[int]) -> None:
         cache = self._cache
         cache[chunk] = ids
-        self.stats.bytes += len(chunk) + 4 * len(ids)
+        self.stats.bytes += _entry_bytes(chunk, ids)
         while self.stats.bytes > self.max_bytes and len(cache) > 1:
             old, old_ids = cache.popitem(last=False)
-            self.stats.bytes -= len(old) + 4 * len(old_ids)
+            self.stats.bytes -= _entry_bytes(old, old_ids)
