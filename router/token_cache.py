@@ -143,13 +143,13 @@ class ChunkCache:
         if not (self.enabled and self._newline_cuts):
             return Partial(self.encode(text), [], 0, 0)
         pieces = self._pieces(text, self.min_chunk_chars)
-        cache, new, cut = self._cache, 0, len(pieces)
+        cache, cut, first_new = self._cache, len(pieces), True
         for i, p in enumerate(pieces):
             if isinstance(p, str) and p not in cache:
-                if new:
+                if not first_new:
                     cut = i
                     break
-                new += len(p)
+                first_new = False
         rest = pieces[cut:]
         chars = sum(len(p) for p in rest if isinstance(p, str))
         specials = len(rest) - sum(isinstance(p, str) for p in rest)
