@@ -31,13 +31,14 @@ from warply.protocol import (
 _TIERS = tuple(Tier)
 _BIT = {tier: 1 << i for i, tier in enumerate(_TIERS)}
 _ALL_TIERS = (1 << len(_TIERS)) - 1
-_SLOT = len(_TIERS)
-"""Bits per worker in a block's holders int."""
-_NIBBLE = _ALL_TIERS
+_SLOT = 4
+"""Bits per worker in a block's holders int (`_occupied` folds exactly this many)."""
+assert len(_TIERS) <= _SLOT, "a worker's tier bits must fit its slot"
+_NIBBLE = (1 << _SLOT) - 1
 
 
 def _occupied(holders: int) -> int:
-    """The lowest bit of each worker slot that holds any tier bit (slots are 4 bits wide)."""
+    """The lowest bit of each worker slot that holds any tier bit."""
     return holders | holders >> 1 | holders >> 2 | holders >> 3
 
 
