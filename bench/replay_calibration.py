@@ -20,10 +20,10 @@ from multiprocessing import get_context
 from pathlib import Path
 from typing import Any
 
-from router.replay.__main__ import parse_strategy
-from router.replay.report import summarize
-from router.replay.sim import simulate
-from router.replay.trace import ExpandedTrace, read_trace
+from replay.__main__ import parse_strategy
+from replay.report import summarize
+from replay.sim import simulate
+from replay.trace import ExpandedTrace, read_trace
 
 TRACES = Path(__file__).resolve().parents[1] / "../shared/traces"
 CONVERSATION = (TRACES / "mooncake/conversation_trace.jsonl", 512)

@@ -5,9 +5,9 @@ fit the tiny model), scales its 512-token trace blocks down to `--trace-block` t
 it as a Mooncake JSONL file (arrivals re-spaced `--gap-ms` apart in trace order, outputs capped).
 That one file is then replayed
 
-  * simulated: `router.replay` (the router's real index and strategies, N=2 simulated vLLM
+  * simulated: `replay` (the router's real index and strategies, N=2 simulated vLLM
     engines with the real engines' block size, KV blocks, batch and sequence limits), and
-  * live: `router.replay.live` through `python -m router` in front of two real vLLM CPU engines
+  * live: `replay.live` through `python -m router` in front of two real vLLM CPU engines
     (scripts/demo.py's `engine_pair`, one core each, KV-event streams), prefix caches reset
     before every strategy,
 
@@ -38,13 +38,13 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "scripts"))
 import demo  # noqa: E402  (engines, router and cache reset of the demo; not a package)
 
-from router.replay.__main__ import parse_strategy  # noqa: E402
-from router.replay.engine import EngineConfig  # noqa: E402
-from router.replay.live import LiveConfig, run_live  # noqa: E402
-from router.replay.oracle import lru_reuse  # noqa: E402
-from router.replay.report import summarize  # noqa: E402
-from router.replay.sim import simulate  # noqa: E402
-from router.replay.trace import ExpandedTrace, read_trace  # noqa: E402
+from replay.__main__ import parse_strategy  # noqa: E402
+from replay.engine import EngineConfig  # noqa: E402
+from replay.live import LiveConfig, run_live  # noqa: E402
+from replay.oracle import lru_reuse  # noqa: E402
+from replay.report import summarize  # noqa: E402
+from replay.sim import simulate  # noqa: E402
+from replay.trace import ExpandedTrace, read_trace  # noqa: E402
 
 STRATEGIES = ("round_robin", "prefix_affinity", "kv-reuse")
 SOURCE_BLOCK = 512  # tokens per hash id in the Mooncake trace

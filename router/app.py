@@ -20,7 +20,7 @@ import msgspec
 from aiohttp import web
 
 from router.config import RouterConfig
-from router.directives import send_directive
+from router.control import send_directive
 from router.errors import ApiError, json_object
 from router.feed import IndexFeed
 from router.index import MemoryIndex

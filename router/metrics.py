@@ -23,7 +23,7 @@ from router.config import AlertConfig, ConfigError, RouterConfig
 from router.index import PrefixIndex
 from router.placement import Decision, Placement
 from router.token_cache import ChunkStats
-from warply_plugins.strategies import StrategyLoadError, load_path
+from warply.common.loading import LoadError, load_path
 
 _log = logging.getLogger("warply.router")
 _AFFINITY_CAP = 4096
@@ -58,7 +58,7 @@ def _load_callback(spec: str | None) -> AlertCallback | None:
         return None
     try:
         fn = load_path(spec)
-    except StrategyLoadError as exc:
+    except LoadError as exc:
         raise ConfigError(f"alerts.callback: {exc}") from None
     if not callable(fn):
         raise ConfigError(f"alerts.callback: {spec!r} is not callable")

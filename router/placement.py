@@ -13,8 +13,7 @@ from dataclasses import dataclass, field
 
 from router.config import PoolConfig, RouterConfig, WorkerConfig
 from router.index import PrefixIndex, WorkerMatch
-from router.registry import make_strategy
-from router.strategies import NoCandidate, RequestView, Strategy, WorkerLoad
+from router.strategies import NoCandidate, RequestView, Strategy, WorkerLoad, make_strategy
 from warply.protocol import prefix_keys
 
 

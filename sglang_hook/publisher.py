@@ -18,12 +18,12 @@ from typing import Any
 
 from sglang.srt.disaggregation.kv_events import EventPublisher, ZmqEventPublisher
 
-from sglang_hook.directives import DirectiveApplier
+from sglang_hook.applier import DirectiveApplier
 from sglang_hook.events import PageBook, to_warply
+from sglang_hook.settings import WarplySettings
 from warply.protocol import Event, LoadSnapshot
 from warply.protocol.control import ControlServer
 from warply.protocol.publisher import StatePublisher
-from warply_plugins.sglang import WarplySettings
 
 _active: WarplyEventPublisher | None = None
 

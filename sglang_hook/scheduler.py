@@ -20,8 +20,8 @@ from sglang.srt.disaggregation.kv_events import EventPublisherFactory
 from sglang.srt.plugins.hook_registry import HookType
 
 from sglang_hook.publisher import WarplyEventPublisher
+from sglang_hook.settings import PUBLISHER_NAME, settings_of
 from warply.protocol import LoadSnapshot
-from warply_plugins.sglang import PUBLISHER_NAME, settings_of
 
 _KV_PUBLISHER = (
     "sglang.srt.managers.scheduler_components.kv_events_publisher.SchedulerKvEventsPublisher"

@@ -7,11 +7,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from router.replay.engine import EngineConfig, SimEngine, SimRequest
-from router.replay.oracle import infinite_reuse, lru_reuse
-from router.replay.report import summarize
-from router.replay.sim import ReplayResult, simulate
-from router.replay.trace import ExpandedTrace, TraceError, TraceRequest, read_trace
+from replay.engine import EngineConfig, SimEngine, SimRequest
+from replay.oracle import infinite_reuse, lru_reuse
+from replay.report import summarize
+from replay.sim import ReplayResult, simulate
+from replay.trace import ExpandedTrace, TraceError, TraceRequest, read_trace
 from router.strategies import BUILTIN, PrefixAffinity, RoundRobin
 from warply.protocol import BlockRemoved, Tier
 

@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 
+from replay.__main__ import main, parse_strategy
+from replay.baselines import DynamoKv, LlmdPrecise, SglangCacheAware
 from router.index import WorkerMatch
-from router.replay.__main__ import main, parse_strategy
-from router.replay.baselines import DynamoKv, LlmdPrecise, SglangCacheAware
 from router.strategies import RequestView, WorkerLoad
 
 GSP = Path(__file__).parents[1] / "../shared/traces/sglang_gsp/gsp_default_blk16.jsonl"

@@ -9,8 +9,8 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
-from router.replay.live import LiveConfig, run_live
-from router.replay.trace import TraceRequest
+from replay.live import LiveConfig, run_live
+from replay.trace import TraceRequest
 
 
 class _Stub(BaseHTTPRequestHandler):

@@ -10,11 +10,10 @@ from typing import Any
 
 import pytest
 
-import warply_plugins.strategies as discovery
+import warply.common.loading as loading
 from router.__main__ import _parser, config_from_args
 from router.config import ConfigError, StrategyConfig, load_config
-from router.registry import make_strategy, strategy_class
-from router.strategies import LeastLoaded, PrefixAffinity
+from router.strategies import LeastLoaded, PrefixAffinity, make_strategy, strategy_class
 
 ROOT = Path(__file__).resolve().parents[1]
 GOOD = """
@@ -82,14 +81,14 @@ def test_flags_override_and_build_a_pool(tmp_path: Path) -> None:
 def test_strategy_lookup(monkeypatch: pytest.MonkeyPatch) -> None:
     assert strategy_class("prefix_affinity") is PrefixAffinity
     assert strategy_class(f"{__name__}:MyStrategy") is MyStrategy
-    ep = EntryPoint("mine", f"{__name__}:MyStrategy", discovery.GROUP)
+    ep = EntryPoint("mine", f"{__name__}:MyStrategy", "warply.strategies")
 
     def fake_entry_points(**kw: Any) -> list[EntryPoint]:
         return [ep] if kw.get("name", "mine") == "mine" else []
 
-    monkeypatch.setattr(discovery, "entry_points", fake_entry_points)
+    monkeypatch.setattr(loading, "entry_points", fake_entry_points)
     assert strategy_class("mine") is MyStrategy
-    assert discovery.entry_point_names() == ["mine"]
+    assert loading.entry_point_names("warply.strategies") == ["mine"]
     with pytest.raises(ConfigError, match="unknown strategy 'nope'"):
         strategy_class("nope")
     with pytest.raises(ConfigError, match="not a router.strategies.Strategy"):

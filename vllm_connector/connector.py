@@ -38,6 +38,7 @@ from vllm.v1.core.sched.output import SchedulerOutput
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 from vllm.v1.request import RequestStatus
 
+from vllm_connector.applier import DirectiveApplier, find_engine_wakeup
 from vllm_connector.config import (
     DelegateConfig,
     WarplyConfigError,
@@ -45,7 +46,6 @@ from vllm_connector.config import (
     config_error,
     parse_config,
 )
-from vllm_connector.directives import DirectiveApplier, find_engine_wakeup
 from vllm_connector.export import StateExporter
 from vllm_connector.metrics import (
     WarplyConnectorStats,

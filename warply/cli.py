@@ -78,13 +78,13 @@ def _watch(args: argparse.Namespace) -> int:
 
 
 def _bench(args: argparse.Namespace) -> int:
-    """Run the trace replayer (`python -m router.replay`) in a subprocess of this interpreter.
+    """Run the trace replayer (`python -m replay`) in a subprocess of this interpreter.
 
     The SDK never imports the router; the replayer parses and validates its own arguments.
     """
     import subprocess
 
-    return subprocess.call([sys.executable, "-m", "router.replay", args.mode, *args.rest])
+    return subprocess.call([sys.executable, "-m", "replay", args.mode, *args.rest])
 
 
 def _parser() -> argparse.ArgumentParser:

@@ -8,6 +8,7 @@ import pytest
 from sglang.srt.plugins.hook_registry import HookRegistry
 from sglang.srt.server_args import prepare_server_args
 
+import sglang_hook.settings as settings_mod
 import warply_plugins.sglang as plugin
 
 
@@ -32,9 +33,9 @@ def test_enable_warply_selects_the_warply_publisher() -> None:
         ]
     )
     config = json.loads(args.kv_events_config)
-    assert config["publisher"] == plugin.PUBLISHER_NAME
+    assert config["publisher"] == settings_mod.PUBLISHER_NAME
     assert config["endpoint"] == "tcp://127.0.0.1:5599"
-    settings = plugin.settings_of(args)
+    settings = settings_mod.settings_of(args)
     assert settings is not None
     assert (settings.worker, settings.control, settings.model) == (
         "w0",
@@ -46,7 +47,7 @@ def test_enable_warply_selects_the_warply_publisher() -> None:
 def test_plain_sglang_is_unaffected() -> None:
     args = prepare_server_args(["--model-path", "dummy"])
     assert args.kv_events_config is None
-    assert plugin.settings_of(args) is None
+    assert settings_mod.settings_of(args) is None
 
 
 @pytest.mark.parametrize(

@@ -12,7 +12,7 @@ from sglang.srt.mem_cache.base_prefix_cache import EvictParams, MatchPrefixParam
 from sglang.srt.mem_cache.radix_cache import RadixKey
 from test_hook_export import CHAT_A, CHAT_B, DOC, build_cache, insert
 
-from sglang_hook.directives import DirectiveApplier
+from sglang_hook.applier import DirectiveApplier
 from warply.launch import free_port
 from warply.protocol import Directive, DirectiveAck, DirectiveKind, Tier, encode_directive
 from warply.protocol.control import ControlServer

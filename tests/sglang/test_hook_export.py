@@ -23,6 +23,7 @@ from sglang.srt.mem_cache.radix_cache import RadixKey
 from sglang.srt.plugins.hook_registry import HookRegistry
 from sglang.srt.runtime_context import get_parallel
 
+import sglang_hook.settings as settings_mod
 import warply_plugins.sglang as plugin
 from router.index import MemoryIndex
 from warply.launch import free_port
@@ -87,7 +88,7 @@ def scheduler_publisher(cache: Any, router: str, worker: str, control: str | Non
 
     from sglang_hook.publisher import WarplyEventPublisher
 
-    WarplyEventPublisher.settings = plugin.WarplySettings(
+    WarplyEventPublisher.settings = settings_mod.WarplySettings(
         router=router, worker=worker, model=MODEL, control=control, snapshot_interval_s=3600
     )
     stats = SimpleNamespace(
@@ -99,7 +100,7 @@ def scheduler_publisher(cache: Any, router: str, worker: str, control: str | Non
         pp_rank=0, attn_tp_rank=0, attn_cp_rank=0, attn_dp_size=1, attn_dp_rank=0, dp_rank=0
     ):
         kv = SchedulerKvEventsPublisher(
-            kv_events_config=plugin.kv_events_config(WarplyEventPublisher.settings),
+            kv_events_config=settings_mod.kv_events_config(WarplyEventPublisher.settings),
             tree_cache=cache,
             send_metrics_from_scheduler=None,
             max_running_requests=8,

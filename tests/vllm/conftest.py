@@ -20,7 +20,7 @@ from typing import Any
 import pytest
 import zmq
 
-from router import directives
+from router import control
 from warply.launch import HOST, VllmServer, free_port
 from warply.protocol import Directive, DirectiveAck, StreamDecoder
 from warply.protocol.events import Event
@@ -139,12 +139,12 @@ class Collector:
 
 def send_directive(endpoint: str, directive: Directive, timeout_s: float = 30) -> DirectiveAck:
     """One request/reply on the control socket (the router's own client)."""
-    return asyncio.run(directives.send_directive(endpoint, directive, timeout_s))
+    return asyncio.run(control.send_directive(endpoint, directive, timeout_s))
 
 
 def send_raw(endpoint: str, payload: bytes, timeout_s: float = 30) -> DirectiveAck:
     """Send arbitrary bytes as a directive (for malformed-input tests)."""
-    return asyncio.run(directives.send_payload(endpoint, payload, timeout_s))
+    return asyncio.run(control.send_payload(endpoint, payload, timeout_s))
 
 
 @pytest.fixture

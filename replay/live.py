@@ -23,8 +23,8 @@ from urllib.parse import urlsplit
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from router.replay.report import latency_fields
-from router.replay.trace import TraceRequest, request_tokens
+from replay.report import latency_fields
+from replay.trace import TraceRequest, request_tokens
 
 
 class LiveConfig(BaseModel):

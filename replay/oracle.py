@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 
-from router.replay.trace import ExpandedTrace
+from replay.trace import ExpandedTrace
 
 
 def _reusable(trace: ExpandedTrace, index: int) -> int:

@@ -15,19 +15,13 @@ import random
 from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, Field
 
 from router.index import WorkerMatch
-from router.strategies import RequestView, Strategy, WorkerLoad, imbalanced
-
-_NO_MATCH = WorkerMatch(0, {})
+from router.strategies import NO_MATCH, Knobs, RequestView, Strategy, WorkerLoad, imbalanced
 
 
-class _Knobs(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-
-class SglangCacheAwareKnobs(_Knobs):
+class SglangCacheAwareKnobs(Knobs):
     cache_threshold: float = Field(0.3, ge=0, le=1)
     balance_abs_threshold: int = Field(64, ge=0)
     balance_rel_threshold: float = Field(1.5, ge=1)
@@ -105,7 +99,7 @@ class SglangCacheAware(Strategy):
                 del self._holders[key]
 
 
-class _SeededKnobs(_Knobs):
+class _SeededKnobs(Knobs):
     seed: int = 0
     """Seed of the random tie-break."""
 
@@ -150,7 +144,7 @@ class DynamoKv(_RandomTies):
 
         def cost(w: WorkerLoad) -> float:
             queued = w.pending_prefill_tokens
-            cached = matches.get(w.name, _NO_MATCH).blocks if request.prefix_reuse else 0
+            cached = matches.get(w.name, NO_MATCH).blocks if request.prefix_reuse else 0
             prefill = max(0.0, (queued + request.prompt_tokens) / bs - cached)
             return k.overlap_weight * prefill + w.in_flight_tokens / bs
 
@@ -193,7 +187,7 @@ class LlmdPrecise(_RandomTies):
     ) -> str:
         k: LlmdPreciseKnobs = self.knobs  # type: ignore[assignment]
         cached = [
-            float(matches.get(w.name, _NO_MATCH).blocks) if request.prefix_reuse else 0.0
+            float(matches.get(w.name, NO_MATCH).blocks) if request.prefix_reuse else 0.0
             for w in candidates
         ]
         prefix = _minmax(cached, higher_is_better=True)

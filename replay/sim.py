@@ -13,11 +13,11 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from replay.costmodel import CostModel
+from replay.engine import EngineConfig, SimEngine, SimRequest
+from replay.trace import ExpandedTrace
 from router.index import MemoryIndex
 from router.placement import predicted_cached
-from router.replay.costmodel import CostModel
-from router.replay.engine import EngineConfig, SimEngine, SimRequest
-from router.replay.trace import ExpandedTrace
 from router.strategies import RequestView, Strategy, WorkerLoad
 
 Progress = Callable[[int], None]

@@ -33,8 +33,8 @@ from typing import cast
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field
 
-from router.replay.costmodel import CostModel, ReferenceModel
-from router.replay.trace import U32
+from replay.costmodel import CostModel, ReferenceModel
+from replay.trace import U32
 from warply.protocol import BlockRemoved, BlockStored, Event, Tier, TierMoved
 
 TokenSource = Callable[[int, int, int], U32]

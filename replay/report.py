@@ -19,7 +19,7 @@ from typing import Any
 
 import numpy as np
 
-from router.replay.sim import ReplayResult
+from replay.sim import ReplayResult
 
 
 def _pct(values: Any, q: float) -> float:

@@ -1,4 +1,4 @@
-"""Command line of the replayer: `python -m router.replay {replay,live} ...`.
+"""Command line of the replayer: `python -m replay {replay,live} ...`.
 
 `warply bench replay|live` runs this module in a subprocess, so the SDK never imports the router.
 """
@@ -6,7 +6,6 @@
 from __future__ import annotations
 
 import argparse
-import importlib
 import sys
 from collections.abc import Callable, Sequence
 from concurrent.futures import ProcessPoolExecutor
@@ -16,17 +15,18 @@ from typing import Any
 
 from pydantic import BaseModel, ValidationError
 
-from router.replay.baselines import BASELINES
-from router.replay.costmodel import CostModel
-from router.replay.engine import EngineConfig
-from router.replay.oracle import infinite_reuse, lru_reuse
-from router.replay.report import plot, summarize, table, write_json
-from router.replay.sim import simulate
-from router.replay.trace import ExpandedTrace, TraceError, read_trace
-from router.strategies import BUILTIN, Strategy
-from warply.argtypes import positive
+from replay.baselines import BASELINES
+from replay.costmodel import CostModel
+from replay.engine import EngineConfig
+from replay.oracle import infinite_reuse, lru_reuse
+from replay.report import plot, summarize, table, write_json
+from replay.sim import simulate
+from replay.trace import ExpandedTrace, TraceError, read_trace
+from router.config import ConfigError
+from router.strategies import Strategy, known_names, strategy_class
+from warply.common.argtypes import positive
+from warply.common.loading import LoadError, load_path
 
-STRATEGIES: dict[str, type[Strategy]] = {**BUILTIN, **BASELINES}
 DEFAULT_STRATEGIES = (
     "round_robin",
     "least_loaded",
@@ -55,28 +55,38 @@ class StrategySpec:
 
 
 def parse_strategy(spec: str) -> StrategySpec:
-    """`[LABEL=]NAME[:JSON_KNOBS]`, e.g. `pa8=prefix_affinity:{"balance_abs": 8}`."""
+    """`[LABEL=]NAME[:JSON_KNOBS]`, e.g. `pa8=prefix_affinity:{"balance_abs": 8}`. NAME is
+    resolved as the router resolves it (built-in, entry point, `module.path:Class` — write the
+    knobs after the class then, `my.mod:Cls:{...}`) plus the replayer's baselines."""
     label, _, rest = spec.rpartition("=") if "=" in spec.split(":", 1)[0] else ("", "", spec)
-    name, _, raw = rest.partition(":")
-    cls = STRATEGIES.get(name)
-    if cls is None:
-        raise UsageError(f"unknown strategy {name!r}; known: {', '.join(sorted(STRATEGIES))}")
+    name, raw = _name_and_knobs(rest)
     try:
+        cls = strategy_class(name, BASELINES)
         knobs = cls.Knobs.model_validate_json(raw or "{}")
+    except ConfigError as exc:
+        raise UsageError(str(exc).removeprefix("strategy.name: ")) from None
     except ValidationError as exc:
         raise UsageError(f"bad knobs for {name}: {exc}") from None
     return StrategySpec(label or (f"{name}:{raw}" if raw else name), cls, knobs)
 
 
+def _name_and_knobs(text: str) -> tuple[str, str]:
+    """Split `NAME[:JSON]`, where NAME may itself be a `module:Class` path."""
+    name, _, raw = text.partition(":")
+    if raw and not raw.lstrip().startswith("{"):  # a module:Class path
+        attr, _, raw = raw.partition(":")
+        name = f"{name}:{attr}"
+    return name, raw
+
+
 def _cost_model(path: str | None) -> Callable[[], CostModel] | None:
     if not path:
         return None
-    module, _, attr = path.partition(":")
     try:
-        factory = getattr(importlib.import_module(module), attr)
-    except (ImportError, AttributeError, ValueError) as exc:
+        factory = load_path(path)
+    except LoadError as exc:
         raise UsageError(f"cannot load cost model {path!r}: {exc}") from None
-    if not isinstance(factory(), CostModel):
+    if not callable(factory) or not isinstance(factory(), CostModel):
         raise UsageError(f"{path} does not build a CostModel (prefill_ms, decode_ms)")
     model: Callable[[], CostModel] = factory
     return model
@@ -157,7 +167,7 @@ def _replay(args: argparse.Namespace) -> int:
         "trace": str(args.trace),
         "requests": len(trace),
         "trace_block": args.trace_block,
-        "engine": {"simulator": "router.replay.engine", **config.model_dump()},
+        "engine": {"simulator": "replay.engine", **config.model_dump()},
         "cost_model": args.cost_model or "reference (Dynamo mocker polynomial)",
         "oracles": oracles,
         "results": rows,
@@ -170,7 +180,7 @@ def _replay(args: argparse.Namespace) -> int:
 
 
 def _live(args: argparse.Namespace) -> int:
-    from router.replay.live import LiveConfig, run_live
+    from replay.live import LiveConfig, run_live
 
     try:
         cfg = LiveConfig(
@@ -231,7 +241,7 @@ def parser() -> argparse.ArgumentParser:
         action="append",
         metavar="[LABEL=]NAME[:JSON]",
         help=f"strategy to replay (repeatable; default: {', '.join(DEFAULT_STRATEGIES)}); "
-        f"known: {', '.join(sorted(STRATEGIES))}",
+        f"known: {', '.join(known_names(BASELINES))}; or a `module:Class` path",
     )
     r.add_argument("--plot", metavar="PATH", help="write a PNG plot (matplotlib)")
     r.add_argument("--jobs", type=positive(int), default=1, help="replays run in parallel")

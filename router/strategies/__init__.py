@@ -1,0 +1,47 @@
+"""Placement strategies: turn the index's prefix matches plus worker load into one choice.
+
+Every strategy is a class with a `name`, a pydantic `Knobs` model (validated config with precise
+errors) and `choose()` (`base`). The router and the trace replayer load them through the same
+`registry`: the built-ins (`builtin`), the `warply.strategies` entry-point group, or a
+`module:Class` path.
+"""
+
+from router.strategies.base import (
+    NO_MATCH,
+    Knobs,
+    NoCandidate,
+    RequestView,
+    Strategy,
+    WorkerLoad,
+    imbalanced,
+)
+from router.strategies.builtin import (
+    BUILTIN,
+    KvReuse,
+    LeastLoaded,
+    PrefixAffinity,
+    RoundRobin,
+    TenantIsolated,
+    TierWeights,
+)
+from router.strategies.registry import known_names, make_strategy, strategy_class
+
+__all__ = [
+    "BUILTIN",
+    "NO_MATCH",
+    "Knobs",
+    "KvReuse",
+    "LeastLoaded",
+    "NoCandidate",
+    "PrefixAffinity",
+    "RequestView",
+    "RoundRobin",
+    "Strategy",
+    "TenantIsolated",
+    "TierWeights",
+    "WorkerLoad",
+    "imbalanced",
+    "known_names",
+    "make_strategy",
+    "strategy_class",
+]

@@ -1,0 +1,115 @@
+"""The strategy contract: what a strategy sees (request, candidates' load, index matches) and
+returns (one worker's name), plus the helpers built-ins share.
+
+Notation (per candidate worker w, for one request of P full blocks):
+  hit_t(w)  leading blocks of the request that w holds on tier t (`WorkerMatch.by_tier`)
+  load(w)   router in-flight requests on w + the engine's waiting queue (last load snapshot)
+  active(w) KV blocks held by w's in-flight requests (router-side, prompt + generated so far)
+  queued(w) uncached prompt blocks routed to w that have no first token yet (prefill ahead)
+"""
+
+from __future__ import annotations
+
+import abc
+import itertools
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+from pydantic import BaseModel, ConfigDict
+
+from router.index import WorkerMatch
+
+
+@dataclass(slots=True)
+class WorkerLoad:
+    """What the router knows of one worker's load when it places a request."""
+
+    name: str
+    in_flight: int = 0
+    """Requests the router has sent to this worker that have not finished."""
+    in_flight_tokens: int = 0
+    """Prompt + generated tokens of those requests (their KV footprint)."""
+    pending_prefill_tokens: int = 0
+    """Uncached prompt tokens (prompt minus predicted prefix hit) of those requests that have no
+    first token yet: the prefill work queued or running ahead of a new request."""
+    engine_waiting: int = 0
+    """The engine's waiting queue from its last load snapshot."""
+    kv_usage: float = 0.0
+    """The engine's KV occupancy (0..1) from its last load snapshot."""
+
+    @property
+    def load(self) -> int:
+        return self.in_flight + self.engine_waiting
+
+
+@dataclass(frozen=True, slots=True)
+class RequestView:
+    """The request as strategies see it: its key chain and size."""
+
+    keys: Sequence[int]
+    """Keys of the prompt's full blocks; of its leading part only, when the router placed it
+    before tokenizing the rest (nothing after that part can be cached anywhere)."""
+    prompt_tokens: int
+    block_size: int
+    namespace: str = ""
+    prefix_reuse: bool = True
+    """False (per-request override) means: place by load alone."""
+
+    @property
+    def blocks(self) -> int:
+        """P: the whole prompt's full blocks."""
+        return max(len(self.keys), self.prompt_tokens // self.block_size)
+
+
+NO_MATCH = WorkerMatch(0, {})
+"""The match of a worker that holds none of the request."""
+
+
+class Knobs(BaseModel):
+    """Base of every strategy's knobs: strict (unknown keys are errors) and immutable."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+def imbalanced(loads: Sequence[int], balance_abs: float, balance_rel: float) -> bool:
+    """The load guard: max − min load > balance_abs and max > balance_rel · min."""
+    hi, lo = max(loads), min(loads)
+    return hi - lo > balance_abs and hi > balance_rel * lo
+
+
+class Strategy(abc.ABC):
+    """Chooses a worker for a request among the healthy candidates (never empty)."""
+
+    name: ClassVar[str]
+    Knobs: ClassVar[type[BaseModel]] = Knobs
+
+    def __init__(self, knobs: BaseModel | None = None) -> None:
+        self.knobs = knobs if knobs is not None else self.Knobs()
+        self._ties = itertools.count()
+
+    def _best(self, candidates: Sequence[WorkerLoad], key: Callable[[WorkerLoad], Any]) -> str:
+        """The candidate with the smallest key; exact ties are served in turn, so idle, equal
+        workers share new conversations instead of the first one taking them all."""
+        keys = [key(w) for w in candidates]
+        low = min(keys)
+        tied = [w for w, k in zip(candidates, keys, strict=True) if k == low]
+        return tied[next(self._ties) % len(tied)].name if len(tied) > 1 else tied[0].name
+
+    def _least_loaded(self, candidates: Sequence[WorkerLoad]) -> str:
+        """argmin load(w), then fewer in-flight tokens, then in turn."""
+        return self._best(candidates, lambda w: (w.load, w.in_flight_tokens))
+
+    @abc.abstractmethod
+    def choose(
+        self,
+        request: RequestView,
+        candidates: Sequence[WorkerLoad],
+        matches: Mapping[str, WorkerMatch],
+    ) -> str:
+        """Name of the worker to send `request` to."""
+
+
+
+class NoCandidate(LookupError):
+    """No healthy worker may serve this request (the router answers 503)."""

@@ -1,0 +1,65 @@
+"""Strategy lookup, for the router and the trace replayer alike: a built-in name, a
+`warply.strategies` entry point, or a `module:Class` path.
+
+A package registers a strategy class with, in its pyproject:
+
+    [project.entry-points."warply.strategies"]
+    my_policy = "my_pkg.policies:MyPolicy"
+
+Knobs are validated against the class's own pydantic `Knobs` model; errors become `ConfigError`s
+that name the field (`strategy.knobs.balance_abs: ...`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+from pydantic import ValidationError
+
+from router.config import ConfigError, StrategyConfig
+from router.strategies.base import Strategy
+from router.strategies.builtin import BUILTIN
+from warply.common.loading import LoadError, entry_point_names, load_entry_point, load_path
+
+GROUP = "warply.strategies"
+
+Extra = Mapping[str, type[Strategy]]
+"""More names the caller knows (the replayer's models of other routers)."""
+
+
+def known_names(extra: Extra | None = None) -> list[str]:
+    """Every name `strategy_class` resolves without a `module:Class` path."""
+    return sorted({*BUILTIN, *(extra or {}), *entry_point_names(GROUP)})
+
+
+def strategy_class(name: str, extra: Extra | None = None) -> type[Strategy]:
+    """The class for `name`; raises `ConfigError` saying what was tried."""
+    known = {**BUILTIN, **(extra or {})}
+    try:
+        if name in known:
+            return known[name]
+        found = load_path(name) if ":" in name else load_entry_point(GROUP, name)
+    except LoadError as exc:
+        raise ConfigError(f"strategy.name: {exc}") from None
+    if found is None:
+        raise ConfigError(
+            f"strategy.name: unknown strategy {name!r} (known: {', '.join(known_names(extra))}; "
+            "or give a `module:Class` path)"
+        )
+    if not (isinstance(found, type) and issubclass(found, Strategy)):
+        raise ConfigError(f"strategy.name: {name!r} is not a router.strategies.Strategy subclass")
+    return found
+
+
+def make_strategy(config: StrategyConfig, extra: Extra | None = None) -> Strategy:
+    """A fresh strategy instance with validated knobs (one per pool: some keep state)."""
+    cls = strategy_class(config.name, extra)
+    try:
+        knobs = cls.Knobs.model_validate(config.knobs)
+    except ValidationError as err:
+        details = "; ".join(
+            f"strategy.knobs.{'.'.join(str(p) for p in e['loc'])}: {e['msg']}"
+            for e in err.errors()
+        )
+        raise ConfigError(f"invalid knobs for strategy {config.name!r}: {details}") from None
+    return cls(knobs)

@@ -1,0 +1,157 @@
+"""`--enable-warply` and its `--warply-*` options: parsed on SGLang's own parser, turned into a
+`--kv-events-config` that selects the `warply` event publisher, and carried to the scheduler
+processes on the `ServerArgs` record. A server started without `--enable-warply` is unchanged.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+from dataclasses import dataclass
+from typing import Any
+
+from warply.common.argtypes import fraction, positive
+
+SGLANG_VERSION = "0.5.23"
+"""The SGLang release whose internals the hooks target."""
+
+PUBLISHER_NAME = "warply"
+"""`--kv-events-config '{"publisher": "warply", ...}'` selects the Warply publisher."""
+
+_SETTINGS_ATTR = "_warply_settings"
+_ENDPOINT = re.compile(r"^tcp://(?P<host>\*|[A-Za-z0-9.\-]+|\[[0-9A-Fa-f:.]+\]):(?P<port>\d{1,5})$")
+
+
+@dataclass(frozen=True)
+class WarplySettings:
+    """What `--enable-warply` configures; pickled to scheduler processes with `ServerArgs`."""
+
+    router: str
+    """State-stream collector of the router (`tcp://HOST:PORT`); the PUB socket connects to it."""
+    control: str | None = None
+    """ROUTER socket (binds) receiving directives; None = no directives."""
+    replay: str | None = None
+    """ROUTER socket (binds) serving replays of the state stream."""
+    worker: str = ""
+    """Worker id stamped on batches; empty = `HOST:PORT` of the SGLang server."""
+    model: str = ""
+    """Model name seeding canonical keys; empty = the served model name."""
+    topic: str = ""
+    snapshot_interval_s: float = 1.0
+    max_pinned_fraction: float = 0.5
+
+
+def tcp_endpoint(value: str) -> str:
+    """argparse `type` for a `tcp://HOST:PORT` endpoint; a bad one is a one-line usage error."""
+    match = _ENDPOINT.match(value)
+    if match is None:
+        raise argparse.ArgumentTypeError(
+            f"{value!r} is not a ZMQ endpoint of the form tcp://HOST:PORT"
+        )
+    if not 0 < int(match["port"]) < 65536:
+        raise argparse.ArgumentTypeError(f"port {match['port']} out of range in {value!r}")
+    return value
+
+
+def add_cli_args(parser: argparse.ArgumentParser) -> None:
+    """Add `--enable-warply` and the `--warply-*` options to SGLang's parser."""
+    group = parser.add_argument_group("Warply", "KV-cache state export and directives (Warply)")
+    group.add_argument(
+        "--enable-warply",
+        action="store_true",
+        help="Publish radix-cache state to a Warply router and apply its directives.",
+    )
+    group.add_argument(
+        "--warply-router",
+        type=tcp_endpoint,
+        help="The router's state collector, tcp://HOST:PORT (required with --enable-warply).",
+    )
+    group.add_argument(
+        "--warply-control",
+        type=tcp_endpoint,
+        help="Bind a directive socket here (tcp://HOST:PORT); omit to accept no directives.",
+    )
+    group.add_argument(
+        "--warply-replay", type=tcp_endpoint, help="Bind a state-stream replay socket here."
+    )
+    group.add_argument("--warply-worker", default="", help="Worker id (default: HOST:PORT).")
+    group.add_argument(
+        "--warply-model", default="", help="Model name seeding canonical keys (default: served)."
+    )
+    group.add_argument("--warply-topic", default="", help="ZMQ topic of the state stream.")
+    group.add_argument(
+        "--warply-snapshot-interval",
+        type=positive(float),
+        default=1.0,
+        help="Load snapshot period (s).",
+    )
+    group.add_argument(
+        "--warply-max-pinned-fraction",
+        type=fraction,
+        default=0.5,
+        help="Pins may hold at most this share of the KV pool.",
+    )
+
+
+def settings_from_args(args: argparse.Namespace) -> WarplySettings | None:
+    """The settings `args` ask for, or None without `--enable-warply`; SystemExit if incomplete."""
+    if not getattr(args, "enable_warply", False):
+        return None
+    if not args.warply_router:
+        raise SystemExit("error: --enable-warply needs --warply-router tcp://HOST:PORT")
+    return WarplySettings(
+        router=args.warply_router,
+        control=args.warply_control,
+        replay=args.warply_replay,
+        worker=args.warply_worker or f"{args.host}:{args.port}",
+        model=args.warply_model or args.served_model_name or args.model_path,
+        topic=args.warply_topic,
+        snapshot_interval_s=args.warply_snapshot_interval,
+        max_pinned_fraction=args.warply_max_pinned_fraction,
+    )
+
+
+def kv_events_config(settings: WarplySettings) -> str:
+    """The `--kv-events-config` JSON that selects the Warply publisher with these settings."""
+    config: dict[str, Any] = {
+        "publisher": PUBLISHER_NAME,
+        "endpoint": settings.router,
+        "topic": settings.topic,
+    }
+    if settings.replay:
+        config["replay_endpoint"] = settings.replay
+    return json.dumps(config)
+
+
+def settings_of(server_args: Any) -> WarplySettings | None:
+    """The settings carried on a `ServerArgs` record (None: Warply is off)."""
+    settings = getattr(server_args, _SETTINGS_ATTR, None)
+    return settings if isinstance(settings, WarplySettings) else None
+
+
+def _after_add_cli_args(result: None, parser: argparse.ArgumentParser) -> None:
+    add_cli_args(parser)
+
+
+def _after_from_cli_args(server_args: Any, cls: type, args: argparse.Namespace) -> None:
+    settings = settings_from_args(args)
+    if settings is None:
+        return
+    existing = server_args.kv_events_config
+    if existing and json.loads(existing).get("publisher") != PUBLISHER_NAME:
+        raise SystemExit(
+            "error: --enable-warply publishes through SGLang's KV-event pump; drop "
+            "--kv-events-config or set its publisher to 'warply'"
+        )
+    server_args.kv_events_config = kv_events_config(settings)
+    # SGLang 0.5.23 pickles underscore attributes of ServerArgs to child processes
+    # (ServerArgs.__reduce__), the way `_launch_command` travels; the settings ride along.
+    setattr(server_args, _SETTINGS_ATTR, settings)
+
+
+HOOKS = (
+    ("sglang.srt.server_args.ServerArgs.add_cli_args", _after_add_cli_args),
+    ("sglang.srt.server_args.ServerArgs.from_cli_args", _after_from_cli_args),
+)
+"""AFTER hooks on SGLang 0.5.23's `ServerArgs` (target, function)."""

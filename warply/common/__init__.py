@@ -1,0 +1,1 @@
+"""Helpers every layer may use: loading `module:attr` objects and entry points, CLI value types."""
