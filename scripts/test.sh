@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Runs the whole test suite: lint + types + core tests in .venvs/core, then each engine's
+# Runs the whole test suite: lint + types + import layers + core tests in .venvs/core, then each engine's
 # integration tests in its own venv (vLLM: tests/vllm in .venvs/vllm; SGLang: tests/sglang in
 # .venvs/sglang). Installs what it needs first (idempotent, cached per machine).
 set -uo pipefail
@@ -16,6 +16,8 @@ step "ruff"
 .venvs/core/bin/ruff check . || status=1
 step "mypy"
 .venvs/core/bin/mypy || status=1
+step "import layers (lint-imports: the contracts in pyproject.toml)"
+.venvs/core/bin/lint-imports --no-cache || status=1
 
 suite() {  # suite NAME VENV PYTEST-ARGS...
     local name="$1" venv="$2"
