@@ -179,7 +179,8 @@ def test_every_request_finishes_with_sane_metrics(slice_results: dict[str, Repla
         assert all(r.generated == r.output for r in result.requests)
 
 
-def test_prefix_affinity_beats_round_robin_on_multi_turn_chat() -> None:
+def test_multi_turn_chat_reuse_is_exact_for_affinity_and_round_robin() -> None:
+    # 3 conversations x 4 turns, 1 s apart (no queueing); turn t is t + 1 trace blocks of 512.
     reqs = [
         TraceRequest(
             1000.0 * turn + conv, 512 * (turn + 1), 4, tuple(range(conv * 8, conv * 8 + turn + 1))
@@ -188,9 +189,18 @@ def test_prefix_affinity_beats_round_robin_on_multi_turn_chat() -> None:
         for conv in range(3)
     ]
     trace = _trace(reqs)
-    pa = summarize(simulate(trace, PrefixAffinity(), 2))["reuse"]
-    rr = summarize(simulate(trace, RoundRobin(), 2))["reuse"]
-    assert pa > rr
+    total = 3 * 512 * (1 + 2 + 3 + 4)
+    pa = simulate(trace, PrefixAffinity(), 2)
+    # Affinity: each conversation stays on one worker, so turn t reuses all t blocks before it.
+    for conv in range(3):
+        assert len({pa.placement[turn * 3 + conv] for turn in range(4)}) == 1
+    assert set(pa.placement.values()) == {"w0", "w1"}
+    assert [r.cached_tokens for r in pa.requests] == [512 * (i // 3) for i in range(12)]
+    assert summarize(pa)["reuse"] == pytest.approx(3 * 512 * (1 + 2 + 3) / total)
+    # Round-robin alternates each conversation between the workers: turn t finds only turn t - 2.
+    rr = simulate(trace, RoundRobin(), 2)
+    assert [r.cached_tokens for r in rr.requests] == [512 * max(0, i // 3 - 1) for i in range(12)]
+    assert summarize(rr)["reuse"] == pytest.approx(3 * 512 * (1 + 2) / total)
 
 
 def test_replay_is_deterministic(slice_trace: ExpandedTrace) -> None:
