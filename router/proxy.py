@@ -26,18 +26,12 @@ from router.metrics import RouterMetrics
 from router.placement import Decision, Placement
 from router.strategies import NoCandidate
 from router.tokenize import Prompt, PromptError, RouterTokenizer, start_prompts
+from warply.protocol.api import Overrides
 
 _T = TypeVar("_T")
 _PATHS = {"chat": "/v1/chat/completions", "completion": "/v1/completions"}
 _FORWARD_HEADERS = ("Authorization", "X-Request-Id")
 _SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
-
-
-class Overrides(msgspec.Struct, forbid_unknown_fields=True):
-    """`extra_body={"warply": {...}}`: per-request cache namespace and reuse switch."""
-
-    cache_key: str | None = None
-    prefix_reuse: bool = True
 
 
 @dataclass(slots=True)

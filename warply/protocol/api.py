@@ -1,0 +1,160 @@
+"""The router's public JSON shapes: per-request overrides, `/warply/cache_stats`, `/warply/workers`.
+
+The router builds these structs and serves `msgspec.json.encode(...)` of them; the SDK and the
+CLI read a response back with `msgspec.json.decode(body, type=CacheStats)` (or `WorkerList`)
+instead of walking ad-hoc dicts. No router imports: this is the contract both sides share.
+Counts are lifetime totals since the router started; ratios are None until they have a
+denominator.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import msgspec
+
+Role = Literal["prefill", "decode", "both"]
+"""What a worker serves: the prompt's prefill, the decode after a hand-off, or both."""
+
+
+class Overrides(msgspec.Struct, forbid_unknown_fields=True):
+    """`extra_body={"warply": {...}}`: per-request cache namespace and reuse switch."""
+
+    cache_key: str | None = None
+    """The request's cache namespace (forwarded to the engine as `cache_salt`)."""
+    prefix_reuse: bool = True
+    """False: place by load alone."""
+
+
+# -- /warply/cache_stats --------------------------------------------------------------------------
+
+
+class HitRates(msgspec.Struct):
+    """Cached / prompt tokens: *predicted* by the index for the chosen worker, and reported by
+    the engine (`usage.prompt_tokens_details.cached_tokens`); lifetime and over the alert window."""
+
+    predicted: float | None
+    engine: float | None
+    window_predicted: float | None
+    window_engine: float | None
+
+
+class IndexView(msgspec.Struct):
+    """What the prefix index holds, and those entries as KV bytes."""
+
+    entries: int
+    """(block, worker) entries."""
+    entries_by_tier: dict[str, int]
+    evictions: int
+    """Entries the index's own cap dropped."""
+    skipped: dict[str, int]
+    """Events the index could not apply, by reason."""
+    bytes_cached: int
+    bytes_by_tier: dict[str, int]
+    bytes_by_pool: dict[str, int]
+
+
+class WorkerStats(msgspec.Struct):
+    """One worker's share of the traffic and of the cache hits."""
+
+    requests: int = 0
+    prompt_tokens: int = 0
+    predicted_cached_tokens: int = 0
+    engine_cached_tokens: int = 0
+    """From the engine's usage blocks of requests the router routed."""
+    in_flight: int = 0
+    healthy: bool = False
+
+
+class AffinityEntry(msgspec.Struct):
+    """Which workers served the prompts starting with one (namespace, first block)."""
+
+    namespace: str
+    first_block: str
+    """The first block's canonical key, 16 hex digits."""
+    workers: dict[str, int]
+
+
+class Quantiles(msgspec.Struct):
+    """p50 / p99 over the recent window (None while it is empty)."""
+
+    n: int
+    p50: float | None
+    p99: float | None
+
+
+class TokenizerCacheStats(msgspec.Struct):
+    """The router tokenizer's chunk cache (chunks, not tokens)."""
+
+    hits: int
+    misses: int
+    bytes: int
+
+
+class AlertState(msgspec.Struct):
+    min_hit_ratio: float
+    firing: bool
+
+
+class CacheStats(msgspec.Struct):
+    """`GET /warply/cache_stats`."""
+
+    strategy: str
+    requests: int
+    prompt_tokens: int
+    placed_early: int
+    """Requests placed from their prompt's leading part (the rest tokenized after)."""
+    hit_rate: HitRates
+    predicted_cached_tokens: int
+    engine_cached_tokens: int
+    index: IndexView
+    evictions_by_pool: dict[str, int]
+    """Blocks engines reported removed."""
+    workers: dict[str, WorkerStats]
+    affinity: list[AffinityEntry]
+    """The busiest (namespace, first block) slots first."""
+    ttft_s: Quantiles
+    overhead_s: Quantiles
+    tokenizer_cache: TokenizerCacheStats | None
+    alert: AlertState
+
+
+# -- /warply/workers ------------------------------------------------------------------------------
+
+
+class StreamStats(msgspec.Struct):
+    """A worker's state-stream subscriber."""
+
+    endpoint: str
+    last_seq: int | None
+    gaps: int
+    replayed: int
+    resyncs: int
+    rejected: dict[str, int]
+    """Frames dropped, by reason."""
+
+
+class WorkerView(msgspec.Struct):
+    """One worker: membership, health, drain state, load, stream."""
+
+    name: str
+    pool: str
+    url: str
+    healthy: bool
+    enabled: bool
+    """False while drained."""
+    in_flight: int
+    """Requests the router has sent it that have not finished."""
+    in_flight_tokens: int
+    engine_waiting: int
+    """The engine's waiting queue and KV occupancy, from its last `LoadSnapshot`."""
+    kv_usage: float
+    stream: StreamStats | None
+    """None: the worker has no state stream."""
+    role: Role = "both"
+
+
+class WorkerList(msgspec.Struct):
+    """`GET /warply/workers`."""
+
+    workers: list[WorkerView]
