@@ -35,6 +35,7 @@ from router.metrics import RouterMetrics
 from router.placement import Placement
 from router.proxy import Proxy
 from router.tokenize import RouterTokenizer
+from router.workers import Workers
 from warply.protocol import BlockStored
 
 BS = 16
@@ -63,10 +64,11 @@ def _config() -> RouterConfig:
 
 
 def _placement(index: MemoryIndex) -> Placement:
-    placement = Placement(_config(), index)
-    for w in placement.workers.values():
+    config = _config()
+    workers = Workers(config.pools)
+    for w in workers.values():
         w.healthy = True
-    return placement
+    return Placement(config, index, workers)
 
 
 def _fill(index: MemoryIndex, entries: int, rng: random.Random) -> None:
@@ -118,7 +120,7 @@ def _conversation(tok: RouterTokenizer, rng: random.Random, n_tokens: int,
 async def _timed(proxy: Proxy, body: dict[str, object]) -> tuple[float, float]:
     """Seconds to the router's choice, and to the whole prompt's tokens."""
     t = time.perf_counter()
-    prep = await proxy.prepare(dict(body), "chat", t)
+    prep = await proxy.prepare(dict(body), "chat")
     await proxy.place(prep, set())
     chosen = time.perf_counter() - t
     if prep.rest is not None:
@@ -186,7 +188,7 @@ def main() -> None:
     print(f"tokenizer: {args.tokenizer} (chunk cache: {tok.cache.mode}); warm = a new "
           f"{args.new_turn}-token turn after a history the router has seen, cold = all new; "
           f"max_model_len {args.max_model_len}")
-    proxy = Proxy(MODEL, tok, placement, RouterMetrics(_config(), placement, index), 60)
+    proxy = Proxy(MODEL, tok, placement, RouterMetrics(_config(), placement.workers, index), 60)
     proxy.max_model_len = args.max_model_len
     asyncio.run(_tokenized(proxy, tok, index, rng, args))
 

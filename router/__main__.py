@@ -109,7 +109,7 @@ def main(argv: list[str] | None = None) -> int:
         config.model,
         config.host,
         config.port,
-        len(router.placement.workers),
+        len(router.workers),
         config.strategy.name,
     )
     # Move everything built so far (modules, config, the index's container) out of the garbage

@@ -10,7 +10,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hmac
-import logging
 import time
 from collections.abc import Awaitable, Callable
 from typing import Any
@@ -25,14 +24,19 @@ from router.errors import ApiError, json_object
 from router.feed import IndexFeed
 from router.index import MemoryIndex
 from router.metrics import RouterMetrics
-from router.placement import Placement, Worker
+from router.placement import Placement
 from router.proxy import Proxy
 from router.tokenize import RouterTokenizer
+from router.workers import Worker, Workers
 from warply.protocol import Directive
+from warply.protocol.api import WorkerList
 
-_log = logging.getLogger("warply.router")
-_HEALTH_TIMEOUT = aiohttp.ClientTimeout(total=2)
+_MODELS_TIMEOUT = aiohttp.ClientTimeout(total=2)
 _Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+def _json(shape: msgspec.Struct) -> web.Response:
+    return web.Response(body=msgspec.json.encode(shape), content_type="application/json")
 
 
 class Router:
@@ -41,10 +45,11 @@ class Router:
     def __init__(self, config: RouterConfig, tokenizer: RouterTokenizer | None = None) -> None:
         self.config = config
         self.index = MemoryIndex(config.model, max_entries=config.index_max_entries)
-        self.placement = Placement(config, self.index)
+        self.workers = Workers(config.pools)
+        self.placement = Placement(config, self.index, self.workers)
         tokenizer = tokenizer or RouterTokenizer(config.tokenizer)
-        self.metrics = RouterMetrics(config, self.placement, self.index, tokenizer.cache.stats)
-        self.feed = IndexFeed(self.placement, self.index, self.metrics)
+        self.metrics = RouterMetrics(config, self.workers, self.index, tokenizer.cache.stats)
+        self.feed = IndexFeed(self.workers, self.index, self.metrics)
         self.proxy = Proxy(
             config.model,
             tokenizer,
@@ -88,21 +93,9 @@ class Router:
         await self.feed.stop()
         await self.proxy.close()
 
-    async def _probe(self, worker: Worker) -> None:
-        try:
-            async with self.proxy.session.get(
-                worker.config.url + "/health", timeout=_HEALTH_TIMEOUT
-            ) as resp:
-                healthy = resp.status == 200
-        except (aiohttp.ClientError, TimeoutError):
-            healthy = False
-        if healthy != worker.healthy:
-            _log.info("worker %s is %s", worker.name, "healthy" if healthy else "unhealthy")
-        worker.healthy = healthy
-
     async def check_health(self) -> None:
         """Probe every worker's /health once (concurrently)."""
-        await asyncio.gather(*(self._probe(w) for w in self.placement.workers.values()))
+        await self.workers.check(self.proxy.session)
 
     async def _health_loop(self) -> None:
         while True:
@@ -111,12 +104,12 @@ class Router:
 
     async def _discover_max_model_len(self) -> int | None:
         """The engines' context limit from their /v1/models (vLLM reports `max_model_len`)."""
-        for w in self.placement.workers.values():
+        for w in self.workers.values():
             if not w.healthy:
                 continue
             try:
                 async with self.proxy.session.get(
-                    w.config.url + "/v1/models", timeout=_HEALTH_TIMEOUT
+                    w.config.url + "/v1/models", timeout=_MODELS_TIMEOUT
                 ) as resp:
                     data = await resp.json()
                 limits = [m.get("max_model_len") for m in data.get("data", [])]
@@ -171,7 +164,7 @@ class Router:
         return web.json_response({"object": "list", "data": [card]})
 
     async def _health(self, _: web.Request) -> web.Response:
-        healthy = sum(w.available for w in self.placement.workers.values())
+        healthy = sum(w.available for w in self.workers.values())
         status = 200 if healthy else 503
         body = {"status": "ok" if healthy else "no healthy worker", "healthy_workers": healthy}
         return web.json_response(body, status=status)
@@ -181,30 +174,18 @@ class Router:
 
     # -- admin API -------------------------------------------------------------------------------
 
+    def worker_list(self) -> WorkerList:
+        """What `/warply/workers` serves."""
+        return WorkerList([w.view(self.feed.stream_stats(w.name)) for w in self.workers.values()])
+
     async def _cache_stats(self, _: web.Request) -> web.Response:
         return web.json_response(self.metrics.cache_stats())
 
     async def _workers(self, _: web.Request) -> web.Response:
-        out = []
-        for w in self.placement.workers.values():
-            out.append(
-                {
-                    "name": w.name,
-                    "pool": w.pool.name,
-                    "url": w.config.url,
-                    "healthy": w.healthy,
-                    "enabled": w.enabled,
-                    "in_flight": w.load.in_flight,
-                    "in_flight_tokens": w.load.in_flight_tokens,
-                    "engine_waiting": w.load.engine_waiting,
-                    "kv_usage": w.load.kv_usage,
-                    "stream": self.feed.stream_stats(w.name),
-                }
-            )
-        return web.json_response({"workers": out})
+        return _json(self.worker_list())
 
     def _worker(self, name: str) -> Worker:
-        worker = self.placement.workers.get(name)
+        worker = self.workers.get(name)
         if worker is None:
             raise ApiError(404, f"no worker named {name!r}", "worker_not_found")
         return worker

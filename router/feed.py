@@ -12,26 +12,27 @@ import contextlib
 
 from router.index import PrefixIndex
 from router.metrics import RouterMetrics
-from router.placement import Placement
+from router.workers import Workers
 from warply.protocol import BlockRemoved, DecodedBatch, LoadSnapshot
+from warply.protocol.api import StreamStats
 from warply.protocol.subscriber import StateSubscriber
 
 
 class IndexFeed:
     """Owns the subscribers and their tasks."""
 
-    def __init__(self, placement: Placement, index: PrefixIndex, metrics: RouterMetrics) -> None:
-        self._placement = placement
+    def __init__(self, workers: Workers, index: PrefixIndex, metrics: RouterMetrics) -> None:
+        self._workers = workers
         self._index = index
         self._metrics = metrics
         self.subscribers: dict[str, StateSubscriber] = {}
         self._tasks: list[asyncio.Task[None]] = []
-        for w in placement.workers.values():
+        for w in workers.values():
             if w.config.events:
                 self.subscribers[w.name] = StateSubscriber(
                     w.name,
                     w.config.events,
-                    self._on_batch,
+                    self.on_batch,
                     index.drop_worker,
                     replay_endpoint=w.config.replay,
                     topic=w.config.topic.encode(),
@@ -52,24 +53,25 @@ class IndexFeed:
                 await task
         self._tasks.clear()
 
-    def _on_batch(self, worker: str, batch: DecodedBatch) -> None:
+    def on_batch(self, worker: str, batch: DecodedBatch) -> None:
+        """Apply one decoded batch of `worker`'s stream."""
         self._index.apply(worker, batch.events)
         for ev in batch.events:
             if isinstance(ev, LoadSnapshot):
-                self._placement.engine_load(worker, ev.waiting, ev.kv_usage)
+                self._workers.engine_load(worker, ev)
             elif isinstance(ev, BlockRemoved):
                 self._metrics.engine_removed(worker, len(ev.block_hashes))
 
-    def stream_stats(self, worker: str) -> dict[str, object] | None:
+    def stream_stats(self, worker: str) -> StreamStats | None:
         """The subscriber's counters for /warply/workers (None: the worker has no stream)."""
         sub = self.subscribers.get(worker)
         if sub is None:
             return None
-        return {
-            "endpoint": sub.endpoint,
-            "last_seq": sub.last_seq,
-            "gaps": sub.gaps,
-            "replayed": sub.replayed,
-            "resyncs": sub.resyncs,
-            "rejected": dict(sub.decoder.rejected),
-        }
+        return StreamStats(
+            endpoint=sub.endpoint,
+            last_seq=sub.last_seq,
+            gaps=sub.gaps,
+            replayed=sub.replayed,
+            resyncs=sub.resyncs,
+            rejected={str(reason): n for reason, n in sub.decoder.rejected.items()},
+        )

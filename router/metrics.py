@@ -21,8 +21,9 @@ from prometheus_client.exposition import generate_latest
 
 from router.config import AlertConfig, ConfigError, RouterConfig
 from router.index import PrefixIndex
-from router.placement import Decision, Placement
+from router.placement import Decision
 from router.token_cache import ChunkStats
+from router.workers import Workers
 from warply.common.loading import LoadError, load_path
 
 _log = logging.getLogger("warply.router")
@@ -35,7 +36,7 @@ AlertCallback = Callable[[float, float], object]
 
 
 @dataclass(slots=True)
-class _Sample:
+class Sample:
     prompt: int
     predicted: int
     engine: int | None = None
@@ -69,10 +70,10 @@ class HitWindow:
     """Sliding window of recent requests' prompt / predicted / engine-reported cached tokens."""
 
     def __init__(self, size: int) -> None:
-        self._samples: deque[_Sample] = deque(maxlen=size)
+        self._samples: deque[Sample] = deque(maxlen=size)
 
-    def add(self, prompt: int, predicted: int) -> _Sample:
-        sample = _Sample(prompt, predicted)
+    def add(self, prompt: int, predicted: int) -> Sample:
+        sample = Sample(prompt, predicted)
         self._samples.append(sample)
         return sample
 
@@ -93,13 +94,13 @@ class RouterMetrics:
     def __init__(
         self,
         config: RouterConfig,
-        placement: Placement,
+        workers: Workers,
         index: PrefixIndex,
         tokenizer_cache: ChunkStats | None = None,
     ) -> None:
         self._config = config
         self._tokenizer_cache = tokenizer_cache
-        self._placement = placement
+        self._workers = workers
         self._index = index
         self._alert_cfg: AlertConfig = config.alerts
         self._callback = _load_callback(config.alerts.callback)
@@ -109,11 +110,11 @@ class RouterMetrics:
         self._ttft: deque[float] = deque(maxlen=_QUANTILE_WINDOW)
         self._overhead: deque[float] = deque(maxlen=_QUANTILE_WINDOW)
         self._totals: Counter[str] = Counter()
-        self._per_worker: dict[str, Counter[str]] = {w: Counter() for w in placement.workers}
+        self._per_worker: dict[str, Counter[str]] = {w: Counter() for w in workers}
         self._engine_evictions: Counter[str] = Counter()
         self._bytes_per_block = {
             w.name: w.pool.block_size * w.pool.kv_bytes_per_token
-            for w in placement.workers.values()
+            for w in workers.values()
         }
 
         r = self.registry = CollectorRegistry()
@@ -191,7 +192,7 @@ class RouterMetrics:
 
     # -- recording ------------------------------------------------------------------------------
 
-    def routed(self, decision: Decision, overhead_s: float, early: bool = False) -> _Sample:
+    def routed(self, decision: Decision, overhead_s: float, early: bool = False) -> Sample:
         """A request was placed (`early`: from its prompt's leading part); returns its window
         sample (engine numbers are filled later)."""
         pool = decision.worker.pool.name
@@ -219,7 +220,7 @@ class RouterMetrics:
         self._check_alert()
         return sample
 
-    def usage(self, decision: Decision, sample: _Sample, usage: Mapping[str, Any] | None) -> None:
+    def usage(self, decision: Decision, sample: Sample, usage: Mapping[str, Any] | None) -> None:
         """The engine's usage block for a request: its cached-token count."""
         if not isinstance(usage, Mapping):
             return
@@ -245,7 +246,7 @@ class RouterMetrics:
 
     def engine_removed(self, worker: str, blocks: int) -> None:
         """Blocks an engine reported evicted / removed."""
-        pool = self._placement.workers[worker].pool.name
+        pool = self._workers[worker].pool.name
         self._evictions.labels(pool).inc(blocks)
         self._engine_evictions[pool] += blocks
 
@@ -289,12 +290,12 @@ class RouterMetrics:
         self._index_evictions.set(stats.evictions)
         by_pool_tier: Counter[tuple[str, str]] = Counter()
         for (worker, tier), n in stats.entries_by_worker_tier.items():
-            w = self._placement.workers.get(worker)
+            w = self._workers.get(worker)
             if w is not None:
                 by_pool_tier[(w.pool.name, tier.value)] += n * self._bytes_per_block[worker]
         for (pool, tier_name), nbytes in by_pool_tier.items():
             self._bytes.labels(pool, tier_name).set(nbytes)
-        for w in self._placement.workers.values():
+        for w in self._workers.values():
             self._in_flight.labels(w.name).set(w.load.in_flight)
             self._healthy.labels(w.name).set(1 if w.healthy else 0)
         if (tok := self._tokenizer_cache) is not None:
@@ -313,7 +314,7 @@ class RouterMetrics:
             "bytes_by_tier": dict(by_tier),
             "bytes_by_pool": {
                 pool: sum(n for (p, _), n in by_pool_tier.items() if p == pool)
-                for pool in {w.pool.name for w in self._placement.workers.values()}
+                for pool in {w.pool.name for w in self._workers.values()}
             },
         }
 
@@ -328,7 +329,7 @@ class RouterMetrics:
         t = self._totals
         affinity = sorted(self._affinity.items(), key=lambda kv: -sum(kv[1].values()))[:top]
         return {
-            "strategy": self._placement.strategy_name,
+            "strategy": self._config.strategy.name,
             "requests": t["requests"],
             "prompt_tokens": t["prompt_tokens"],
             "placed_early": t["placed_early"],
@@ -345,8 +346,8 @@ class RouterMetrics:
             "workers": {
                 name: {
                     **counts,
-                    "in_flight": self._placement.workers[name].load.in_flight,
-                    "healthy": self._placement.workers[name].healthy,
+                    "in_flight": self._workers[name].load.in_flight,
+                    "healthy": self._workers[name].healthy,
                 }
                 for name, counts in self._per_worker.items()
             },

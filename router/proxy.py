@@ -10,7 +10,6 @@ which closes the upstream connection, and the engine aborts the request.
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -21,6 +20,7 @@ import aiohttp
 import msgspec
 from aiohttp import web
 
+from router.accounting import RequestAccount
 from router.errors import ApiError, json_object
 from router.metrics import RouterMetrics
 from router.placement import Decision, Placement
@@ -43,8 +43,6 @@ class _Prepared:
     prefix_reuse: bool
     stream: bool
     client_wants_usage: bool
-    t0: float
-    """When the router received the request (TTFT and overhead start here)."""
     rest: asyncio.Future[Prompt] | None = None
     """The whole prompt, being tokenized after an early placement."""
 
@@ -113,49 +111,40 @@ class Proxy:
 
     async def handle(self, request: web.Request, kind: str) -> web.StreamResponse:
         """One OpenAI request of `kind` ("chat" | "completion")."""
-        t0 = time.perf_counter()
-        decision: Decision | None = None
+        account = RequestAccount(self._metrics, time.perf_counter())
         status = 500
         try:
-            prep = await self.prepare(json_object(await request.read()), kind, t0)
+            prep = await self.prepare(json_object(await request.read()), kind)
             headers = {h: request.headers[h] for h in _FORWARD_HEADERS if h in request.headers}
             tried: set[str] = set()
             while True:
                 decision = await self.place(prep, tried)
-                routed_s = time.perf_counter() - t0
-                measured = decision  # as the metrics see it: with the exact prompt length
-                sample = self._metrics.routed(decision, routed_s) if prep.rest is None else None
-                self._placement.started(decision)
-                streamed = [0]  # generated-token events relayed so far (load accounting)
+                account.placed(decision, exact=prep.rest is None)
                 try:
                     url = decision.worker.config.url + _PATHS[kind]
                     async with self.session.post(url, json=prep.body, headers=headers) as up:
                         if prep.rest is not None:
                             prep.prompt, prep.rest = await prep.rest, None
-                            measured = dataclasses.replace(
-                                decision, prompt_tokens=prep.prompt.estimate
-                            )
-                            sample = self._metrics.routed(measured, routed_s, early=True)
+                            account.measured(prep.prompt.estimate)
                         if prep.stream and up.status == 200:
                             resp = web.StreamResponse(headers=_SSE_HEADERS)
                             resp.headers.update(_placed_headers(decision))
-                            usage = await self._stream(request, resp, up, prep, decision, streamed)
+                            usage = await self._stream(request, resp, up, prep, account)
                         else:
                             resp, usage = await self._whole(up)
                             resp.headers.update(_placed_headers(decision))
-                        if usage is not None and sample is not None:
-                            self._metrics.usage(measured, sample, usage)
+                        account.usage(usage)
                         status = resp.status
                         return resp
                 except aiohttp.ClientConnectorError:
-                    decision.worker.healthy = False  # the health loop brings it back
+                    decision.worker.set_health(False)  # the health loop brings it back
                     tried.add(decision.worker.name)
                 except aiohttp.ClientError as exc:
                     raise ApiError(502, f"upstream {decision.worker.name} failed: {exc}") from None
                 except TimeoutError:
                     raise ApiError(504, f"upstream {decision.worker.name} timed out") from None
                 finally:
-                    self._placement.finished(decision, streamed[0])
+                    account.released()
         except ApiError as err:
             status = err.status
             return err.response()
@@ -163,7 +152,7 @@ class Proxy:
             status = 499  # the client went away; leaving the upstream context closed its request
             raise
         finally:
-            self._metrics.finished(decision, status, time.perf_counter() - t0)
+            account.closed(status)
 
     async def place(self, prep: _Prepared, tried: set[str]) -> Decision:
         """Choose the worker. An incomplete prompt is placed from its leading part when every
@@ -192,7 +181,7 @@ class Proxy:
         """`fn(*args)` on the tokenizer thread."""
         return await asyncio.get_running_loop().run_in_executor(self._tokenize_pool, fn, *args)
 
-    async def prepare(self, body: dict[str, Any], kind: str, t0: float) -> _Prepared:
+    async def prepare(self, body: dict[str, Any], kind: str) -> _Prepared:
         """Validate and rewrite the body; tokenize its prompt the engine's way (a long single
         prompt only up to its second new chunk, unless its length must be checked)."""
         model = body.get("model")
@@ -226,7 +215,7 @@ class Proxy:
         if stream:
             base = options if isinstance(options, dict) else {}
             body["stream_options"] = {**base, "include_usage": True}
-        return _Prepared(body, first, namespace, ov.prefix_reuse, stream, wants_usage, t0)
+        return _Prepared(body, first, namespace, ov.prefix_reuse, stream, wants_usage)
 
     def _too_long(self, prompt_tokens: int, body: dict[str, Any]) -> bool:
         limit = self.max_model_len
@@ -256,8 +245,7 @@ class Proxy:
         resp: web.StreamResponse,
         up: aiohttp.ClientResponse,
         prep: _Prepared,
-        decision: Decision,
-        streamed: list[int],
+        account: RequestAccount,
     ) -> dict[str, Any] | None:
         """Relay SSE events; read (and maybe hide) the final usage chunk; time the first one."""
         await resp.prepare(request)
@@ -269,7 +257,7 @@ class Proxy:
             while b"\n\n" in buf:
                 event, buf = buf.split(b"\n\n", 1)
                 if first:
-                    self._metrics.first_token(time.perf_counter() - prep.t0)
+                    account.first_event()
                     first = False
                 if b'"usage"' in event and event.startswith(b"data: {"):
                     parsed = msgspec.json.decode(event[6:])
@@ -278,8 +266,7 @@ class Proxy:
                         if not parsed.get("choices") and not prep.client_wants_usage:
                             continue
                 elif event.startswith(b"data: {"):
-                    self._placement.progressed(decision, streamed[0], 1)
-                    streamed[0] += 1
+                    account.generated(1)
                 await resp.write(event + b"\n\n")
         if buf.strip():
             await resp.write(buf)

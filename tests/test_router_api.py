@@ -206,7 +206,7 @@ def test_errors_are_openai_shaped(tokenizer_dir: Path) -> None:
 def test_no_healthy_worker_is_503(tokenizer_dir: Path) -> None:
     async def scenario() -> None:
         async with running(tokenizer_dir, [FakeEngine("a")]) as (router, call, _s, _b):
-            for w in router.placement.workers.values():
+            for w in router.workers.values():
                 w.enabled = False
             status, body = await call("POST", "/v1/completions", {"prompt": "hi"})
             assert status == 503 and _is_error(body, "no_healthy_worker")
@@ -354,14 +354,14 @@ def test_client_disconnect_cancels_upstream(tokenizer_dir: Path) -> None:
             req = {"prompt": "the cache", "stream": True}
             async with session.post(base + "/v1/completions", json=req) as r:
                 await r.content.readuntil(b"\n\n")  # first chunk arrived; now hang up
-                assert router.placement.workers["a"].load.in_flight == 1
+                assert router.workers["a"].load.in_flight == 1
             await asyncio.wait_for(engine.cancelled.wait(), 5)
             for _ in range(50):
-                if router.placement.workers["a"].load.in_flight == 0:
+                if router.workers["a"].load.in_flight == 0:
                     break
                 await asyncio.sleep(0.05)
-            assert router.placement.workers["a"].load.in_flight == 0
-            assert router.placement.workers["a"].load.in_flight_tokens == 0
+            assert router.workers["a"].load.in_flight == 0
+            assert router.workers["a"].load.in_flight_tokens == 0
 
     _run(scenario())
 

@@ -1,0 +1,163 @@
+"""Workers: membership (by pool), health, drain, role and load accounting.
+
+Health comes from two places, both through `Worker.set_health`: the periodic `/health` probe
+(`Workers.check`) and the proxy, which marks a worker unhealthy when it refuses a connection
+(the next probe brings it back). Load per worker = the router's own in-flight requests / tokens
+(`Worker.book` → `Booking`, one per request attempt) + the engine's last `LoadSnapshot`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+
+import aiohttp
+
+from router.config import PoolConfig, WorkerConfig
+from router.strategies import WorkerLoad
+from warply.protocol import LoadSnapshot
+from warply.protocol.api import Role, StreamStats, WorkerView
+
+_log = logging.getLogger("warply.router")
+_HEALTH_TIMEOUT = aiohttp.ClientTimeout(total=2)
+
+
+class Booking:
+    """One request attempt's load on its worker, from placement until it ends."""
+
+    __slots__ = ("_load", "_open", "generated", "prefill_tokens", "prompt_tokens")
+
+    def __init__(self, load: WorkerLoad, prompt_tokens: int, prefill_tokens: int) -> None:
+        self._load = load
+        self.prompt_tokens = prompt_tokens
+        self.prefill_tokens = prefill_tokens
+        """Uncached prompt tokens: queued prefill until the first generated token."""
+        self.generated = 0
+        self._open = True
+        load.in_flight += 1
+        load.in_flight_tokens += prompt_tokens
+        load.pending_prefill_tokens += prefill_tokens
+
+    def progressed(self, tokens: int) -> None:
+        """`tokens` more generated; the first one ends the request's prefill."""
+        load = self._load
+        load.in_flight_tokens += tokens
+        if self.generated == 0 and tokens:
+            load.pending_prefill_tokens -= self.prefill_tokens
+        self.generated += tokens
+
+    def release(self) -> None:
+        """The attempt is done (or failed): give its load back (once)."""
+        if not self._open:
+            return
+        self._open = False
+        load = self._load
+        load.in_flight -= 1
+        load.in_flight_tokens -= self.prompt_tokens + self.generated
+        if self.generated == 0:  # never streamed a token (non-streaming, or failed): still queued
+            load.pending_prefill_tokens -= self.prefill_tokens
+
+
+@dataclass(slots=True)
+class Worker:
+    """One engine server as the router tracks it."""
+
+    config: WorkerConfig
+    pool: PoolConfig
+    load: WorkerLoad
+    healthy: bool = False
+    """Last health check (or request) succeeded."""
+    enabled: bool = True
+    """False while an admin drains it."""
+    role: Role = "both"
+    """What placement may send it (every worker serves both until pools get P/D roles)."""
+
+    @property
+    def name(self) -> str:
+        return self.config.name
+
+    @property
+    def available(self) -> bool:
+        return self.healthy and self.enabled
+
+    def set_health(self, healthy: bool) -> None:
+        if healthy != self.healthy:
+            _log.info("worker %s is %s", self.name, "healthy" if healthy else "unhealthy")
+        self.healthy = healthy
+
+    def book(self, prompt_tokens: int, prefill_tokens: int) -> Booking:
+        """Count a request as in flight here, its uncached prompt as queued prefill."""
+        return Booking(self.load, prompt_tokens, prefill_tokens)
+
+    def engine_load(self, snapshot: LoadSnapshot) -> None:
+        """Apply an engine `LoadSnapshot`."""
+        self.load.engine_waiting = snapshot.waiting
+        self.load.kv_usage = snapshot.kv_usage
+
+    def view(self, stream: StreamStats | None) -> WorkerView:
+        """This worker as `/warply/workers` shows it."""
+        return WorkerView(
+            name=self.name,
+            pool=self.pool.name,
+            url=self.config.url,
+            healthy=self.healthy,
+            enabled=self.enabled,
+            in_flight=self.load.in_flight,
+            in_flight_tokens=self.load.in_flight_tokens,
+            engine_waiting=self.load.engine_waiting,
+            kv_usage=self.load.kv_usage,
+            stream=stream,
+            role=self.role,
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class Pool:
+    """Workers that share a block size and KV layout."""
+
+    config: PoolConfig
+    workers: list[Worker]
+
+
+class Workers(Mapping[str, Worker]):
+    """Every configured worker by name (configuration order), and by pool."""
+
+    def __init__(self, pools: list[PoolConfig]) -> None:
+        self.pools: list[Pool] = []
+        self._by_name: dict[str, Worker] = {}
+        for pool in pools:
+            members = [Worker(wc, pool, WorkerLoad(wc.name)) for wc in pool.workers]
+            self.pools.append(Pool(pool, members))
+            self._by_name.update((w.name, w) for w in members)
+
+    def __getitem__(self, name: str) -> Worker:
+        return self._by_name[name]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._by_name)
+
+    def __len__(self) -> int:
+        return len(self._by_name)
+
+    def engine_load(self, name: str, snapshot: LoadSnapshot) -> None:
+        """Apply an engine `LoadSnapshot` (unknown names are ignored)."""
+        worker = self._by_name.get(name)
+        if worker is not None:
+            worker.engine_load(snapshot)
+
+    async def check(self, session: aiohttp.ClientSession) -> None:
+        """Probe every worker's /health once (concurrently)."""
+        await asyncio.gather(*(self._probe(session, w) for w in self._by_name.values()))
+
+    @staticmethod
+    async def _probe(session: aiohttp.ClientSession, worker: Worker) -> None:
+        try:
+            async with session.get(
+                worker.config.url + "/health", timeout=_HEALTH_TIMEOUT
+            ) as resp:
+                healthy = resp.status == 200
+        except (aiohttp.ClientError, TimeoutError):
+            healthy = False
+        worker.set_health(healthy)
