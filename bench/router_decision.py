@@ -188,7 +188,7 @@ def main() -> None:
     print(f"tokenizer: {args.tokenizer} (chunk cache: {tok.cache.mode}); warm = a new "
           f"{args.new_turn}-token turn after a history the router has seen, cold = all new; "
           f"max_model_len {args.max_model_len}")
-    proxy = Proxy(MODEL, tok, placement, RouterMetrics(_config(), placement.workers, index), 60)
+    proxy = Proxy(MODEL, tok, placement, RouterMetrics(_config(), placement.workers), 60)
     proxy.max_model_len = args.max_model_len
     asyncio.run(_tokenized(proxy, tok, index, rng, args))
 

@@ -29,7 +29,7 @@ from router.proxy import Proxy
 from router.tokenize import RouterTokenizer
 from router.workers import Worker, Workers
 from warply.protocol import Directive
-from warply.protocol.api import WorkerList
+from warply.protocol.api import CacheStats, WorkerList
 
 _MODELS_TIMEOUT = aiohttp.ClientTimeout(total=2)
 _Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
@@ -48,7 +48,7 @@ class Router:
         self.workers = Workers(config.pools)
         self.placement = Placement(config, self.index, self.workers)
         tokenizer = tokenizer or RouterTokenizer(config.tokenizer)
-        self.metrics = RouterMetrics(config, self.workers, self.index, tokenizer.cache.stats)
+        self.metrics = RouterMetrics(config, self.workers, tokenizer.cache.stats)
         self.feed = IndexFeed(self.workers, self.index, self.metrics)
         self.proxy = Proxy(
             config.model,
@@ -170,16 +170,21 @@ class Router:
         return web.json_response(body, status=status)
 
     async def _metrics(self, _: web.Request) -> web.Response:
-        return web.Response(body=self.metrics.render(), content_type="text/plain", charset="utf-8")
+        body = self.metrics.render(self.index.stats())
+        return web.Response(body=body, content_type="text/plain", charset="utf-8")
 
     # -- admin API -------------------------------------------------------------------------------
+
+    def cache_stats(self) -> CacheStats:
+        """What `/warply/cache_stats` serves."""
+        return self.metrics.cache_stats(self.index.stats())
 
     def worker_list(self) -> WorkerList:
         """What `/warply/workers` serves."""
         return WorkerList([w.view(self.feed.stream_stats(w.name)) for w in self.workers.values()])
 
     async def _cache_stats(self, _: web.Request) -> web.Response:
-        return web.json_response(self.metrics.cache_stats())
+        return _json(self.cache_stats())
 
     async def _workers(self, _: web.Request) -> web.Response:
         return _json(self.worker_list())

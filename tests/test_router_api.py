@@ -232,9 +232,9 @@ def test_passthrough_and_overrides(tokenizer_dir: Path) -> None:
             sent = engine.bodies[-1]
             assert "warply" not in sent and sent["cache_salt"] == "tenant-a"
             assert sent["logit_bias"] == {"5": 1} and sent["max_tokens"] == 3
-            stats = router.metrics.cache_stats()
-            assert stats["affinity"][0]["namespace"] == "tenant-a"
-            assert stats["engine_cached_tokens"] == 4
+            stats = router.cache_stats()
+            assert stats.affinity[0].namespace == "tenant-a"
+            assert stats.engine_cached_tokens == 4
 
     _run(scenario())
 
@@ -307,18 +307,18 @@ def test_long_prompts_are_placed_from_their_leading_part(tokenizer_dir: Path) ->
                 status, body = await call("POST", "/v1/completions", {"prompt": held})
                 assert status == 200 and body["choices"][0]["text"] == "b"
             assert early == [False], "b's prefix runs past the leading part: tokenize it all"
-            before = router.metrics.cache_stats()
+            before = router.cache_stats()
             status, _ = await call("POST", "/v1/completions", {"prompt": cold})
             assert status == 200 and early == [False, True]
-            after = router.metrics.cache_stats()
+            after = router.cache_stats()
             # the metrics count the exact length, tokenized after the request left
-            assert after["prompt_tokens"] - before["prompt_tokens"] == len(tok.encode(cold, True))
-            assert (before["placed_early"], after["placed_early"]) == (0, 1)
-            misses = after["tokenizer_cache"]["misses"]
+            assert after.prompt_tokens - before.prompt_tokens == len(tok.encode(cold, True))
+            assert (before.placed_early, after.placed_early) == (0, 1)
+            assert after.tokenizer_cache is not None
+            misses = after.tokenizer_cache.misses
             assert (await call("POST", "/v1/completions", {"prompt": cold}))[0] == 200
-            assert router.metrics.cache_stats()["tokenizer_cache"]["misses"] == misses, (
-                "the rest was cached"
-            )
+            again = router.cache_stats().tokenizer_cache
+            assert again is not None and again.misses == misses, "the rest was cached"
             assert early == [False, True], "a prompt seen before is tokenized whole"
 
     _run(scenario())
@@ -340,9 +340,9 @@ def test_streaming_hides_usage_unless_asked(tokenizer_dir: Path) -> None:
                 assert events[-1] == "data: [DONE]"
                 assert ('"usage"' in text) == include
                 assert engine.bodies[-1]["stream_options"]["include_usage"] is True
-            stats = router.metrics.cache_stats()
-            assert stats["engine_cached_tokens"] == 16
-            assert stats["ttft_s"]["n"] == 2
+            stats = router.cache_stats()
+            assert stats.engine_cached_tokens == 16
+            assert stats.ttft_s.n == 2
 
     _run(scenario())
 

@@ -1,0 +1,131 @@
+"""The router's Prometheus series (`/metrics`), in its own registry.
+
+Counters and histograms are fed as requests and engine events happen; gauges (index size,
+bytes cached, in-flight, health, tokenizer cache, windowed hit rate, alert) are set from the
+current state by `refresh` just before each scrape.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+
+from prometheus_client import CollectorRegistry, Gauge, Histogram
+from prometheus_client import Counter as PromCounter
+from prometheus_client.exposition import generate_latest
+
+from router.index import IndexStats
+from router.metrics.alerts import HitAlert
+from router.token_cache import ChunkStats
+from router.workers import Worker
+
+_OVERHEAD_BUCKETS = (5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 0.1)
+_TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
+
+
+class Series:
+    """Every series the router exports; `render()` is the text exposition."""
+
+    def __init__(self) -> None:
+        r = self.registry = CollectorRegistry()
+        self.requests = PromCounter(
+            "warply_router_requests", "Requests by worker and outcome", ["worker", "status"],
+            registry=r,
+        )
+        self.prompt_tokens = PromCounter(
+            "warply_router_prompt_tokens", "Prompt tokens routed", ["pool"], registry=r
+        )
+        self.early = PromCounter(
+            "warply_router_early_placements",
+            "Requests placed from the leading part of their prompt (the rest tokenized after)",
+            registry=r,
+        )
+        self.predicted_tokens = PromCounter(
+            "warply_router_predicted_cached_tokens",
+            "Prompt tokens the index predicted cached on the chosen worker",
+            ["pool"],
+            registry=r,
+        )
+        self.engine_tokens = PromCounter(
+            "warply_router_engine_cached_tokens",
+            "Cached prompt tokens engines reported (usage.prompt_tokens_details.cached_tokens)",
+            ["pool"],
+            registry=r,
+        )
+        self.hit_ratio = Gauge(
+            "warply_router_hit_ratio", "Windowed hit rate", ["source"], registry=r
+        )
+        self.alert = Gauge(
+            "warply_router_hit_ratio_alert",
+            "1 while the windowed hit rate is below min_hit_ratio",
+            registry=r,
+        )
+        self.ttft = Histogram(
+            "warply_router_ttft_seconds", "Time to first token measured at the router (streams)",
+            buckets=_TTFT_BUCKETS, registry=r,
+        )
+        self.latency = Histogram(
+            "warply_router_request_seconds", "Request latency at the router",
+            buckets=_TTFT_BUCKETS, registry=r,
+        )
+        self.overhead = Histogram(
+            "warply_router_overhead_seconds",
+            "Router time before the upstream request (parse, tokenize, match, choose)",
+            buckets=_OVERHEAD_BUCKETS,
+            registry=r,
+        )
+        self.entries = Gauge(
+            "warply_index_entries", "(block, worker) entries by tier", ["tier"], registry=r
+        )
+        self.bytes = Gauge(
+            "warply_cached_bytes", "KV bytes cached by pool and tier", ["pool", "tier"], registry=r
+        )
+        self.index_evictions = Gauge(
+            "warply_index_evictions", "Entries dropped by the index's own cap", registry=r
+        )
+        self.evictions = PromCounter(
+            "warply_engine_evicted_blocks", "Blocks engines removed, by pool", ["pool"], registry=r
+        )
+        self.in_flight = Gauge(
+            "warply_router_in_flight", "In-flight requests by worker", ["worker"], registry=r
+        )
+        self.healthy = Gauge("warply_worker_healthy", "1 if healthy", ["worker"], registry=r)
+        self.tok_chunks = Gauge(
+            "warply_router_tokenizer_chunks",
+            "Prompt chunks the tokenizer cache served (hit) or encoded (miss)",
+            ["result"],
+            registry=r,
+        )
+        self.tok_bytes = Gauge(
+            "warply_router_tokenizer_cache_bytes", "Bytes held by the tokenizer cache", registry=r
+        )
+
+    def refresh(
+        self,
+        index: IndexStats,
+        bytes_by_pool_tier: Mapping[tuple[str, str], int],
+        workers: Iterable[Worker],
+        tokenizer_cache: ChunkStats | None,
+        alert: HitAlert,
+    ) -> None:
+        """Set the gauges from the current state."""
+        for tier, n in index.entries_by_tier.items():
+            self.entries.labels(tier.value).set(n)
+        self.index_evictions.set(index.evictions)
+        for (pool, tier_name), nbytes in bytes_by_pool_tier.items():
+            self.bytes.labels(pool, tier_name).set(nbytes)
+        for w in workers:
+            self.in_flight.labels(w.name).set(w.load.in_flight)
+            self.healthy.labels(w.name).set(1 if w.healthy else 0)
+        if (tok := tokenizer_cache) is not None:
+            self.tok_chunks.labels("hit").set(tok.hits)
+            self.tok_chunks.labels("miss").set(tok.misses)
+            self.tok_bytes.set(tok.bytes)
+        engine, predicted = alert.window.engine(), alert.window.predicted()
+        if engine is not None:
+            self.hit_ratio.labels("engine").set(engine)
+        if predicted is not None:
+            self.hit_ratio.labels("predicted").set(predicted)
+        self.alert.set(1 if alert.firing else 0)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
