@@ -2,7 +2,9 @@
 
 Stock vLLM `--kv-events-config` streams and the WarplyConnector's stream speak the same
 protocol. A gap the subscriber cannot recover drops that worker's entries (`on_stale`);
-`LoadSnapshot` events update the load the strategies see; removals count as engine evictions.
+`LoadSnapshot` events update the worker's load (what the strategies see, and the engine's own
+queues and capacity on /warply/workers); removals count as engine evictions; `PrefixHit`
+events (the engine's own record of a request reusing its cache) count as engine-confirmed hits.
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ import contextlib
 from router.index import PrefixIndex
 from router.metrics import RouterMetrics
 from router.workers import Workers
-from warply.protocol import BlockRemoved, DecodedBatch, LoadSnapshot
+from warply.protocol import BlockRemoved, DecodedBatch, LoadSnapshot, PrefixHit
 from warply.protocol.api import StreamStats
 from warply.protocol.subscriber import StateSubscriber
 
@@ -61,6 +63,8 @@ class IndexFeed:
                 self._workers.engine_load(worker, ev)
             elif isinstance(ev, BlockRemoved):
                 self._metrics.engine_removed(worker, len(ev.block_hashes))
+            elif isinstance(ev, PrefixHit):
+                self._metrics.engine_hit(worker, ev.hit_tokens)
 
     def stream_stats(self, worker: str) -> StreamStats | None:
         """The subscriber's counters for /warply/workers (None: the worker has no stream)."""

@@ -73,6 +73,8 @@ class Worker:
     """False while an admin drains it."""
     role: Role = "both"
     """What placement may send it (every worker serves both until pools get P/D roles)."""
+    snapshot: LoadSnapshot | None = None
+    """The engine's last load snapshot (its own queues and KV capacity)."""
 
     @property
     def name(self) -> str:
@@ -93,11 +95,13 @@ class Worker:
 
     def engine_load(self, snapshot: LoadSnapshot) -> None:
         """Apply an engine `LoadSnapshot`."""
+        self.snapshot = snapshot
         self.load.engine_waiting = snapshot.waiting
         self.load.kv_usage = snapshot.kv_usage
 
     def view(self, stream: StreamStats | None) -> WorkerView:
         """This worker as `/warply/workers` shows it."""
+        snap = self.snapshot
         return WorkerView(
             name=self.name,
             pool=self.pool.name,
@@ -109,6 +113,8 @@ class Worker:
             engine_waiting=self.load.engine_waiting,
             kv_usage=self.load.kv_usage,
             stream=stream,
+            engine_running=snap.running if snap is not None else 0,
+            kv_blocks_total=snap.kv_blocks_total if snap is not None else 0,
             role=self.role,
         )
 

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
+import msgspec
 import pytest
 from aiohttp import web
 from tokenizers import Tokenizer, models, pre_tokenizers, processors, trainers
@@ -20,7 +21,8 @@ from tokenizers import Tokenizer, models, pre_tokenizers, processors, trainers
 from router.app import Router
 from router.config import RouterConfig
 from router.tokenize import RouterTokenizer
-from warply.protocol import BlockStored, prefix_keys
+from warply.protocol import BlockStored, DecodedBatch, LoadSnapshot, PrefixHit, prefix_keys
+from warply.protocol.api import CacheStats, WorkerList
 
 HOST = "127.0.0.1"
 BS = 4
@@ -436,5 +438,41 @@ def test_bytes_cached_by_tier(tokenizer_dir: Path) -> None:
             assert status == 200
             assert stats["index"]["bytes_by_tier"] == {"gpu": 2 * BS * 100}
             assert stats["index"]["bytes_by_pool"] == {"p": 2 * BS * 100}
+
+    _run(scenario())
+
+
+def test_engine_load_and_prefix_hits_are_shown(tokenizer_dir: Path) -> None:
+    """`LoadSnapshot` running / capacity on /warply/workers; `PrefixHit` (engine-confirmed reuse)
+    per worker in cache_stats and on /metrics; both endpoints decode as their typed shapes."""
+
+    async def scenario() -> None:
+        async with running(tokenizer_dir, [FakeEngine("a"), FakeEngine("b")]) as (
+            router,
+            call,
+            session,
+            base,
+        ):
+            events = [
+                LoadSnapshot(running=3, waiting=2, kv_usage=0.5, kv_blocks_total=900),
+                PrefixHit("r1", [11, 12], hit_tokens=8, prompt_tokens=12),
+                PrefixHit("r2", [11], hit_tokens=4, prompt_tokens=9),
+            ]
+            router.feed.on_batch("a", DecodedBatch(1, 0.0, events, "warply"))  # type: ignore[arg-type]
+            async with session.get(base + "/warply/workers") as r:
+                workers = msgspec.json.decode(await r.read(), type=WorkerList).workers
+            a, b = workers
+            assert (a.engine_running, a.engine_waiting, a.kv_usage, a.kv_blocks_total) == (
+                3, 2, 0.5, 900
+            )
+            assert (b.engine_running, b.kv_blocks_total, a.role) == (0, 0, "both")
+            assert router.workers["a"].load.load == 2  # what the strategies see: waiting
+            async with session.get(base + "/warply/cache_stats") as r:
+                stats = msgspec.json.decode(await r.read(), type=CacheStats)
+            hits = stats.workers["a"]
+            assert (hits.engine_prefix_hits, hits.engine_prefix_hit_tokens) == (2, 12)
+            assert stats.workers["b"].engine_prefix_hits == 0
+            _, text = await call("GET", "/metrics")
+            assert 'warply_engine_prefix_hit_tokens_total{worker="a"} 12.0' in text
 
     _run(scenario())

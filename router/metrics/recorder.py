@@ -91,6 +91,11 @@ class RouterMetrics:
         self.series.evictions.labels(pool).inc(blocks)
         self.stats.engine_evictions[pool] += blocks
 
+    def engine_hit(self, worker: str, hit_tokens: int) -> None:
+        """An engine reported reusing `hit_tokens` cached prompt tokens for one request."""
+        self.series.prefix_hit_tokens.labels(worker).inc(hit_tokens)
+        self.stats.engine_hit(worker, hit_tokens)
+
     # -- reading ---------------------------------------------------------------------------------
 
     def render(self, index: IndexStats) -> bytes:

@@ -85,6 +85,12 @@ class Series:
         self.evictions = PromCounter(
             "warply_engine_evicted_blocks", "Blocks engines removed, by pool", ["pool"], registry=r
         )
+        self.prefix_hit_tokens = PromCounter(
+            "warply_engine_prefix_hit_tokens",
+            "Prompt tokens engines reported reusing from their prefix cache (PrefixHit events)",
+            ["worker"],
+            registry=r,
+        )
         self.in_flight = Gauge(
             "warply_router_in_flight", "In-flight requests by worker", ["worker"], registry=r
         )

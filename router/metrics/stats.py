@@ -109,6 +109,12 @@ class Stats:
         self.totals["engine_cached_tokens"] += cached
         self.totals["engine_prompt_tokens"] += prompt_tokens
 
+    def engine_hit(self, worker: str, hit_tokens: int) -> None:
+        w = self.per_worker.get(worker)
+        if w is not None:
+            w.engine_prefix_hits += 1
+            w.engine_prefix_hit_tokens += hit_tokens
+
     def build(
         self,
         index: IndexView,
@@ -126,6 +132,8 @@ class Stats:
                 prompt_tokens=counts.prompt_tokens,
                 predicted_cached_tokens=counts.predicted_cached_tokens,
                 engine_cached_tokens=counts.engine_cached_tokens,
+                engine_prefix_hits=counts.engine_prefix_hits,
+                engine_prefix_hit_tokens=counts.engine_prefix_hit_tokens,
                 in_flight=worker.load.in_flight,
                 healthy=worker.healthy,
             )

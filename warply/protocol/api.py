@@ -62,6 +62,11 @@ class WorkerStats(msgspec.Struct):
     predicted_cached_tokens: int = 0
     engine_cached_tokens: int = 0
     """From the engine's usage blocks of requests the router routed."""
+    engine_prefix_hits: int = 0
+    """Requests the engine itself reported reusing a cached prefix for (`PrefixHit` on its state
+    stream, WarplyConnector), whoever sent them."""
+    engine_prefix_hit_tokens: int = 0
+    """Prompt tokens those requests reused (engine-confirmed, beside the router's prediction)."""
     in_flight: int = 0
     healthy: bool = False
 
@@ -147,10 +152,13 @@ class WorkerView(msgspec.Struct):
     """Requests the router has sent it that have not finished."""
     in_flight_tokens: int
     engine_waiting: int
-    """The engine's waiting queue and KV occupancy, from its last `LoadSnapshot`."""
+    """The engine's own queues and KV occupancy, from its last `LoadSnapshot`."""
     kv_usage: float
     stream: StreamStats | None
     """None: the worker has no state stream."""
+    engine_running: int = 0
+    kv_blocks_total: int = 0
+    """The engine's KV capacity in blocks (0: not reported)."""
     role: Role = "both"
 
 
