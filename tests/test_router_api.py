@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import json
 import random
+import socket
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
@@ -61,6 +62,8 @@ class FakeEngine:
     name: str
     cached_tokens: int = 0
     hang: bool = False
+    down: bool = False
+    """Not served: its port refuses connections."""
     max_model_len: int = 64
     bodies: list[dict[str, Any]] = field(default_factory=list)
     cancelled: asyncio.Event = field(default_factory=asyncio.Event)
@@ -122,6 +125,14 @@ async def _serve(app: web.Application) -> tuple[web.AppRunner, str]:
     return runner, f"http://{HOST}:{port}"
 
 
+def _refused_port() -> int:
+    """A local port nothing listens on (bound once, then released)."""
+    with socket.socket() as s:
+        s.bind((HOST, 0))
+        port: int = s.getsockname()[1]
+    return port
+
+
 Client = Callable[..., Awaitable[tuple[int, Any]]]
 
 
@@ -132,6 +143,9 @@ async def running(
     """Fake engines + a router in this event loop; yields (router, call, session, base url)."""
     runners = []
     for e in engines:
+        if e.down:
+            e.url = f"http://{HOST}:{_refused_port()}"
+            continue
         runner, e.url = await _serve(e.app())
         runners.append(runner)
     config = RouterConfig.model_validate(
@@ -438,6 +452,33 @@ def test_bytes_cached_by_tier(tokenizer_dir: Path) -> None:
             assert status == 200
             assert stats["index"]["bytes_by_tier"] == {"gpu": 2 * BS * 100}
             assert stats["index"]["bytes_by_pool"] == {"p": 2 * BS * 100}
+
+    _run(scenario())
+
+
+def test_refused_connection_is_retried_on_another_worker(tokenizer_dir: Path) -> None:
+    async def scenario() -> None:
+        engines = [FakeEngine("a", down=True), FakeEngine("b")]
+        # no probe during the test: only the proxy can mark "a" unhealthy again
+        async with running(tokenizer_dir, engines, health_interval_s=60) as (router, call, _s, _b):
+            a = router.workers["a"]
+            assert not a.healthy, "the start-up probe found nothing listening"
+            a.set_health(True)  # as if it went down after its last probe
+            prompt = "the cache holds a prefix of tokens"
+            ids = RouterTokenizer(tokenizer_dir).encode(prompt, True)
+            n = len(ids) // BS * BS
+            router.index.apply("a", [BlockStored(list(range(1, n // BS + 1)), None, ids[:n], BS)])
+            assert router.placement.choose(ids).worker.name == "a"  # a's prefix draws it
+            status, body = await call("POST", "/v1/completions", {"prompt": prompt})
+            assert status == 200 and body["choices"][0]["text"] == "b"
+            assert not a.healthy
+            for w in router.workers.values():  # both attempts gave their load back
+                load = w.load
+                assert (load.in_flight, load.in_flight_tokens, load.pending_prefill_tokens) == (
+                    0, 0, 0
+                )
+            stats = router.cache_stats()
+            assert stats.workers["b"].engine_cached_tokens == 0 and stats.workers["b"].requests
 
     _run(scenario())
 
