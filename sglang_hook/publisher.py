@@ -51,7 +51,9 @@ class WarplyEventPublisher(EventPublisher):  # type: ignore[misc]
         topic: str = "",
     ) -> None:
         global _active
-        settings = self.settings or WarplySettings(router=endpoint, replay=replay_endpoint)
+        settings = self.settings or WarplySettings(
+            events_endpoint=endpoint, replay_endpoint=replay_endpoint
+        )
         self.settings = settings
         worker = settings.worker or f"{socket.gethostname()}:{os.getpid()}"
         self.worker = worker if attn_dp_rank == 0 else f"{worker}/dp{attn_dp_rank}"
@@ -65,8 +67,10 @@ class WarplyEventPublisher(EventPublisher):  # type: ignore[misc]
             bind=bind,
         )
         self._control = (
-            ControlServer(ZmqEventPublisher.offset_endpoint_port(settings.control, attn_dp_rank))
-            if settings.control
+            ControlServer(
+                ZmqEventPublisher.offset_endpoint_port(settings.control_endpoint, attn_dp_rank)
+            )
+            if settings.control_endpoint
             else None
         )
         self._pending: list[Event] = []

@@ -7,11 +7,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import re
 from dataclasses import dataclass
 from typing import Any
 
 from warply.common.argtypes import fraction, positive
+from warply.protocol.endpoints import GRAMMAR, EndpointError, check_endpoint
+from warply.protocol.plugin import PluginSettings
 
 SGLANG_VERSION = "0.5.23"
 """The SGLang release whose internals the hooks target."""
@@ -20,38 +21,25 @@ PUBLISHER_NAME = "warply"
 """`--kv-events-config '{"publisher": "warply", ...}'` selects the Warply publisher."""
 
 _SETTINGS_ATTR = "_warply_settings"
-_ENDPOINT = re.compile(r"^tcp://(?P<host>\*|[A-Za-z0-9.\-]+|\[[0-9A-Fa-f:.]+\]):(?P<port>\d{1,5})$")
 
 
-@dataclass(frozen=True)
-class WarplySettings:
-    """What `--enable-warply` configures; pickled to scheduler processes with `ServerArgs`."""
-
-    router: str
-    """State-stream collector of the router (`tcp://HOST:PORT`); the PUB socket connects to it."""
-    control: str | None = None
-    """ROUTER socket (binds) receiving directives; None = no directives."""
-    replay: str | None = None
-    """ROUTER socket (binds) serving replays of the state stream."""
-    worker: str = ""
-    """Worker id stamped on batches; empty = `HOST:PORT` of the SGLang server."""
-    model: str = ""
-    """Model name seeding canonical keys; empty = the served model name."""
-    topic: str = ""
-    snapshot_interval_s: float = 1.0
-    max_pinned_fraction: float = 0.5
+@dataclass(frozen=True, kw_only=True)
+class WarplySettings(PluginSettings):
+    """What `--enable-warply` configures: the shared plugin settings
+    (`warply.protocol.plugin.PluginSettings`, the same names as the vLLM plugin's JSON keys),
+    pickled to scheduler processes with `ServerArgs`. Flags: `--warply-router` →
+    `events_endpoint` (the PUB socket connects to the router's collector), `--warply-replay` →
+    `replay_endpoint`, `--warply-control` → `control_endpoint`. An empty `worker` means
+    `HOST:PORT` of the SGLang server."""
 
 
-def tcp_endpoint(value: str) -> str:
-    """argparse `type` for a `tcp://HOST:PORT` endpoint; a bad one is a one-line usage error."""
-    match = _ENDPOINT.match(value)
-    if match is None:
-        raise argparse.ArgumentTypeError(
-            f"{value!r} is not a ZMQ endpoint of the form tcp://HOST:PORT"
-        )
-    if not 0 < int(match["port"]) < 65536:
-        raise argparse.ArgumentTypeError(f"port {match['port']} out of range in {value!r}")
-    return value
+def endpoint_arg(value: str) -> str:
+    """argparse `type` for an endpoint (`warply.protocol.endpoints`); a bad one is a one-line
+    usage error."""
+    try:
+        return check_endpoint(value)
+    except EndpointError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def add_cli_args(parser: argparse.ArgumentParser) -> None:
@@ -64,16 +52,20 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
     )
     group.add_argument(
         "--warply-router",
-        type=tcp_endpoint,
-        help="The router's state collector, tcp://HOST:PORT (required with --enable-warply).",
+        type=endpoint_arg,
+        help=f"The state stream's endpoint (events_endpoint; {GRAMMAR}): the router's "
+        "collector, e.g. tcp://HOST:PORT (required with --enable-warply).",
     )
     group.add_argument(
         "--warply-control",
-        type=tcp_endpoint,
-        help="Bind a directive socket here (tcp://HOST:PORT); omit to accept no directives.",
+        type=endpoint_arg,
+        help=f"Bind a directive socket here (control_endpoint; {GRAMMAR}); omit to accept no "
+        "directives.",
     )
     group.add_argument(
-        "--warply-replay", type=tcp_endpoint, help="Bind a state-stream replay socket here."
+        "--warply-replay",
+        type=endpoint_arg,
+        help="Bind a state-stream replay socket here (replay_endpoint).",
     )
     group.add_argument("--warply-worker", default="", help="Worker id (default: HOST:PORT).")
     group.add_argument(
@@ -101,9 +93,9 @@ def settings_from_args(args: argparse.Namespace) -> WarplySettings | None:
     if not args.warply_router:
         raise SystemExit("error: --enable-warply needs --warply-router tcp://HOST:PORT")
     return WarplySettings(
-        router=args.warply_router,
-        control=args.warply_control,
-        replay=args.warply_replay,
+        events_endpoint=args.warply_router,
+        control_endpoint=args.warply_control,
+        replay_endpoint=args.warply_replay,
         worker=args.warply_worker or f"{args.host}:{args.port}",
         model=args.warply_model or args.served_model_name or args.model_path,
         topic=args.warply_topic,
@@ -116,11 +108,11 @@ def kv_events_config(settings: WarplySettings) -> str:
     """The `--kv-events-config` JSON that selects the Warply publisher with these settings."""
     config: dict[str, Any] = {
         "publisher": PUBLISHER_NAME,
-        "endpoint": settings.router,
+        "endpoint": settings.events_endpoint,
         "topic": settings.topic,
     }
-    if settings.replay:
-        config["replay_endpoint"] = settings.replay
+    if settings.replay_endpoint:
+        config["replay_endpoint"] = settings.replay_endpoint
     return json.dumps(config)
 
 

@@ -9,30 +9,18 @@ that names the offending key, which fails vLLM start-up.
 
 from __future__ import annotations
 
-import re
+from dataclasses import dataclass
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-_ENDPOINT = re.compile(r"^tcp://(?P<host>\*|[A-Za-z0-9.\-]+|\[[0-9A-Fa-f:.]+\]):(?P<port>\d{1,5})$")
+from warply.protocol.plugin import PluginSettings, SettingsError
+
 _PREFIX = "WarplyConnector: invalid kv_connector_extra_config"
 
 
 class WarplyConfigError(ValueError):
     """A configuration error; the message names the key (e.g. `warply.events_endpoint`)."""
-
-
-def _check_endpoint(value: str | None) -> str | None:
-    if value is None:
-        return None
-    if value.startswith(("ipc://", "inproc://")) and len(value.split("://", 1)[1]) > 0:
-        return value
-    match = _ENDPOINT.match(value)
-    if match is None:
-        raise ValueError(f"{value!r} is not a ZMQ endpoint (tcp://HOST:PORT, ipc://PATH)")
-    if not 0 < int(match["port"]) < 65536:
-        raise ValueError(f"port {match['port']} out of range in {value!r}")
-    return value
 
 
 class _Strict(BaseModel):
@@ -60,28 +48,22 @@ class DelegateConfig(_Strict):
         return value
 
 
-class WarplySettings(_Strict):
-    """Warply's own part: where state goes, where directives come from, and limits."""
+@dataclass(frozen=True, kw_only=True)
+class WarplySettings(PluginSettings):
+    """Warply's own part: the shared plugin settings (`warply.protocol.plugin.PluginSettings`:
+    `events_endpoint`, `replay_endpoint`, `control_endpoint`, `topic`, `worker`, `model`,
+    `snapshot_interval_s`, `max_pinned_fraction`) and vLLM's extras. An empty `worker` means
+    vLLM's kv engine_id."""
 
-    events_endpoint: str | None = None
-    """State stream PUB socket. `tcp://*:P` binds; a concrete address connects to a collector."""
-    replay_endpoint: str | None = None
-    """ROUTER socket (always binds) serving replays of the state stream."""
-    control_endpoint: str | None = None
-    """ROUTER socket (always binds) receiving directives; each is answered on it."""
-    topic: str = ""
-    worker: str = ""
-    """Worker id stamped on batches; empty = vLLM's kv engine_id."""
-    model: str = ""
-    """Model name seeding canonical keys (must match the router's); empty = served model name."""
-    snapshot_interval_s: float = Field(default=1.0, gt=0)
-    max_pinned_fraction: float = Field(default=0.5, ge=0, le=1)
-    """Pins may hold at most this share of the device blocks (protects the scheduler)."""
-    replay_buffer_steps: int = Field(default=10_000, gt=0)
+    __pydantic_config__ = ConfigDict(extra="forbid")
 
-    _endpoints = field_validator(
-        "events_endpoint", "replay_endpoint", "control_endpoint"
-    )(_check_endpoint)
+    replay_buffer_steps: int = 10_000
+    """Batches the replay socket keeps, > 0."""
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.replay_buffer_steps <= 0:
+            raise SettingsError("replay_buffer_steps", "must be greater than 0")
 
 
 class WarplyConnectorConfig(_Strict):
@@ -97,9 +79,13 @@ def parse_config(extra_config: dict[str, Any]) -> WarplyConnectorConfig:
         return WarplyConnectorConfig.model_validate(extra_config)
     except ValidationError as exc:
         err = exc.errors()[0]
-        key = ".".join(str(p) for p in err["loc"]) or "<root>"
-        if err["type"] == "extra_forbidden":
-            raise WarplyConfigError(f"{_PREFIX}: unknown key {key!r}") from None
+        loc = [str(p) for p in err["loc"]]
+        if err["type"] in ("extra_forbidden", "unexpected_keyword_argument"):
+            raise WarplyConfigError(f"{_PREFIX}: unknown key {'.'.join(loc)!r}") from None
+        cause = (err.get("ctx") or {}).get("error")
+        if isinstance(cause, SettingsError):  # a shared-settings check: name its field
+            loc.append(cause.field)
+        key = ".".join(loc) or "<root>"
         msg = str(err["msg"]).removeprefix("Value error, ")
         raise WarplyConfigError(f"{_PREFIX}: {key}: {msg}") from None
 

@@ -10,6 +10,7 @@ from sglang.srt.server_args import prepare_server_args
 
 import sglang_hook.settings as settings_mod
 import warply_plugins.sglang as plugin
+from warply.protocol import PluginSettings
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -37,11 +38,15 @@ def test_enable_warply_selects_the_warply_publisher() -> None:
     assert config["endpoint"] == "tcp://127.0.0.1:5599"
     settings = settings_mod.settings_of(args)
     assert settings is not None
-    assert (settings.worker, settings.control, settings.model) == (
-        "w0",
-        "tcp://127.0.0.1:5600",
-        "dummy",
+    # The same setting names as the vLLM plugin's JSON keys (one plugin contract).
+    assert settings == settings_mod.WarplySettings(
+        events_endpoint="tcp://127.0.0.1:5599",
+        control_endpoint="tcp://127.0.0.1:5600",
+        replay_endpoint=None,
+        worker="w0",
+        model="dummy",
     )
+    assert isinstance(settings, PluginSettings)
 
 
 def test_plain_sglang_is_unaffected() -> None:

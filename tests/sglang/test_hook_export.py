@@ -89,7 +89,11 @@ def scheduler_publisher(cache: Any, router: str, worker: str, control: str | Non
     from sglang_hook.publisher import WarplyEventPublisher
 
     WarplyEventPublisher.settings = settings_mod.WarplySettings(
-        router=router, worker=worker, model=MODEL, control=control, snapshot_interval_s=3600
+        events_endpoint=router,
+        worker=worker,
+        model=MODEL,
+        control_endpoint=control,
+        snapshot_interval_s=3600,
     )
     stats = SimpleNamespace(
         num_running_reqs=SimpleNamespace(total=1),

@@ -26,7 +26,7 @@ from vllm_connector.config import WarplyConfigError, WarplySettings, parse_confi
 from vllm_connector.connector import WarplyConnector, WarplyHMAConnector
 from vllm_connector.export import StateExporter
 from vllm_connector.metrics import WarplyConnectorStats, WarplyCounters, build_stats
-from warply.protocol import AllCleared, BlockRemoved, BlockStored, Tier
+from warply.protocol import AllCleared, BlockRemoved, BlockStored, PluginSettings, Tier
 from warply_plugins.vllm import register
 
 
@@ -89,6 +89,30 @@ def test_config_errors_name_the_key(extra: dict[str, Any], message: str) -> None
         parse_config(extra)
     assert message in str(err.value)
     assert "\n" not in str(err.value)
+
+
+def test_settings_are_the_shared_plugin_settings() -> None:
+    """The JSON keys are the shared plugin settings' names (SGLang's `--warply-*` flags fill the
+    same fields), with vLLM's extras beside them."""
+    config = parse_config(
+        {
+            "warply": {
+                "events_endpoint": "tcp://*:5557",
+                "replay_endpoint": "tcp://127.0.0.1:5558",
+                "control_endpoint": "ipc:///tmp/warply-control",
+                "replay_buffer_steps": 5,
+            }
+        }
+    )
+    assert isinstance(config.warply, PluginSettings)
+    assert config.warply == WarplySettings(
+        events_endpoint="tcp://*:5557",
+        replay_endpoint="tcp://127.0.0.1:5558",
+        control_endpoint="ipc:///tmp/warply-control",
+        replay_buffer_steps=5,
+    )
+    with pytest.raises(WarplyConfigError, match=r"warply\.replay_buffer_steps: must be"):
+        parse_config({"warply": {"replay_buffer_steps": 0}})
 
 
 def test_unknown_delegate_fails_construction() -> None:

@@ -13,6 +13,7 @@ from warply.protocol.directives import (
     decode_directive,
     encode_directive,
 )
+from warply.protocol.endpoints import Endpoint, EndpointError, parse_endpoint
 from warply.protocol.events import (
     PROTOCOL_VERSION,
     AllCleared,
@@ -27,6 +28,7 @@ from warply.protocol.events import (
     encode_batch,
 )
 from warply.protocol.keys import chain_keys, prefix_keys, root_seed
+from warply.protocol.plugin import PluginSettings, SettingsError
 from warply.protocol.tiers import Tier, tier_for_medium
 
 __all__ = [
@@ -38,11 +40,15 @@ __all__ = [
     "Directive",
     "DirectiveAck",
     "DirectiveKind",
+    "Endpoint",
+    "EndpointError",
     "Event",
     "EventBatch",
     "LoadSnapshot",
+    "PluginSettings",
     "PrefixHit",
     "Rejection",
+    "SettingsError",
     "StreamDecoder",
     "Tier",
     "TierMoved",
@@ -51,6 +57,7 @@ __all__ = [
     "encode_batch",
     "encode_directive",
     "engine_block_id",
+    "parse_endpoint",
     "prefix_keys",
     "root_seed",
     "salt_namespace",

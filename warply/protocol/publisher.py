@@ -17,15 +17,11 @@ from collections import deque
 
 import zmq
 
+from warply.protocol.endpoints import binds as _binds
 from warply.protocol.events import Event, encode_batch
 
 _log = logging.getLogger(__name__)
 _END_SEQ = (-1).to_bytes(8, "big", signed=True)
-
-
-def _binds(endpoint: str) -> bool:
-    """Engines' convention: a wildcard host binds, a concrete address connects."""
-    return "*" in endpoint or endpoint.startswith(("ipc://", "inproc://"))
 
 
 class StatePublisher:
@@ -42,7 +38,8 @@ class StatePublisher:
         bind: bool | None = None,
         context: zmq.Context[zmq.Socket[bytes]] | None = None,
     ) -> None:
-        """`bind`: True binds `endpoint`, False connects it; None follows the engines' rule."""
+        """`bind`: True binds `endpoint`, False connects it; None follows the engines' rule
+        (`warply.protocol.endpoints.Endpoint.binds`)."""
         self.worker = worker
         self.published = 0
         self._topic = topic.encode()

@@ -1,0 +1,72 @@
+"""The engine-plugin contract: what a Warply plugin does inside an engine, and its settings.
+
+A plugin (vLLM: `vllm_connector`, SGLang: `sglang_hook`) runs on the engine's scheduler thread
+and never blocks it, never raises into it, and never moves KV blocks itself. It
+
+- publishes the engine's cache state on the **state stream** (`events_endpoint`, ZMQ PUB,
+  frames `[topic, seq, payload]`, payload `warply.protocol.events.EventBatch` stamped with
+  `worker`): `BlockStored` / `BlockRemoved` / `AllCleared` per tier, normalised by
+  `warply.protocol.normalize` (events it cannot place on a tier are skipped and counted),
+  `PrefixHit`s where the engine reports them, a `LoadSnapshot` every `snapshot_interval_s`;
+- serves the stream's recent batches on the **replay socket** (`replay_endpoint`, ROUTER,
+  always binds; `warply.protocol.publisher`) so a subscriber can fill a gap;
+- applies directives from the **directive socket** (`control_endpoint`, ROUTER, always binds;
+  `warply.protocol.control`) between scheduler steps, answers each with a `DirectiveAck` on that
+  socket and on the state stream, and keeps pins within `max_pinned_fraction` of the pool;
+- keys blocks by `warply.protocol.keys` seeded with `model`, which must be the router's.
+
+`PluginSettings` holds what both plugins share, under the same names: the vLLM plugin reads them
+from `kv_connector_extra_config["warply"]` (JSON keys as below), the SGLang plugin from its
+`--warply-*` flags. Each plugin subclasses it for engine-specific extras. It is a plain frozen
+dataclass (picklable: SGLang carries it to its scheduler processes), validated on construction.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from warply.protocol.endpoints import EndpointError, check_endpoint
+
+
+class SettingsError(ValueError):
+    """An invalid setting; `field` names it (e.g. `events_endpoint`)."""
+
+    def __init__(self, field: str, message: str) -> None:
+        super().__init__(message)
+        self.field = field
+
+
+@dataclass(frozen=True, kw_only=True)
+class PluginSettings:
+    """Settings every Warply engine plugin understands (see the module docstring)."""
+
+    events_endpoint: str | None = None
+    """State stream PUB socket. `tcp://*:P` binds; a concrete address connects to a collector."""
+    replay_endpoint: str | None = None
+    """ROUTER socket (always binds) serving replays of the state stream."""
+    control_endpoint: str | None = None
+    """ROUTER socket (always binds) receiving directives; each is answered on it."""
+    topic: str = ""
+    """ZMQ topic of the state stream."""
+    worker: str = ""
+    """Worker id stamped on batches; empty = the plugin's default (engine id, HOST:PORT)."""
+    model: str = ""
+    """Model name seeding canonical keys (must match the router's); empty = served model name."""
+    snapshot_interval_s: float = 1.0
+    """Period of `LoadSnapshot` events (s), > 0."""
+    max_pinned_fraction: float = 0.5
+    """Pins may hold at most this share of the device blocks (protects the scheduler)."""
+
+    def __post_init__(self) -> None:
+        for name in ("events_endpoint", "replay_endpoint", "control_endpoint"):
+            value = getattr(self, name)
+            if value is None:
+                continue
+            try:
+                check_endpoint(value)
+            except EndpointError as exc:
+                raise SettingsError(name, str(exc)) from None
+        if not self.snapshot_interval_s > 0:
+            raise SettingsError("snapshot_interval_s", "must be greater than 0")
+        if not 0 <= self.max_pinned_fraction <= 1:
+            raise SettingsError("max_pinned_fraction", "must be between 0 and 1")
