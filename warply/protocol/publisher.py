@@ -21,7 +21,10 @@ from warply.protocol.endpoints import binds as _binds
 from warply.protocol.events import Event, encode_batch
 
 _log = logging.getLogger(__name__)
-_END_SEQ = (-1).to_bytes(8, "big", signed=True)
+
+REPLAY_END_SEQ = -1
+"""The sequence number (8 bytes, big-endian, signed) that ends a replay answer, as vLLM and
+SGLang send it; `StateSubscriber` stops reading a replay at it."""
 
 
 class StatePublisher:
@@ -101,4 +104,5 @@ class StatePublisher:
         for seq, payload in self._buffer:
             if seq >= start:
                 self._replay.send_multipart((client, b"", seq.to_bytes(8, "big"), payload))
-        self._replay.send_multipart((client, b"", _END_SEQ, b""))
+        end = REPLAY_END_SEQ.to_bytes(8, "big", signed=True)
+        self._replay.send_multipart((client, b"", end, b""))

@@ -17,9 +17,9 @@ import zmq
 import zmq.asyncio
 
 from warply.protocol.decoder import DecodedBatch, StreamDecoder
+from warply.protocol.publisher import REPLAY_END_SEQ
 
 _log = logging.getLogger(__name__)
-_END_SEQ = -1
 
 
 class StateSubscriber:
@@ -144,7 +144,7 @@ class StateSubscriber:
                     return None
                 frames = await sock.recv_multipart()
                 seq = int.from_bytes(frames[-2], "big", signed=True) if len(frames) >= 2 else None
-                if seq is None or seq == _END_SEQ:
+                if seq is None or seq == REPLAY_END_SEQ:
                     break
                 if (got is not None and seq < got) or (stop is not None and seq >= stop):
                     continue
