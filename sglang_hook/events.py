@@ -2,38 +2,35 @@
 
 SGLang 0.5.23 records `BlockStored` / `BlockRemoved` / `AllBlocksCleared`
 (`sglang.srt.disaggregation.kv_events`) with signed 64-bit page hashes, `medium` "GPU" for the
-device tree and "CPU_PINNED" for the HiCache host tier, and `cache_salt` on a chain's root.
-Hashes are folded to u64 here, as `warply.protocol.StreamDecoder` does for engine streams, so one
-page has one id on every path.
+device tree and "CPU_PINNED" for the HiCache host tier, and `cache_salt` on a chain's root. They
+are normalised by `warply.protocol.normalize`, as `warply.protocol.StreamDecoder` normalises a
+stock SGLang stream, so one page has one id, tier and namespace on every path.
 """
 
 from __future__ import annotations
 
 import threading
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from collections.abc import Iterable
 from typing import Any
 
-from warply.protocol import AllCleared, BlockRemoved, BlockStored, Event, Tier, tier_for_medium
-
-_U64 = (1 << 64) - 1
-
-
-def engine_hash(value: int) -> int:
-    """SGLang's signed int64 page hash as the u64 id Warply streams carry."""
-    return value & _U64
-
-
-def _tier(medium: Any) -> Tier:
-    name = getattr(medium, "value", medium)
-    tier = tier_for_medium(name)
-    if tier is None:
-        raise ValueError(f"SGLang medium {name!r} has no Warply tier")
-    return tier
+from warply.protocol import (
+    AllCleared,
+    BlockStored,
+    Event,
+    EventError,
+    Tier,
+    block_removed,
+    block_stored,
+)
 
 
-def to_warply(events: Iterable[Any]) -> list[Event]:
-    """Convert one batch of SGLang KV events, in order."""
+def to_warply(events: Iterable[Any], skipped: Counter[str] | None = None) -> list[Event]:
+    """Convert one batch of SGLang KV events, in order.
+
+    An event that cannot be normalised (a medium with no tier) is left out and counted in
+    `skipped` by reason; this runs on the scheduler thread, so it never raises.
+    """
     from sglang.srt.disaggregation.kv_events import (
         AllBlocksCleared as SgCleared,
     )
@@ -46,28 +43,33 @@ def to_warply(events: Iterable[Any]) -> list[Event]:
 
     out: list[Event] = []
     for ev in events:
-        if isinstance(ev, SgStored):
-            parent = None if ev.parent_block_hash is None else engine_hash(ev.parent_block_hash)
-            out.append(
-                BlockStored(
-                    block_hashes=[engine_hash(h) for h in ev.block_hashes],
-                    parent_hash=parent,
-                    token_ids=list(ev.token_ids),
-                    block_size=ev.block_size,
-                    tier=_tier(ev.medium),
-                    namespace=(ev.cache_salt or "") if parent is None else None,
-                    lora=ev.lora_name,
+        try:
+            if isinstance(ev, SgStored):
+                out.append(
+                    block_stored(
+                        ev.block_hashes,
+                        ev.parent_block_hash,
+                        ev.token_ids,
+                        ev.block_size,
+                        _medium(ev.medium),
+                        lora_name=ev.lora_name,
+                        cache_salt=ev.cache_salt,
+                    )
                 )
-            )
-        elif isinstance(ev, SgRemoved):
-            out.append(
-                BlockRemoved([engine_hash(h) for h in ev.block_hashes], tier=_tier(ev.medium))
-            )
-        elif isinstance(ev, SgCleared):
-            # The radix cache clears the device tree (and the host tier with it) on reset.
-            out.append(AllCleared(Tier.GPU))
-            out.append(AllCleared(Tier.CPU))
+            elif isinstance(ev, SgRemoved):
+                out.append(block_removed(ev.block_hashes, _medium(ev.medium)))
+            elif isinstance(ev, SgCleared):
+                # The radix cache clears the device tree (and the host tier with it) on reset.
+                out.append(AllCleared(Tier.GPU))
+                out.append(AllCleared(Tier.CPU))
+        except EventError as exc:
+            if skipped is not None:
+                skipped[exc.reason.value] += 1
     return out
+
+
+def _medium(medium: Any) -> Any:
+    return getattr(medium, "value", medium)  # a `StorageMedium` member or its string
 
 
 class PageBook:

@@ -9,10 +9,12 @@ events, adds directive acks and load snapshots, and sends it with `StatePublishe
 
 from __future__ import annotations
 
+import logging
 import os
 import queue
 import socket
 import time
+from collections import Counter
 from collections.abc import Callable
 from typing import Any
 
@@ -25,6 +27,8 @@ from warply.protocol import Event, LoadSnapshot
 from warply.protocol.control import ControlServer
 from warply.protocol.publisher import StatePublisher
 
+_log = logging.getLogger(__name__)
+_LOG_FIRST = 5
 _active: WarplyEventPublisher | None = None
 
 
@@ -73,6 +77,8 @@ class WarplyEventPublisher(EventPublisher):  # type: ignore[misc]
             if settings.control_endpoint
             else None
         )
+        self.skipped: Counter[str] = Counter()
+        """Cache events not exported, by reason (`unknown_medium`); never raised."""
         self._pending: list[Event] = []
         self._l3: queue.SimpleQueue[Event] = queue.SimpleQueue()
         self._applier: DirectiveApplier | None = None
@@ -111,7 +117,10 @@ class WarplyEventPublisher(EventPublisher):  # type: ignore[misc]
 
     def publish(self, events: Any) -> None:
         """SGLang's pump: one `KVEventBatch` from `tree_cache.take_events()`."""
-        converted = to_warply(events.events)
+        before = self.skipped.total()
+        converted = to_warply(events.events, self.skipped)
+        if before < self.skipped.total() and before < _LOG_FIRST:
+            _log.warning("Warply: skipped KV events not placed on a tier: %s", dict(self.skipped))
         self.page_book.record(converted)
         self._send(converted)
 
@@ -136,4 +145,3 @@ class WarplyEventPublisher(EventPublisher):  # type: ignore[misc]
                 break
         if out:
             self._state.publish(out)
-

@@ -24,8 +24,7 @@ from sglang.srt.mem_cache.hicache_storage import HiCacheStorage, HiCacheStorageC
 from sglang.srt.mem_cache.utils import hash_str_to_int64
 
 from sglang_hook import publisher
-from sglang_hook.events import engine_hash
-from warply.protocol import BlockRemoved, Event, Tier
+from warply.protocol import BlockRemoved, Event, Tier, engine_block_id
 
 
 class _Store(Protocol):
@@ -113,7 +112,7 @@ def _make_store(extra: dict[str, Any]) -> _Store:
 
 def _page_id(key: str) -> int:
     """The device-tier event id of the page an L3 key names (SGLang: sha256 hex, then suffixes)."""
-    return engine_hash(hash_str_to_int64(key))
+    return engine_block_id(hash_str_to_int64(key))
 
 
 class WarplyL3Storage(HiCacheStorage):  # type: ignore[misc]

@@ -13,12 +13,14 @@ from warply.protocol import (
     AllCleared,
     BlockRemoved,
     BlockStored,
+    DecodedBatch,
     LoadSnapshot,
     Rejection,
     StreamDecoder,
     Tier,
     chain_keys,
     encode_batch,
+    engine_block_id,
     prefix_keys,
     root_seed,
 )
@@ -151,14 +153,6 @@ def test_warply_batch_round_trip() -> None:
             Rejection.BAD_SCHEMA,
         ),
         (
-            _frames(
-                msgspec.msgpack.encode(
-                    [1.0, [["BlockStored", [1], None, [1] * 16, 16, None, "TAPE"]]]
-                )
-            ),
-            Rejection.UNKNOWN_MEDIUM,
-        ),
-        (
             _frames(msgspec.msgpack.encode([1.0, [["BlockStored", [1], None, [1] * 15, 16]]])),
             Rejection.BAD_SCHEMA,
         ),
@@ -208,3 +202,55 @@ def test_engine_encodings_map_and_array_agree() -> None:
     ev = a.events[0]
     assert isinstance(ev, BlockStored)
     assert (ev.tier, ev.namespace, ev.block_hashes[0] < 2**64) == (Tier.CPU, "salt-1", True)
+
+
+def test_an_unknown_medium_skips_that_event_and_keeps_the_batch() -> None:
+    """One policy on every path: an event on a medium with no tier is counted and left out;
+    the rest of its batch (and its sequence number) goes through."""
+    tokens = list(range(16))
+    batch = [
+        1.0,
+        [
+            ["BlockStored", [1], None, tokens, 16, None, "TAPE"],
+            ["BlockStored", [2], None, tokens, 16, None, "GPU", None, [["salt"]]],
+            {"type": "BlockRemoved", "block_hashes": [3], "medium": "TAPE"},
+            {"type": "BlockRemoved", "block_hashes": [4], "medium": "STORAGE"},
+            {"type": "AllBlocksCleared"},
+        ],
+    ]
+    decoder = StreamDecoder("t")
+    got = decoder.decode_frames(_frames(msgspec.msgpack.encode(batch), seq=5))
+    assert got == DecodedBatch(
+        5,
+        1.0,
+        [
+            BlockStored([2], None, tokens, 16, Tier.GPU, "salt", None),
+            BlockRemoved([4], Tier.SSD),
+            AllCleared(),
+        ],
+        "engine",
+    )
+    assert decoder.rejected == {Rejection.UNKNOWN_MEDIUM: 2}
+    assert decoder.accepted == 1
+    only_unknown = [1.0, [["BlockRemoved", [3], "TAPE"]]]
+    got = decoder.decode_frames(_frames(msgspec.msgpack.encode(only_unknown), seq=6))
+    assert got == DecodedBatch(6, 1.0, [], "engine")
+    assert decoder.rejected == {Rejection.UNKNOWN_MEDIUM: 3}
+
+
+@pytest.mark.parametrize(
+    ("value", "expected"),
+    [
+        (5, 5),
+        (-1, 2**64 - 1),  # SGLang's signed int64 page heads
+        (2**64 + 3, 3),
+        (b"\x00\x01", 1),
+        (b"\x01" * 32, None),  # vLLM digests with VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=0
+    ],
+)
+def test_engine_block_ids_fold_to_u64(value: int | bytes, expected: int | None) -> None:
+    import xxhash
+
+    got = engine_block_id(value)
+    assert got == (xxhash.xxh3_64_intdigest(value) if expected is None else expected)
+    assert 0 <= got < 2**64

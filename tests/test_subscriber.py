@@ -79,6 +79,31 @@ def test_bad_frames_are_counted_and_the_subscriber_keeps_going() -> None:
     asyncio.run(main())
 
 
+def test_an_event_on_an_unknown_medium_is_skipped_without_a_gap() -> None:
+    """An engine batch whose only event names a medium with no tier still arrives (empty), so
+    its sequence number is seen: no gap, no replay, no resync."""
+
+    async def main() -> None:
+        port = free_port()
+        pub = zmq.Context.instance().socket(zmq.PUB)
+        pub.bind(f"tcp://127.0.0.1:{port}")
+        sink = _Sink()
+        sub = StateSubscriber("w0", f"tcp://127.0.0.1:{port}", sink.on_batch, sink.on_stale)
+        task = await _start(sub)
+        tape = [1.0, [{"type": "BlockRemoved", "block_hashes": [1], "medium": "TAPE"}]]
+        cleared = [2.0, [{"type": "AllBlocksCleared"}]]
+        for seq, batch in enumerate((tape, cleared)):
+            pub.send_multipart([b"kv", seq.to_bytes(8, "big"), msgspec.msgpack.encode(batch)])
+        await _until(lambda: len(sink.batches) == 2)
+        task.cancel()
+        pub.close(linger=0)
+        assert [(b.seq, len(b.events)) for b in sink.batches] == [(0, 0), (1, 1)]
+        assert sub.decoder.rejected == {Rejection.UNKNOWN_MEDIUM: 1}
+        assert (sub.gaps, sub.resyncs, sink.stale) == (0, 0, [])
+
+    asyncio.run(main())
+
+
 async def _late_joiner(
     published: int, buffer_steps: int
 ) -> tuple[StatePublisher, StateSubscriber, _Sink, asyncio.Task[None]]:

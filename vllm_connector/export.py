@@ -11,7 +11,9 @@ nothing to the engine (its null publisher would have dropped them).
 
 from __future__ import annotations
 
+import logging
 import time
+from collections import Counter
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -24,24 +26,27 @@ from vllm_connector.config import WarplySettings
 from vllm_connector.metrics import WarplyCounters
 from warply.protocol import (
     AllCleared,
-    BlockRemoved,
-    BlockStored,
     DirectiveAck,
     Event,
+    EventError,
     LoadSnapshot,
     PrefixHit,
     Tier,
+    block_removed,
+    block_stored,
     chain_keys,
     engine_block_id,
     root_seed,
-    salt_namespace,
-    tier_for_medium,
 )
 from warply.protocol.publisher import StatePublisher
 
 if TYPE_CHECKING:
     from vllm.v1.core.block_pool import BlockPool
     from vllm.v1.request import Request
+
+_log = logging.getLogger(__name__)
+_LOG_FIRST = 5
+
 
 def engine_hash(block_hash: bytes | int) -> int:
     """A vLLM block hash as the state stream names it (the same id the decoder gives a stock
@@ -86,6 +91,9 @@ class StateExporter:
         self.key_to_hash: dict[int, int] = {}
         """Canonical key → engine hash of every cached full block (resolves `keys` directives)."""
         self._hash_to_key: dict[int, int] = {}
+        self.skipped: Counter[str] = Counter()
+        """Events not exported, by reason (`unknown_medium`, `bad_schema`, `clear_without_tier`);
+        their sum is the `events_skipped` counter."""
 
     def attach(self, pool: BlockPool) -> None:
         """Tee `pool`'s event queue (idempotent: binding twice wraps once)."""
@@ -112,7 +120,7 @@ class StateExporter:
         """
         for event in events:
             if isinstance(event, AllBlocksCleared):
-                self._counters.events_skipped += 1
+                self._skip("clear_without_tier", "a delegate's AllBlocksCleared names no medium")
             else:
                 self._raw.append(event)
 
@@ -178,61 +186,62 @@ class StateExporter:
         if self.publisher is not None:
             self.publisher.close()
 
+    def _skip(self, reason: str, detail: str) -> None:
+        """Count an event that is not exported (never raise on the scheduler thread)."""
+        self._counters.events_skipped += 1
+        self.skipped[reason] += 1
+        if self.skipped[reason] <= _LOG_FIRST:
+            _log.warning("Warply: skipped a KV event (%s: %s)", reason, detail)
+
     def _convert(self, event: Any) -> None:
         # vLLM 0.32 with several KV cache groups (hybrid models) reports each group's copy of a
         # block; the prefix index needs one, so only group 0 (full attention) is exported.
         if getattr(event, "group_idx", None) not in (None, 0):
             return
-        if isinstance(event, VllmBlockStored):
-            self._stored(event)
-        elif isinstance(event, VllmBlockRemoved):
-            hashes = [engine_hash(h) for h in event.block_hashes]
-            tier = _tier(event.medium)
-            for h in hashes if tier is Tier.GPU else ():  # directives resolve device blocks
+        try:
+            if isinstance(event, VllmBlockStored):
+                self._stored(event)
+            elif isinstance(event, VllmBlockRemoved):
+                self._removed(event)
+            elif isinstance(event, AllBlocksCleared):
+                self.key_to_hash.clear()
+                self._hash_to_key.clear()
+                self._out.append(AllCleared(Tier.GPU))
+        except EventError as exc:  # unknown medium, or masked/null blocks without tokens
+            self._skip(exc.reason.value, str(exc))
+
+    def _removed(self, event: VllmBlockRemoved) -> None:
+        removed = block_removed(event.block_hashes, event.medium)
+        if removed.tier is Tier.GPU:  # directives resolve device blocks
+            for h in removed.block_hashes:
                 key = self._hash_to_key.pop(h, None)
                 if key is not None:
                     self.key_to_hash.pop(key, None)
-            self._counters.blocks_removed += len(hashes)
-            self._out.append(BlockRemoved(hashes, tier))
-        elif isinstance(event, AllBlocksCleared):
-            self.key_to_hash.clear()
-            self._hash_to_key.clear()
-            self._out.append(AllCleared(Tier.GPU))
+        self._counters.blocks_removed += len(removed.block_hashes)
+        self._out.append(removed)
 
     def _stored(self, event: VllmBlockStored) -> None:
-        hashes = [engine_hash(h) for h in event.block_hashes]
-        parent = None if event.parent_block_hash is None else engine_hash(event.parent_block_hash)
-        tokens = list(event.token_ids)
-        if len(tokens) != len(hashes) * event.block_size:
-            self._counters.events_skipped += 1  # masked/null blocks (sparse groups): no tokens
-            return
-        namespace = salt_namespace(event.extra_keys, event.lora_name) if parent is None else None
-        tier = _tier(event.medium)
-        self._out.append(
-            BlockStored(
-                block_hashes=hashes,
-                parent_hash=parent,
-                token_ids=tokens,
-                block_size=event.block_size,
-                tier=tier,
-                namespace=namespace,
-                lora=event.lora_name,
-            )
+        stored = block_stored(
+            event.block_hashes,
+            event.parent_block_hash,
+            event.token_ids,
+            event.block_size,
+            event.medium,
+            lora_name=event.lora_name,
+            extra_keys=event.extra_keys,
         )
-        self._counters.blocks_stored += len(hashes)
-        if tier is not Tier.GPU:
+        self._out.append(stored)
+        self._counters.blocks_stored += len(stored.block_hashes)
+        if stored.tier is not Tier.GPU:
             return
         seed = (
-            root_seed(self._model, namespace or "")
-            if parent is None
-            else self._hash_to_key.get(parent)
+            root_seed(self._model, stored.namespace or "")
+            if stored.parent_hash is None
+            else self._hash_to_key.get(stored.parent_hash)
         )
         if seed is None:
             return
-        for h, key in zip(hashes, chain_keys(tokens, event.block_size, seed), strict=True):
+        keys = chain_keys(stored.token_ids, stored.block_size, seed)
+        for h, key in zip(stored.block_hashes, keys, strict=True):
             self._hash_to_key[h] = key
             self.key_to_hash[key] = h
-
-
-def _tier(medium: str | None) -> Tier:
-    return tier_for_medium(medium) or Tier.GPU

@@ -154,6 +154,10 @@ class WarplyPromMetrics(KVConnectorPromMetrics):
             "blocks_removed": counter(
                 "vllm:warply_blocks_removed", "Device blocks reported dropped by Warply."
             ),
+            "events_skipped": counter(
+                "vllm:warply_events_skipped",
+                "KV events not exported (unknown medium, no tokens, a clear with no tier).",
+            ),
             "prefix_hit_blocks": counter(
                 "vllm:warply_prefix_hit_blocks", "Cached device blocks reused by requests."
             ),

@@ -9,6 +9,7 @@ bound on 127.0.0.1 plays the router's collector; `router.index.MemoryIndex` is f
 from __future__ import annotations
 
 import importlib.util
+import time
 from array import array
 from collections.abc import Iterator
 from pathlib import Path
@@ -27,7 +28,14 @@ import sglang_hook.settings as settings_mod
 import warply_plugins.sglang as plugin
 from router.index import MemoryIndex
 from warply.launch import free_port
-from warply.protocol import BlockRemoved, BlockStored, LoadSnapshot, StreamDecoder, prefix_keys
+from warply.protocol import (
+    BlockRemoved,
+    BlockStored,
+    LoadSnapshot,
+    StreamDecoder,
+    Tier,
+    prefix_keys,
+)
 
 ROOT = Path(__file__).resolve().parents[2]
 MODEL = "tiny"
@@ -189,3 +197,37 @@ def test_events_carry_router_keys_and_route(collectors: Any, backend: str, page:
     finally:
         for kv in pubs.values():
             kv.kv_event_publisher.shutdown()
+
+
+def test_unknown_medium_is_skipped_and_counted_on_the_scheduler_thread(collectors: Any) -> None:
+    """SGLang's pump hands the publisher a batch with an event on a medium no tier maps: it is
+    left out and counted (`skipped`), the rest of the batch is sent, nothing raises."""
+    from sglang.srt.disaggregation.kv_events import BlockRemoved as SgRemoved
+    from sglang.srt.disaggregation.kv_events import BlockStored as SgStored
+    from sglang.srt.disaggregation.kv_events import KVEventBatch
+
+    cache, _ = build_cache(16, "python", 2048)
+    kv = scheduler_publisher(cache, collectors["w0"][1], "w0")
+    sub = collectors["w0"][0]
+    handshake(kv, sub)
+    publisher = kv.kv_event_publisher
+    tokens = list(range(16))
+    try:
+        batch = KVEventBatch(
+            ts=time.time(),
+            events=[
+                SgStored([-2], None, tokens, 16, None, medium="TAPE"),
+                SgStored([-3], None, tokens, 16, None, medium="CPU_PINNED", cache_salt="t"),
+                SgRemoved([-2], medium="TAPE"),
+                SgRemoved([-4], medium="DISK"),
+            ],
+        )
+        publisher.publish(batch)
+        events = [e for b in receive(sub, StreamDecoder("w0")) for e in b.events]
+    finally:
+        publisher.shutdown()
+    assert events == [
+        BlockStored([2**64 - 3], None, tokens, 16, Tier.CPU, "t", None),
+        BlockRemoved([2**64 - 4], Tier.SSD),
+    ]
+    assert publisher.skipped == {"unknown_medium": 2}

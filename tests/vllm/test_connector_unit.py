@@ -26,7 +26,13 @@ from vllm_connector.config import WarplyConfigError, WarplySettings, parse_confi
 from vllm_connector.connector import WarplyConnector, WarplyHMAConnector
 from vllm_connector.export import StateExporter
 from vllm_connector.metrics import WarplyConnectorStats, WarplyCounters, build_stats
-from warply.protocol import AllCleared, BlockRemoved, BlockStored, PluginSettings, Tier
+from warply.protocol import (
+    AllCleared,
+    BlockRemoved,
+    BlockStored,
+    PluginSettings,
+    Tier,
+)
 from warply_plugins.vllm import register
 
 
@@ -235,3 +241,42 @@ def test_delegate_tiers_are_exported_beside_the_device_tier(collector: Collector
     assert [e for e in events if isinstance(e, BlockRemoved)] == [BlockRemoved([2], Tier.CPU)]
     assert not any(isinstance(e, AllCleared) for e in events)  # a delegate clear names no tier
     assert set(exporter.key_to_hash.values()) == {1, 2}  # device blocks still resolvable
+
+
+def _exporter(endpoint: str | None = None) -> tuple[StateExporter, WarplyCounters]:
+    counters = WarplyCounters()
+    exporter = StateExporter(
+        WarplySettings(events_endpoint=endpoint), model="m", worker="w", counters=counters,
+        load=lambda: (0, 0),
+    )  # fmt: skip
+    return exporter, counters
+
+
+def test_unknown_medium_is_counted_and_skipped(collector: Collector) -> None:
+    """One policy with the decoder and SGLang: an event on a medium no tier maps is left out
+    and counted (`events_skipped`, `vllm:warply_events_skipped_total`), never guessed onto the
+    device tier and never raised on the scheduler thread; the rest of the batch goes out."""
+    exporter, counters = _exporter(collector.endpoint)
+    try:
+        time.sleep(0.3)  # the PUB connects to the bound collector
+        tokens = list(range(100, 132))
+        exporter.add_delegate_events(
+            [
+                VllmBlockStored([7, 8], None, tokens, 16, None, "TAPE", None),
+                VllmBlockRemoved([7], "TAPE"),
+                VllmBlockStored([1, 2], None, tokens, 16, None, "STORAGE", None),
+                VllmBlockRemoved([2], "STORAGE"),
+            ]
+        )
+        exporter.flush()
+        events = collector.wait_for(lambda evs: any(isinstance(e, BlockRemoved) for e in evs))
+    finally:
+        exporter.close()
+    assert events == [
+        BlockStored([1, 2], None, tokens, 16, Tier.SSD, "", None),
+        BlockRemoved([2], Tier.SSD),
+    ]
+    assert exporter.skipped == {"unknown_medium": 2}
+    stats = counters.take()
+    assert (stats["events_skipped"], stats["events_exported"], stats["blocks_stored"]) == (2, 2, 2)
+    assert not exporter.key_to_hash  # nothing was put on the device tier

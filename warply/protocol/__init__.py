@@ -1,12 +1,6 @@
 """The wire contract between engine plugins, the router and the SDK (no engine imports)."""
 
-from warply.protocol.decoder import (
-    DecodedBatch,
-    Rejection,
-    StreamDecoder,
-    engine_block_id,
-    salt_namespace,
-)
+from warply.protocol.decoder import DecodedBatch, StreamDecoder
 from warply.protocol.directives import (
     Directive,
     DirectiveKind,
@@ -28,6 +22,15 @@ from warply.protocol.events import (
     encode_batch,
 )
 from warply.protocol.keys import chain_keys, prefix_keys, root_seed
+from warply.protocol.normalize import (
+    EventError,
+    Rejection,
+    block_removed,
+    block_stored,
+    engine_block_id,
+    event_tier,
+    salt_namespace,
+)
 from warply.protocol.plugin import PluginSettings, SettingsError
 from warply.protocol.tiers import Tier, tier_for_medium
 
@@ -44,6 +47,7 @@ __all__ = [
     "EndpointError",
     "Event",
     "EventBatch",
+    "EventError",
     "LoadSnapshot",
     "PluginSettings",
     "PrefixHit",
@@ -52,11 +56,14 @@ __all__ = [
     "StreamDecoder",
     "Tier",
     "TierMoved",
+    "block_removed",
+    "block_stored",
     "chain_keys",
     "decode_directive",
     "encode_batch",
     "encode_directive",
     "engine_block_id",
+    "event_tier",
     "parse_endpoint",
     "prefix_keys",
     "root_seed",

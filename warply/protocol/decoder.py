@@ -4,9 +4,10 @@ Reads ZMQ multipart frames `[topic, seq (u64 BE), msgpack payload]` as published
 plugins, vLLM 0.32 (`--kv-events-config`) and SGLang 0.5.23 (`--kv-events-config`), and yields
 `warply.protocol.events` structs. Engine batches come as msgspec-encoded structs, either as maps
 (`{"type": "BlockStored", ...}`) or as tagged arrays (`["BlockStored", ...]`) depending on the
-engine's struct options; both are read. Bad input never raises: each rejected frame is counted by
-reason (`StreamDecoder.rejected`) and logged (rate-limited), so one bad publisher cannot stop a
-subscriber.
+engine's struct options; both are read, then normalised by `warply.protocol.normalize` (the same
+code the plugins use). Bad input never raises: each rejected frame is counted by reason
+(`StreamDecoder.rejected`) and logged (rate-limited), so one bad publisher cannot stop a
+subscriber; an event on an unknown medium is skipped and counted, and its batch kept.
 """
 
 from __future__ import annotations
@@ -14,24 +15,34 @@ from __future__ import annotations
 import logging
 from collections import Counter
 from collections.abc import Sequence
-from enum import StrEnum
 from typing import Any
 
 import msgspec
-import xxhash
 
 from warply.protocol.events import (
     PROTOCOL_VERSION,
     AllCleared,
-    BlockRemoved,
-    BlockStored,
     Event,
     EventBatch,
 )
-from warply.protocol.tiers import tier_for_medium
+from warply.protocol.normalize import (
+    EventError,
+    Rejection,
+    block_removed,
+    block_stored,
+    engine_block_id,
+    salt_namespace,
+)
+
+__all__ = [
+    "DecodedBatch",
+    "Rejection",
+    "StreamDecoder",
+    "engine_block_id",
+    "salt_namespace",
+]
 
 _log = logging.getLogger(__name__)
-_U64 = (1 << 64) - 1
 _LOG_FIRST = 5
 _LOG_EVERY = 1000
 
@@ -51,21 +62,6 @@ _STORED_FIELDS = (
 _REMOVED_FIELDS = ("block_hashes", "medium")
 
 
-class Rejection(StrEnum):
-    """Why a frame was dropped."""
-
-    BAD_FRAME = "bad_frame"
-    """Wrong number of parts, or a sequence number that is not 8 bytes."""
-    BAD_MSGPACK = "bad_msgpack"
-    """The payload is not valid (or is truncated) msgpack."""
-    UNSUPPORTED_VERSION = "unsupported_version"
-    """A Warply batch with a protocol version this reader does not speak."""
-    BAD_SCHEMA = "bad_schema"
-    """Valid msgpack, but not a batch of known events with the right field types."""
-    UNKNOWN_MEDIUM = "unknown_medium"
-    """An engine medium with no tier mapping."""
-
-
 class DecodedBatch(msgspec.Struct, frozen=True):
     """One accepted publish: its sequence number, timestamp and normalised events."""
 
@@ -76,117 +72,32 @@ class DecodedBatch(msgspec.Struct, frozen=True):
     """"warply" for a Warply plugin stream, "engine" for a stock vLLM / SGLang stream."""
 
 
-class _Reject(Exception):
-    def __init__(self, reason: Rejection, detail: str) -> None:
-        super().__init__(detail)
-        self.reason = reason
-
-
-def engine_block_id(value: int | bytes) -> int:
-    """An engine block hash as the u64 id Warply uses: ints are masked to 64 bits, digests
-    longer than 8 bytes (vLLM with `VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=0`) folded with xxh3."""
-    if isinstance(value, int) and not isinstance(value, bool):
-        return value & _U64
-    if isinstance(value, (bytes, bytearray)):
-        if len(value) <= 8:
-            return int.from_bytes(value, "big")
-        return xxhash.xxh3_64_intdigest(bytes(value))
-    raise TypeError(f"block hash of type {type(value).__name__}")
-
-
-def _engine_hash(value: Any) -> int:
-    try:
-        return engine_block_id(value)
-    except TypeError as exc:
-        raise _Reject(Rejection.BAD_SCHEMA, str(exc)) from None
-
-
 def _fields(raw: Any, names: Sequence[str], kind: str) -> dict[str, Any]:
     if isinstance(raw, dict):
         return raw
     values = raw[1:]
     if len(values) > len(names) + 8:
-        raise _Reject(Rejection.BAD_SCHEMA, f"{kind} with {len(values)} fields")
+        raise EventError(Rejection.BAD_SCHEMA, f"{kind} with {len(values)} fields")
     return dict(zip(names, values, strict=False))
 
 
-def _int_list(value: Any, what: str) -> list[int]:
-    try:
-        return msgspec.convert(value, list[int])  # validated in C, no per-token Python loop
-    except msgspec.ValidationError:
-        raise _Reject(Rejection.BAD_SCHEMA, f"{what} must be a list of ints") from None
-
-
-def _tier(medium: Any) -> Any:
-    if medium is not None and not isinstance(medium, str):
-        raise _Reject(Rejection.BAD_SCHEMA, f"medium of type {type(medium).__name__}")
-    tier = tier_for_medium(medium)
-    if tier is None:
-        raise _Reject(Rejection.UNKNOWN_MEDIUM, f"medium {medium!r}")
-    return tier
-
-
-def salt_namespace(extra_keys: Any, lora_name: Any) -> str:
-    """The cache namespace of a chain root, from vLLM's per-block `extra_keys`.
-
-    vLLM 0.32 folds `cache_salt` into the extra keys of a request's first block only, next to
-    the LoRA name and multimodal ids; anything there besides the LoRA name changes the block's
-    identity, so it all becomes the namespace.
-    """
-    if not isinstance(extra_keys, list) or not extra_keys or not extra_keys[0]:
-        return ""
-    parts = [str(k) for k in extra_keys[0] if k != lora_name]
-    return "|".join(parts)
-
-
-def _stored(raw: Any) -> BlockStored:
+def _stored(raw: Any) -> Event:
     f = _fields(raw, _STORED_FIELDS, "BlockStored")
-    hashes = _engine_hashes(f.get("block_hashes"))
-    parent_raw = f.get("parent_block_hash")
-    parent = None if parent_raw is None else _engine_hash(parent_raw)
-    tokens = _int_list(f.get("token_ids"), "token_ids")
-    block_size = f.get("block_size")
-    if not isinstance(block_size, int) or block_size <= 0:
-        raise _Reject(Rejection.BAD_SCHEMA, f"block_size {block_size!r}")
-    if len(tokens) != len(hashes) * block_size:
-        raise _Reject(
-            Rejection.BAD_SCHEMA,
-            f"{len(tokens)} token ids for {len(hashes)} blocks of {block_size}",
-        )
-    lora = f.get("lora_name")
-    namespace = None
-    if parent is None:
-        # SGLang 0.5.23 sends the salt as its own `cache_salt` field; vLLM 0.32 in extra_keys.
-        salt = f.get("cache_salt")
-        namespace = salt if isinstance(salt, str) else salt_namespace(f.get("extra_keys"), lora)
-    return BlockStored(
-        block_hashes=hashes,
-        parent_hash=parent,
-        token_ids=tokens,
-        block_size=block_size,
-        tier=_tier(f.get("medium")),
-        namespace=namespace,
-        lora=lora if isinstance(lora, str) else None,
+    return block_stored(
+        f.get("block_hashes"),
+        f.get("parent_block_hash"),
+        f.get("token_ids"),
+        f.get("block_size"),
+        f.get("medium"),
+        lora_name=f.get("lora_name"),
+        cache_salt=f.get("cache_salt"),
+        extra_keys=f.get("extra_keys"),
     )
 
 
-def _engine_hashes(value: Any) -> list[int]:
-    """`block_hashes` as u64 ids; a list of in-range ints (vLLM's default) is checked in C."""
-    if not isinstance(value, list):
-        raise _Reject(Rejection.BAD_SCHEMA, "block_hashes must be a list")
-    try:
-        ids: list[int] = msgspec.convert(value, list[int])
-        if not ids or (min(ids) >= 0 and max(ids) <= _U64):
-            return ids
-    except msgspec.ValidationError:
-        pass  # bytes digests or bad items: one at a time below
-    return [_engine_hash(h) for h in value]
-
-
-def _removed(raw: Any) -> BlockRemoved:
+def _removed(raw: Any) -> Event:
     f = _fields(raw, _REMOVED_FIELDS, "BlockRemoved")
-    hashes = _engine_hashes(f.get("block_hashes"))
-    return BlockRemoved(block_hashes=hashes, tier=_tier(f.get("medium")))
+    return block_removed(f.get("block_hashes"), f.get("medium"))
 
 
 def _engine_event(raw: Any) -> Event:
@@ -195,30 +106,35 @@ def _engine_event(raw: Any) -> Event:
     elif isinstance(raw, list) and raw:
         tag = raw[0]
     else:
-        raise _Reject(Rejection.BAD_SCHEMA, f"event of type {type(raw).__name__}")
+        raise EventError(Rejection.BAD_SCHEMA, f"event of type {type(raw).__name__}")
     if tag == "BlockStored":
         return _stored(raw)
     if tag == "BlockRemoved":
         return _removed(raw)
     if tag == "AllBlocksCleared":
         return AllCleared()
-    raise _Reject(Rejection.BAD_SCHEMA, f"unknown event type {tag!r}")
+    raise EventError(Rejection.BAD_SCHEMA, f"unknown event type {tag!r}")
 
 
-def _engine_batch(raw: Any) -> tuple[float, list[Event]]:
+def _engine_batch(raw: Any) -> tuple[float, list[Any]]:
     if isinstance(raw, dict):
         ts, events = raw.get("ts"), raw.get("events")
     elif isinstance(raw, list) and len(raw) >= 2:
         ts, events = raw[0], raw[1]
     else:
-        raise _Reject(Rejection.BAD_SCHEMA, "payload is not an event batch")
+        raise EventError(Rejection.BAD_SCHEMA, "payload is not an event batch")
     if not isinstance(ts, (int, float)) or isinstance(ts, bool) or not isinstance(events, list):
-        raise _Reject(Rejection.BAD_SCHEMA, "batch needs a numeric ts and a list of events")
-    return float(ts), [_engine_event(e) for e in events]
+        raise EventError(Rejection.BAD_SCHEMA, "batch needs a numeric ts and a list of events")
+    return float(ts), events
 
 
 class StreamDecoder:
-    """Turns frames into `DecodedBatch`es; counts and logs what it rejects instead of raising."""
+    """Turns frames into `DecodedBatch`es; counts and logs what it rejects instead of raising.
+
+    `rejected` counts by reason: whole frames, except `unknown_medium`, which counts events
+    skipped from batches that were otherwise accepted (the batch keeps its sequence number, so
+    skipping an event never looks like a gap).
+    """
 
     def __init__(self, name: str = "") -> None:
         self.name = name
@@ -245,35 +161,50 @@ class StreamDecoder:
                 batch = self._warply(raw)
                 result = DecodedBatch(seq, batch.ts, batch.events, "warply")
             else:
-                ts, events = _engine_batch(raw)
-                result = DecodedBatch(seq, ts, events, "engine")
-        except _Reject as rej:
-            return self._reject(rej.reason, str(rej))
+                ts, raw_events = _engine_batch(raw)
+                result = DecodedBatch(seq, ts, self._engine_events(raw_events), "engine")
+        except EventError as exc:
+            return self._reject(exc.reason, str(exc))
         self.accepted += 1
         return result
+
+    def _engine_events(self, raw_events: list[Any]) -> list[Event]:
+        events: list[Event] = []
+        for raw in raw_events:
+            try:
+                events.append(_engine_event(raw))
+            except EventError as exc:
+                if exc.reason is not Rejection.UNKNOWN_MEDIUM:
+                    raise
+                self._count(exc.reason, str(exc), "skipped event")
+        return events
 
     @staticmethod
     def _warply(raw: list[Any]) -> EventBatch:
         version = raw[1] if len(raw) > 1 else None
         if version != PROTOCOL_VERSION:
-            raise _Reject(
+            raise EventError(
                 Rejection.UNSUPPORTED_VERSION,
                 f"protocol version {version!r}, this reader speaks {PROTOCOL_VERSION}",
             )
         try:
             return msgspec.convert(raw, EventBatch)
         except msgspec.ValidationError as exc:
-            raise _Reject(Rejection.BAD_SCHEMA, str(exc)) from None
+            raise EventError(Rejection.BAD_SCHEMA, str(exc)) from None
 
     def _reject(self, reason: Rejection, detail: str) -> DecodedBatch | None:
+        self._count(reason, detail, "rejected frame")
+        return None
+
+    def _count(self, reason: Rejection, detail: str, what: str) -> None:
         self.rejected[reason] += 1
         n = self.rejected[reason]
         if n <= _LOG_FIRST or n % _LOG_EVERY == 0:
             _log.warning(
-                "state stream %s: rejected frame (%s: %s); %d rejected for this reason",
+                "state stream %s: %s (%s: %s); %d for this reason",
                 self.name or "?",
+                what,
                 reason.value,
                 detail,
                 n,
             )
-        return None

@@ -15,7 +15,8 @@ class Tier(StrEnum):
 
 
 # Engine `medium` strings as they appear in vLLM / SGLang / LMCache KV events. vLLM 0.32 reports
-# "GPU" for device blocks even on its CPU backend, so "GPU" always means "engine-resident".
+# "GPU" for device blocks even on its CPU backend, so "GPU" always means "engine-resident";
+# its offloading connectors report "CPU" and "STORAGE" (`vllm.distributed.kv_events.MEDIUM_*`).
 _MEDIUM_TO_TIER: dict[str, Tier] = {
     "GPU": Tier.GPU,
     "DEVICE": Tier.GPU,
@@ -28,6 +29,7 @@ _MEDIUM_TO_TIER: dict[str, Tier] = {
     "NVME": Tier.SSD,
     "SSD": Tier.SSD,
     "CPU_TIER2": Tier.SSD,
+    "STORAGE": Tier.SSD,
     "LOCAL_DISK": Tier.SSD,
     "EXTERNAL": Tier.OBJECT_STORE,
     "REMOTE": Tier.OBJECT_STORE,
@@ -39,7 +41,9 @@ _MEDIUM_TO_TIER: dict[str, Tier] = {
 def tier_for_medium(medium: str | None) -> Tier | None:
     """Map an engine medium to a tier; `None` (engines omit it for device blocks) means GPU.
 
-    Returns None for a medium no engine is known to send, so callers can reject it by name.
+    Returns None for a medium no engine is known to send. The one policy for that case, on every
+    path (decoder, vLLM and SGLang plugins, through `warply.protocol.normalize.event_tier`): the
+    event is skipped and counted, never guessed onto a tier and never raised into an engine.
     """
     if medium is None or medium == "":
         return Tier.GPU
