@@ -26,6 +26,7 @@ from router.metrics import RouterMetrics
 from router.placement import Decision, Placement
 from router.strategies import NoCandidate
 from router.tokenize import Prompt, PromptError, RouterTokenizer, start_prompts
+from warply.protocol import request_namespace
 from warply.protocol.api import Overrides
 
 _T = TypeVar("_T")
@@ -190,8 +191,7 @@ class Proxy:
         ov = _overrides(body)
         if ov.cache_key is not None:
             body["cache_salt"] = ov.cache_key
-        salt = body.get("cache_salt")
-        namespace = salt if isinstance(salt, str) else ""
+        namespace = request_namespace(body, self.model)
         try:
             prompts = await self._tokenize(start_prompts, self._tokenizer, kind, body)
         except PromptError as exc:

@@ -19,6 +19,12 @@ Run in the vllm venv (needs vllm, pyzmq, msgspec, torch/transformers for the tin
 
     .venvs/vllm/bin/python scripts/capture_vllm_events.py              # bs 32 and 128
     .venvs/vllm/bin/python scripts/capture_vllm_events.py --block-sizes 32 --out-dir /tmp/ev
+    .venvs/vllm/bin/python scripts/capture_vllm_events.py --lora --block-sizes 32
+
+`--lora` serves two adapters (scripts/tiny_lora.py, `--enable-lora --lora-modules a=.. b=..`)
+and sends the LoRA scenario instead (`make_lora_sequences`: one prompt for the base model and
+each adapter, an adapter's salted request, a shared prefix, evictions, a reset) to
+vllm-<version>-lora-bs<N>.msgpack; its sequences also carry `lora` (the adapter, or None).
 
 Servers are started in their own process group and stopped by PID (also on error).
 """
@@ -70,6 +76,32 @@ def make_sequences(seed: int, vocab: int) -> list[dict]:
     seqs.append({"label": "long-after-evictions", "token_ids": list(long_), "cache_salt": None})
     seqs.append({"label": "RESET", "token_ids": [], "cache_salt": None})  # marker, not sent
     seqs.append({"label": "short-after-reset", "token_ids": long_[:100], "cache_salt": None})
+    return seqs
+
+
+def make_lora_sequences(seed: int, vocab: int) -> list[dict]:
+    """The LoRA scenario: equal prompts under the base model and adapters `a` and `b`."""
+    rng = random.Random(seed)
+
+    def toks(n: int) -> list[int]:
+        return [rng.randrange(SPECIAL_IDS, vocab) for _ in range(n)]
+
+    prompt = toks(300)
+
+    def seq(label: str, tokens: list[int], lora: str | None, salt: str | None = None) -> dict:
+        return {"label": label, "token_ids": tokens, "cache_salt": salt, "lora": lora}
+
+    seqs = [
+        seq("base", prompt, None),
+        seq("lora-a", list(prompt), "a"),
+        seq("lora-b", list(prompt), "b"),
+        seq("lora-a-repeat", list(prompt), "a"),
+        seq("lora-a-salted", list(prompt), "a", "tenant-a"),
+        seq("lora-b-shared-prefix", prompt[:200] + toks(100), "b"),
+    ]
+    seqs += [seq(f"evict-{i}", toks(500), None) for i in range(2)]
+    seqs.append(seq("RESET", [], None))  # marker, not sent
+    seqs.append(seq("lora-a-after-reset", prompt[:100], "a"))
     return seqs
 
 
@@ -151,11 +183,22 @@ def capture(args, block_size: int, model: str, version: str, logdir: Path) -> Pa
             "replay_endpoint": f"tcp://{HOST}:{replay_port}",  # always bound by vLLM
             "topic": TOPIC,
         }
+        lora_args: list[str] = []
+        if args.lora:
+            adapters = subprocess.run(
+                [sys.executable, str(ROOT / "scripts" / "tiny_lora.py"), model, "a", "b"],
+                check=True,
+                stdout=subprocess.PIPE,
+                text=True,
+            ).stdout.split()
+            lora_args = ["--enable-lora", "--max-lora-rank", "8", "--max-loras", "2"]
+            lora_args += ["--lora-modules", *adapters]
         srv = VllmServer(
             args.vllm,
             model,
             log_path=logdir / f"vllm-bs{block_size}.log",
             args=[
+                *lora_args,
                 "--block-size",
                 str(block_size),
                 "--num-gpu-blocks-override",
@@ -176,7 +219,7 @@ def capture(args, block_size: int, model: str, version: str, logdir: Path) -> Pa
         startup = srv.wait_healthy(args.startup_timeout)
         log(f"bs{block_size}: healthy after {startup:.1f}s")
         vocab = json.loads((Path(model) / "config.json").read_text())["vocab_size"]
-        seqs = make_sequences(args.seed, vocab)
+        seqs = (make_lora_sequences if args.lora else make_sequences)(args.seed, vocab)
         sent = []
         for s in seqs:
             if s["label"] == "RESET":
@@ -188,7 +231,7 @@ def capture(args, block_size: int, model: str, version: str, logdir: Path) -> Pa
                 notes.append(f"POST /reset_prefix_cache after '{sent[-1]['label']}'")
                 continue
             body = {
-                "model": "tiny",
+                "model": s.get("lora") or "tiny",
                 "prompt": s["token_ids"],
                 "max_tokens": args.max_tokens,
                 "temperature": 0.0,
@@ -230,6 +273,7 @@ def capture(args, block_size: int, model: str, version: str, logdir: Path) -> Pa
         "model": "tiny",
         "sequences": [
             dict(label=s["label"], token_ids=s["token_ids"], cache_salt=s["cache_salt"])
+            | ({"lora": s["lora"]} if args.lora else {})
             for s in sent
         ],
         "frames": frames,
@@ -242,10 +286,19 @@ def capture(args, block_size: int, model: str, version: str, logdir: Path) -> Pa
             f"default (int hashes). Requests sent one at a time, /v1/completions with "
             f"token-id prompts, max_tokens={args.max_tokens}, temperature 0 (generated tokens "
             f"can complete a block, so a BlockStored may carry output tokens). "
-            f"Server start-up to /health {startup:.1f}s. " + "; ".join(notes)
+            + (
+                "LoRA: two rank-4 adapters from scripts/tiny_lora.py served as `a` and `b` "
+                "(--enable-lora --max-lora-rank 8 --max-loras 2), requests name them in "
+                "`model`. "
+                if args.lora
+                else ""
+            )
+            + f"Server start-up to /health {startup:.1f}s. "
+            + "; ".join(notes)
         ),
     }
-    out = Path(args.out_dir) / f"vllm-{version}-bs{block_size}.msgpack"
+    kind = "lora-" if args.lora else ""
+    out = Path(args.out_dir) / f"vllm-{version}-{kind}bs{block_size}.msgpack"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_bytes(msgspec.msgpack.encode(doc))
     log(f"bs{block_size}: wrote {out} ({out.stat().st_size} bytes, {len(frames)} frames)")
@@ -277,6 +330,7 @@ def main() -> int:
         default=str(Path(sys.executable).parent / "vllm"),
         help="vllm CLI to run (default: the one next to this python)",
     )
+    ap.add_argument("--lora", action="store_true", help="the LoRA scenario (two adapters)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--max-tokens", type=int, default=2)
     ap.add_argument("--startup-timeout", type=float, default=600)

@@ -2,9 +2,10 @@
 
 SGLang 0.5.23 records `BlockStored` / `BlockRemoved` / `AllBlocksCleared`
 (`sglang.srt.disaggregation.kv_events`) with signed 64-bit page hashes, `medium` "GPU" for the
-device tree and "CPU_PINNED" for the HiCache host tier, and `cache_salt` on a chain's root. They
-are normalised by `warply.protocol.normalize`, as `warply.protocol.StreamDecoder` normalises a
-stock SGLang stream, so one page has one id, tier and namespace on every path.
+device tree and "CPU_PINNED" for the HiCache host tier, `cache_salt` on a chain's root and the
+adapter's `lora_name`. They are normalised by `warply.protocol.normalize`, as
+`warply.protocol.StreamDecoder` normalises a stock SGLang stream, so one page has one id, tier
+and namespace on every path.
 """
 
 from __future__ import annotations

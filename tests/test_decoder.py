@@ -18,14 +18,21 @@ from warply.protocol import (
     Rejection,
     StreamDecoder,
     Tier,
+    cache_namespace,
     chain_keys,
     encode_batch,
     engine_block_id,
     prefix_keys,
+    request_namespace,
     root_seed,
 )
 
 MODEL = "capture-model"
+
+
+def _namespace(seq: dict[str, Any]) -> str:
+    """The namespace the router gives a captured request (its salt and LoRA adapter)."""
+    return cache_namespace(seq.get("cache_salt"), seq.get("lora"))
 
 
 def _decode_all(capture: dict[str, Any]) -> tuple[StreamDecoder, list[Any]]:
@@ -79,7 +86,7 @@ def test_capture_key_parity_with_request_side(capture: dict[str, Any]) -> None:
     reported = set(key_of.values())
     checked = 0
     for seq in capture["sequences"]:
-        expected = prefix_keys(seq["token_ids"], block_size, MODEL, seq.get("cache_salt") or "")
+        expected = prefix_keys(seq["token_ids"], block_size, MODEL, _namespace(seq))
         checked += len(expected)  # a prompt shorter than one block has nothing to cache
         missing = [i for i, k in enumerate(expected) if k not in reported]
         assert not missing, f"{seq['label']}: blocks {missing} of {len(expected)} not in the stream"
@@ -92,7 +99,7 @@ def test_salted_sequences_get_their_own_namespace(capture: dict[str, Any]) -> No
         pytest.skip(f"{capture['engine']} capture has no salted request")
     _, events = _decode_all(capture)
     roots = {e.namespace for e in events if isinstance(e, BlockStored) and e.parent_hash is None}
-    assert {s["cache_salt"] for s in salted} <= roots
+    assert {_namespace(s) for s in salted} <= roots
     assert "" in roots
 
 
@@ -104,6 +111,50 @@ def test_vllm_capture_reports_reset_as_all_cleared() -> None:
         capture["path"] = path
         _, events = _decode_all(capture)
         assert any(isinstance(e, AllCleared) for e in events), path.name
+
+
+def _keys_by_hash(events: list[Any]) -> dict[int, int]:
+    """Engine hash → canonical key of every stored block (the index's ingestion, in short)."""
+    key_of: dict[int, int] = {}
+    for ev in events:
+        if isinstance(ev, BlockStored):
+            seed = (
+                root_seed(MODEL, ev.namespace or "")
+                if ev.parent_hash is None
+                else key_of[ev.parent_hash]
+            )
+            keys = chain_keys(ev.token_ids, ev.block_size, seed)
+            key_of.update(zip(ev.block_hashes, keys, strict=True))
+    return key_of
+
+
+def test_vllm_lora_capture_keeps_adapters_apart() -> None:
+    """vLLM 0.32 serving adapters `a` and `b` (scripts/capture_vllm_events.py --lora): equal
+    prompts under the base model and each adapter are distinct blocks in the engine, so they
+    get distinct namespaces and keys; the keys equal the router's for the same requests."""
+    from conftest import EVENTS_DIR, load_capture
+
+    capture = load_capture(EVENTS_DIR / "vllm-0.32.0-lora-bs32.msgpack")
+    capture["path"] = EVENTS_DIR / "vllm-0.32.0-lora-bs32.msgpack"
+    decoder, events = _decode_all(capture)
+    assert not decoder.rejected
+    roots = [e for e in events if isinstance(e, BlockStored) and e.parent_hash is None]
+    by_label = {s["label"]: s for s in capture["sequences"]}
+    prompt = by_label["base"]["token_ids"]
+    firsts = {
+        (r.namespace, r.lora): r.block_hashes[0] for r in roots if r.token_ids[:32] == prompt[:32]
+    }
+    assert firsts.keys() == {("", None), ("\0a", "a"), ("\0b", "b"), ("tenant-a\0a", "a")}
+    assert len(set(firsts.values())) == 4  # the engine's own hashes differ too
+
+    keys = _keys_by_hash(events).values()
+    per_request = {}
+    for label in ("base", "lora-a", "lora-b", "lora-a-salted"):
+        seq = by_label[label]
+        body = {"model": seq["lora"] or "tiny", "cache_salt": seq["cache_salt"]}
+        per_request[label] = prefix_keys(prompt, 32, MODEL, request_namespace(body, "tiny"))
+        assert set(per_request[label]) <= set(keys), label
+    assert len({k for ks in per_request.values() for k in ks}) == 4 * (len(prompt) // 32)
 
 
 def _frames(payload: bytes, seq: int = 0) -> list[bytes]:
@@ -236,6 +287,35 @@ def test_an_unknown_medium_skips_that_event_and_keeps_the_batch() -> None:
     got = decoder.decode_frames(_frames(msgspec.msgpack.encode(only_unknown), seq=6))
     assert got == DecodedBatch(6, 1.0, [], "engine")
     assert decoder.rejected == {Rejection.UNKNOWN_MEDIUM: 3}
+
+
+def test_lora_adapter_joins_the_namespace() -> None:
+    """vLLM 0.32 puts the adapter first in every block's extra keys and the salt after it on
+    the root; SGLang 0.5.23 sends `cache_salt` and `lora_name`. Both give one namespace, the one
+    the router builds from the request (`model` names the adapter)."""
+    tokens = list(range(16))
+
+    def decode(event: dict[str, Any]) -> BlockStored:
+        got = StreamDecoder().decode_frames(
+            _frames(msgspec.msgpack.encode([1.0, [{"type": "BlockStored", **event}]]))
+        )
+        assert got is not None and isinstance(got.events[0], BlockStored)
+        return got.events[0]
+
+    base = {"block_hashes": [1], "parent_block_hash": None, "token_ids": tokens, "block_size": 16}
+    vllm = decode({**base, "lora_name": "a", "extra_keys": [["a", "t"]], "medium": "GPU"})
+    sglang = decode({**base, "lora_name": "a", "cache_salt": "t", "medium": "GPU"})
+    assert vllm == sglang == BlockStored([1], None, tokens, 16, Tier.GPU, "t\0a", "a")
+    assert vllm.namespace == request_namespace({"model": "a", "cache_salt": "t"}, "base-model")
+    unsalted = decode({**base, "lora_name": "a", "extra_keys": [["a"]]})
+    assert unsalted.namespace == "\0a" == request_namespace({"model": "a"}, "base-model")
+    # A salt equal to the adapter's name is still a salt.
+    same = decode({**base, "lora_name": "a", "extra_keys": [["a", "a"]]})
+    assert same.namespace == "a\0a"
+    plain = decode({**base, "extra_keys": [["t"]]})
+    assert plain.namespace == "t" == request_namespace({"model": "m", "cache_salt": "t"}, "m")
+    child = decode({**base, "parent_block_hash": 7, "lora_name": "a", "extra_keys": [["a"]]})
+    assert (child.namespace, child.lora) == (None, "a")
 
 
 @pytest.mark.parametrize(

@@ -34,6 +34,7 @@ from warply.protocol import (
     Tier,
     block_removed,
     block_stored,
+    cache_namespace,
     chain_keys,
     engine_block_id,
     root_seed,
@@ -142,7 +143,7 @@ class StateExporter:
                 block_hashes=hashes,
                 hit_tokens=hit_tokens,
                 prompt_tokens=request.num_prompt_tokens,
-                namespace=request.cache_salt or "",
+                namespace=cache_namespace(request.cache_salt, _lora_name(request)),
             )
         )
 
@@ -245,3 +246,8 @@ class StateExporter:
         for h, key in zip(stored.block_hashes, keys, strict=True):
             self._hash_to_key[h] = key
             self.key_to_hash[key] = h
+
+
+def _lora_name(request: Request) -> str | None:
+    lora = request.lora_request
+    return lora.lora_name if lora is not None else None

@@ -8,6 +8,7 @@ bound on 127.0.0.1 plays the router's collector; `router.index.MemoryIndex` is f
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import time
 from array import array
@@ -15,6 +16,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
+from unittest import mock
 
 import pytest
 import torch
@@ -34,6 +36,7 @@ from warply.protocol import (
     LoadSnapshot,
     StreamDecoder,
     Tier,
+    cache_namespace,
     prefix_keys,
 )
 
@@ -54,10 +57,12 @@ def _capture_module() -> Any:
 build_cache = _capture_module().build_cache
 
 
-def insert(cache: Any, alloc: Any, tokens: list[int], salt: str | None = None) -> None:
+def insert(
+    cache: Any, alloc: Any, tokens: list[int], salt: str | None = None, extra_key: str | None = None
+) -> None:
     """Insert whole pages of `tokens` the way the scheduler caches a finished request."""
     n = len(tokens) // cache.page_size * cache.page_size
-    key = RadixKey(array("q", tokens[:n]), cache_salt=salt)
+    key = RadixKey(array("q", tokens[:n]), extra_key=extra_key, cache_salt=salt)
     match = cache.match_prefix(MatchPrefixParams(key=key))
     new = alloc.alloc(n - match.device_prefix_len)
     cached = cache.path_device_indices(match.last_device_node)[: match.device_prefix_len]
@@ -194,6 +199,55 @@ def test_events_carry_router_keys_and_route(collectors: Any, backend: str, page:
         assert any(isinstance(e, BlockRemoved) for e in removed)
         assert index.match(prefix_keys(DOC, page, MODEL))["w1"].blocks == 0
         assert index.match(salted)["w1"].blocks == 0
+    finally:
+        for kv in pubs.values():
+            kv.kv_event_publisher.shutdown()
+
+
+def _lora_cache(page: int, backend: str, adapters: dict[str, str]) -> tuple[Any, Any]:
+    """A radix cache whose event recorder knows `adapters` (LoRA id → name), as the scheduler
+    registers them (`KvEventLoraNames`, shared through `CacheInitParams`)."""
+    import sglang.srt.mem_cache.cache_init_params as init
+    from sglang.srt.mem_cache.events import KvEventLoraNames
+
+    names = KvEventLoraNames()
+    params = functools.partial(init.CacheInitParams, kv_event_lora_names=names)
+    with mock.patch.object(init, "CacheInitParams", params):
+        cache, alloc = build_cache(page, backend, 2048)
+    for lora_id, name in adapters.items():
+        # SGLang appends the adapter's 32-character id to the request's extra_key.
+        names.register(SimpleNamespace(lora_id=lora_id, extra_key=lora_id), name)
+    return cache, alloc
+
+
+@pytest.mark.parametrize("backend", ["rust", "python"])
+def test_lora_adapters_get_their_own_keys(collectors: Any, backend: str) -> None:
+    """Equal prompts under the base model and two adapters are three prefixes in SGLang's tree;
+    the router keys them apart by namespace (salt + adapter), as it keys the requests."""
+    page = 16
+    ids = {"a" * 32: "adapter-a", "b" * 32: "adapter-b"}
+    caches = {w: _lora_cache(page, backend, ids) for w in ("w0", "w1")}
+    pubs = {w: scheduler_publisher(caches[w][0], collectors[w][1], w) for w in caches}
+    for w, kv in pubs.items():
+        handshake(kv, collectors[w][0])
+    index = MemoryIndex(MODEL)
+    try:
+        for extra_key in (None, "a" * 32, "b" * 32):
+            insert(*caches["w0"], CHAT_A, extra_key=extra_key)
+        insert(*caches["w1"], CHAT_A, extra_key="b" * 32)
+        events = [e for w in pubs for e in pump(pubs[w], collectors[w][0], index, w)]
+        roots = sorted((e.namespace, e.lora) for e in events if isinstance(e, BlockStored))
+        assert roots == [
+            ("", None),
+            ("\0adapter-a", "adapter-a"),
+            ("\0adapter-b", "adapter-b"),
+            ("\0adapter-b", "adapter-b"),
+        ]
+        n = len(CHAT_A) // page
+        for lora, holders in ((None, {"w0"}), ("adapter-a", {"w0"}), ("adapter-b", {"w0", "w1"})):
+            match = index.match(prefix_keys(CHAT_A, page, MODEL, cache_namespace(None, lora)))
+            assert {w for w, m in match.items() if m.blocks == n} == holders, lora
+            assert all(m.blocks in (0, n) for m in match.values())
     finally:
         for kv in pubs.values():
             kv.kv_event_publisher.shutdown()

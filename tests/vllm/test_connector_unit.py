@@ -32,6 +32,9 @@ from warply.protocol import (
     BlockStored,
     PluginSettings,
     Tier,
+    cache_namespace,
+    chain_keys,
+    root_seed,
 )
 from warply_plugins.vllm import register
 
@@ -280,3 +283,32 @@ def test_unknown_medium_is_counted_and_skipped(collector: Collector) -> None:
     stats = counters.take()
     assert (stats["events_skipped"], stats["events_exported"], stats["blocks_stored"]) == (2, 2, 2)
     assert not exporter.key_to_hash  # nothing was put on the device tier
+
+
+def test_lora_and_salt_form_the_namespace(collector: Collector) -> None:
+    """vLLM 0.32 names the adapter first in every block's extra keys and the salt after it on
+    the root: the exported namespace is the router's for a request naming that adapter."""
+    exporter, counters = _exporter(collector.endpoint)
+    tokens = list(range(100, 132))
+    try:
+        time.sleep(0.3)  # the PUB connects to the bound collector
+        exporter.add_delegate_events(
+            [
+                VllmBlockStored([1], None, tokens[:16], 16, 1, "GPU", "a", [("a", "t")]),
+                VllmBlockStored([2], 1, tokens[16:], 16, 1, "GPU", "a", [("a",)]),
+                VllmBlockStored([3], None, tokens[:16], 16, 2, "GPU", "b", [("b",)]),
+            ]
+        )
+        exporter.flush()
+        events = collector.wait_for(lambda evs: len(evs) >= 3)
+    finally:
+        exporter.close()
+    assert events == [
+        BlockStored([1], None, tokens[:16], 16, Tier.GPU, cache_namespace("t", "a"), "a"),
+        BlockStored([2], 1, tokens[16:], 16, Tier.GPU, None, "a"),
+        BlockStored([3], None, tokens[:16], 16, Tier.GPU, cache_namespace(None, "b"), "b"),
+    ]
+    keys_a = chain_keys(tokens, 16, root_seed("m", "t\0a"))
+    key_b = chain_keys(tokens[:16], 16, root_seed("m", "\0b"))[0]
+    assert exporter.key_to_hash == {keys_a[0]: 1, keys_a[1]: 2, key_b: 3}
+    assert counters.events_skipped == 0

@@ -27,8 +27,10 @@ from warply.protocol.normalize import (
     Rejection,
     block_removed,
     block_stored,
+    cache_namespace,
     engine_block_id,
     event_tier,
+    request_namespace,
     salt_namespace,
 )
 from warply.protocol.plugin import PluginSettings, SettingsError
@@ -58,6 +60,7 @@ __all__ = [
     "TierMoved",
     "block_removed",
     "block_stored",
+    "cache_namespace",
     "chain_keys",
     "decode_directive",
     "encode_batch",
@@ -66,6 +69,7 @@ __all__ = [
     "event_tier",
     "parse_endpoint",
     "prefix_keys",
+    "request_namespace",
     "root_seed",
     "salt_namespace",
     "tier_for_medium",

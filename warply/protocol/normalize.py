@@ -19,6 +19,7 @@ reach an engine thread:
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from enum import StrEnum
 from typing import Any
 
@@ -100,16 +101,40 @@ def event_tier(medium: Any) -> Tier:
     return tier
 
 
-def salt_namespace(extra_keys: Any, lora_name: Any) -> str:
-    """The cache namespace of a chain root, from vLLM 0.32's per-block `extra_keys`.
+def cache_namespace(salt: str | None, lora: str | None = None) -> str:
+    """The cache namespace of a prefix: the tenant's cache salt, and the LoRA adapter if any.
 
-    vLLM folds `cache_salt` into the extra keys of a request's first block only, next to
-    the LoRA name and multimodal ids; anything there besides the LoRA name changes the block's
-    identity, so it all becomes the namespace.
+    Engines keep two adapters' (and two salts') caches apart even for equal tokens, so their
+    canonical keys must differ too. Without an adapter the namespace is the salt itself; with
+    one it is `salt + "\\0" + adapter` (NUL is the field separator of `keys.root_seed`). Both the
+    event side (this module) and the request side (`request_namespace`) build it here.
     """
+    base = salt or ""
+    return f"{base}\0{lora}" if lora else base
+
+
+def request_namespace(body: Mapping[str, Any], base_model: str) -> str:
+    """The namespace of an OpenAI request body: its `cache_salt`, and the LoRA adapter its
+    `model` names when that is not the base model (vLLM and SGLang serve adapters by name)."""
+    salt = body.get("cache_salt")
+    model = body.get("model")
+    lora = model if isinstance(model, str) and model != base_model else None
+    return cache_namespace(salt if isinstance(salt, str) else None, lora)
+
+
+def salt_namespace(extra_keys: Any, lora_name: Any) -> str:
+    """The cache namespace of a chain root from vLLM 0.32's per-block `extra_keys`.
+
+    vLLM folds `cache_salt` into the extra keys of a request's first block only, after the
+    LoRA name (first, on every block of an adapter's request) and multimodal ids; anything
+    there besides the LoRA name changes the block's identity, so it all becomes the salt part.
+    """
+    lora = lora_name if isinstance(lora_name, str) and lora_name else None
     first = extra_keys[0] if isinstance(extra_keys, list) and extra_keys else None
     parts = list(first) if isinstance(first, (list, tuple)) else []
-    return "|".join(_key_text(k) for k in parts if k != lora_name)
+    if lora is not None and parts and parts[0] == lora:
+        parts = parts[1:]
+    return cache_namespace("|".join(_key_text(k) for k in parts), lora)
 
 
 def _key_text(key: Any) -> str:
@@ -138,7 +163,7 @@ def block_stored(
     """One engine `BlockStored` (its fields as vLLM 0.32 / SGLang 0.5.23 name them) as Warply's.
 
     The namespace is set on a chain's root only: SGLang sends the salt as `cache_salt`, vLLM
-    inside `extra_keys`.
+    inside `extra_keys`; either way the LoRA adapter joins it (`cache_namespace`).
     """
     hashes = engine_block_ids(block_hashes)
     parent = None if parent_block_hash is None else _block_id(parent_block_hash)
@@ -155,7 +180,7 @@ def block_stored(
     namespace = None
     if parent is None:
         if isinstance(cache_salt, str):
-            namespace = cache_salt
+            namespace = cache_namespace(cache_salt, lora)
         else:
             namespace = salt_namespace(extra_keys, lora)
     return BlockStored(
