@@ -35,7 +35,7 @@ class IndexFeed:
                     w.name,
                     w.config.events,
                     self.on_batch,
-                    index.drop_worker,
+                    self._on_stale,
                     replay_endpoint=w.config.replay,
                     topic=w.config.topic.encode(),
                     bind=w.config.bind,
@@ -55,7 +55,10 @@ class IndexFeed:
                 await task
         self._tasks.clear()
 
-    def on_batch(self, worker: str, batch: DecodedBatch) -> None:
+    async def _on_stale(self, worker: str) -> None:
+        self._index.drop_worker(worker)
+
+    async def on_batch(self, worker: str, batch: DecodedBatch) -> None:
         """Apply one decoded batch of `worker`'s stream."""
         self._index.apply(worker, batch.events)
         for ev in batch.events:

@@ -499,7 +499,7 @@ def test_engine_load_and_prefix_hits_are_shown(tokenizer_dir: Path) -> None:
                 PrefixHit("r1", [11, 12], hit_tokens=8, prompt_tokens=12),
                 PrefixHit("r2", [11], hit_tokens=4, prompt_tokens=9),
             ]
-            router.feed.on_batch("a", DecodedBatch(1, 0.0, events, "warply"))  # type: ignore[arg-type]
+            await router.feed.on_batch("a", DecodedBatch(1, 0.0, events, "warply"))  # type: ignore[arg-type]
             async with session.get(base + "/warply/workers") as r:
                 workers = msgspec.json.decode(await r.read(), type=WorkerList).workers
             a, b = workers

@@ -23,10 +23,10 @@ class _Sink:
         self.batches: list[DecodedBatch] = []
         self.stale: list[str] = []
 
-    def on_batch(self, worker: str, batch: DecodedBatch) -> None:
+    async def on_batch(self, worker: str, batch: DecodedBatch) -> None:
         self.batches.append(batch)
 
-    def on_stale(self, worker: str) -> None:
+    async def on_stale(self, worker: str) -> None:
         self.stale.append(worker)
 
 

@@ -22,7 +22,7 @@ def _watch(args: argparse.Namespace) -> int:
 
     counts: Counter[str] = Counter()
 
-    def on_batch(worker: str, batch: DecodedBatch) -> None:
+    async def on_batch(worker: str, batch: DecodedBatch) -> None:
         for ev in batch.events:
             kind = type(ev).__name__
             counts[kind] += 1
@@ -34,7 +34,7 @@ def _watch(args: argparse.Namespace) -> int:
         if args.count and sum(counts.values()) >= args.count:
             raise asyncio.CancelledError
 
-    def on_stale(worker: str) -> None:
+    async def on_stale(worker: str) -> None:
         print(json.dumps({"event": "stale", "worker": worker}), flush=True)
 
     sub = StateSubscriber(

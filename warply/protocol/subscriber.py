@@ -11,7 +11,7 @@ index to drop them so the stream rebuilds them.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 
 import zmq
 import zmq.asyncio
@@ -23,14 +23,17 @@ _log = logging.getLogger(__name__)
 
 
 class StateSubscriber:
-    """Reads one worker's state stream and hands every in-order batch to `on_batch`."""
+    """Reads one worker's state stream and hands every in-order batch to `on_batch`.
+
+    `on_batch` and `on_stale` are coroutine functions; each is awaited before the next batch is
+    read, so the consumer sees the stream in order."""
 
     def __init__(
         self,
         worker: str,
         endpoint: str,
-        on_batch: Callable[[str, DecodedBatch], None],
-        on_stale: Callable[[str], None],
+        on_batch: Callable[[str, DecodedBatch], Awaitable[None]],
+        on_stale: Callable[[str], Awaitable[None]],
         *,
         replay_endpoint: str | None = None,
         topic: bytes = b"",
@@ -84,21 +87,22 @@ class StateSubscriber:
         if batch.seq < expected:
             if batch.seq != 0:
                 return  # a duplicate of something already applied (live after replay)
-            self._stale(f"sequence restarted at 0 after {self.last_seq} (publisher restarted)")
+            why = f"sequence restarted at 0 after {self.last_seq} (publisher restarted)"
+            await self._stale(why)
         elif batch.seq > expected:
             self.gaps += 1
             if not await self._replay(expected, batch.seq):
-                self._stale(f"could not recover seq {expected}..{batch.seq - 1}")
-        self._deliver(batch)
+                await self._stale(f"could not recover seq {expected}..{batch.seq - 1}")
+        await self._deliver(batch)
 
-    def _deliver(self, batch: DecodedBatch) -> None:
+    async def _deliver(self, batch: DecodedBatch) -> None:
         self.last_seq = batch.seq
-        self._on_batch(self.worker, batch)
+        await self._on_batch(self.worker, batch)
 
-    def _stale(self, why: str) -> None:
+    async def _stale(self, why: str) -> None:
         self.resyncs += 1
         _log.warning("state stream %s: %s; dropping its index entries (resync)", self.worker, why)
-        self._on_stale(self.worker)
+        await self._on_stale(self.worker)
 
     async def _replay(self, start: int, stop: int) -> bool:
         """Fetch batches `start..stop-1` from the replay socket and deliver them all at once;
@@ -106,12 +110,14 @@ class StateSubscriber:
 
         Delivery waits for the whole range because a replay walks through history: a late
         joiner's replay from 0 holds blocks stored before a cache reset, then the reset. Applied
-        batch by batch across awaits, the router would place requests on those past states."""
+        batch by batch across awaits, the router would place requests on those past states. The
+        batches go to `on_batch` back to back: when it never suspends (the router's index over
+        its in-process store), nothing else runs in between."""
         batches = await self._fetch(start, stop)
         if batches is None:
             return False
         for batch in batches:
-            self._deliver(batch)
+            await self._deliver(batch)
         self.replayed += len(batches)
         return True
 
@@ -124,7 +130,7 @@ class StateSubscriber:
             _log.info("state stream %s: no replay history; starting from live", self.worker)
             return
         for batch in batches:
-            self._deliver(batch)
+            await self._deliver(batch)
         self.replayed += len(batches)
 
     async def _fetch(self, start: int, stop: int | None) -> list[DecodedBatch] | None:
