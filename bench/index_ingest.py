@@ -1,8 +1,9 @@
 """Prefix-index benchmarks: event ingestion rate, memory per entry, match latency.
 
 Streams synthetic vLLM-format `BlockStored` batches (16-token blocks, chained requests) for
-several workers through the real decoder and `router.index.MemoryIndex`, then times `match` on
-prompt key chains. Baseline in the same run: decoding alone (no index).
+several workers through the real decoder and the router's index (`router.index.PrefixIndex`:
+ingestion over a `MemoryStore`, awaited in an event loop as the router does), then times
+`match` on prompt key chains. Baseline in the same run: decoding alone (no index).
 
     python bench/index_ingest.py [--blocks N] [--workers W] [--replicas R]
 
@@ -13,6 +14,7 @@ so memory per entry shows what sharing a block between workers costs.
 from __future__ import annotations
 
 import argparse
+import asyncio
 import gc
 import random
 import statistics
@@ -21,7 +23,7 @@ import tracemalloc
 
 import msgspec
 
-from router.index import MemoryIndex
+from router.index import MemoryStore, PrefixIndex, completed
 from warply.protocol import StreamDecoder, prefix_keys
 
 BS = 16
@@ -69,15 +71,18 @@ def main() -> None:
     t_decode = time.perf_counter() - t0
     print(f"decode only:      {n / t_decode / 1e3:8.0f} k blocks/s")
 
-    def ingest() -> tuple[MemoryIndex, float]:
-        idx = MemoryIndex("m", max_entries=10 * n)
+    async def feed(idx: PrefixIndex) -> float:
         dec = StreamDecoder()
         t0 = time.perf_counter()
         for worker, f in frames:
             batch = dec.decode_frames(f)
             assert batch is not None
-            idx.apply(worker, batch.events)
-        return idx, time.perf_counter() - t0
+            await idx.apply(worker, batch.events)
+        return time.perf_counter() - t0
+
+    def ingest() -> tuple[PrefixIndex, float]:
+        idx = PrefixIndex("m", MemoryStore(max_entries=10 * n))
+        return idx, asyncio.run(feed(idx))
 
     times = []
     for _ in range(3):  # this VM's speed drifts by ±30 % between seconds: median of 3 runs
@@ -90,7 +95,7 @@ def main() -> None:
     idx, _ = ingest()  # again under tracemalloc (slow), for memory only
     mem, _ = tracemalloc.get_traced_memory()
     tracemalloc.stop()
-    entries = idx.stats().entries
+    entries = asyncio.run(idx.stats()).entries
     rate = n / t_ingest
     print(
         f"decode + index:   {rate / 1e3:8.0f} k blocks/s median of 3 (best "
@@ -110,7 +115,7 @@ def main() -> None:
             t0 = time.perf_counter()
             keys = prefix_keys(p, BS, "m")
             t1 = time.perf_counter()
-            idx.match(keys)
+            completed(idx.match(keys))  # what `await` costs: the store never suspends
             t2 = time.perf_counter()
             t_keys.append(t1 - t0)
             t_match.append(t2 - t1)

@@ -1,9 +1,10 @@
 """Routing decision latency: key chain + index match + strategy choice, with and without
 tokenization, for 8 workers over an index of 1 M (block, worker) entries.
 
-The index is filled through `MemoryIndex.apply` with chained `BlockStored` events (16-token
-blocks, the GPU default and the hardest case for the key walk); each measured prompt shares a
-cached prefix (half its blocks) with one worker, so `match` walks deep chains. "+ tokenization"
+The index (`PrefixIndex` over a `MemoryStore`) is filled through `apply` with chained
+`BlockStored` events (16-token blocks, the GPU default and the hardest case for the key walk);
+each measured prompt shares a cached prefix (half its blocks) with one worker, so `match` walks
+deep chains; the decision is awaited in an event loop, as in the router. "+ tokenization"
 is the router's own request path up to its choice (`Proxy.prepare` + `Proxy.place`, tokenizer
 thread included): render the chat template and encode with the model's tokenizer (default: the
 newest tiny model built by scripts/tiny_model.py) through the chunk cache
@@ -30,7 +31,7 @@ from array import array
 from pathlib import Path
 
 from router.config import RouterConfig
-from router.index import MemoryIndex
+from router.index import MemoryStore, PrefixIndex
 from router.metrics import RouterMetrics
 from router.placement import Placement
 from router.proxy import Proxy
@@ -63,7 +64,7 @@ def _config() -> RouterConfig:
     )
 
 
-def _placement(index: MemoryIndex) -> Placement:
+def _placement(index: PrefixIndex) -> Placement:
     config = _config()
     workers = Workers(config.pools)
     for w in workers.values():
@@ -71,15 +72,15 @@ def _placement(index: MemoryIndex) -> Placement:
     return Placement(config, index, workers)
 
 
-def _fill(index: MemoryIndex, entries: int, rng: random.Random) -> None:
+async def _fill(index: PrefixIndex, entries: int, rng: random.Random) -> None:
     """Chains of 64 blocks, each on one random worker, until `entries` entries exist."""
     next_hash = 1
-    while index.stats().entries < entries:
+    while (await index.stats()).entries < entries:
         for _ in range(2000):
             tokens = [rng.randrange(8000) for _ in range(64 * BS)]
             hashes = list(range(next_hash, next_hash + 64))
             next_hash += 64
-            index.apply(f"w{rng.randrange(WORKERS)}", [BlockStored(hashes, None, tokens, BS)])
+            await index.apply(f"w{rng.randrange(WORKERS)}", [BlockStored(hashes, None, tokens, BS)])
 
 
 def _q(samples: list[float]) -> str:
@@ -128,14 +129,14 @@ async def _timed(proxy: Proxy, body: dict[str, object]) -> tuple[float, float]:
     return chosen, time.perf_counter() - t
 
 
-async def _tokenized(proxy: Proxy, tok: RouterTokenizer, index: MemoryIndex,
+async def _tokenized(proxy: Proxy, tok: RouterTokenizer, index: PrefixIndex,
                      rng: random.Random, args: argparse.Namespace) -> None:
     for n_tokens in (1024, 8192, 32768):
         rows: dict[str, list[float]] = {"warm": [], "warm whole": [], "cold": [], "cold whole": []}
         for i in range(min(args.samples, 100)):
             before, body = _conversation(tok, rng, n_tokens, min(args.new_turn, n_tokens // 2))
             seen = tok.chat_tokens(before)  # the earlier turn went through the router
-            index.apply(f"w{i % WORKERS}", [BlockStored(
+            await index.apply(f"w{i % WORKERS}", [BlockStored(
                 list(range(2 * 10**9 + i * 10**5, 2 * 10**9 + i * 10**5 + len(seen) // BS)),
                 None, seen[: len(seen) // BS * BS], BS)])
             for kind, b in (("warm", body), ("cold", _conversation(tok, rng, n_tokens,
@@ -157,12 +158,15 @@ def main() -> None:
     ap.add_argument("--max-model-len", type=int, default=131072,
                     help="the engine's context limit the router checks prompts against")
     ap.add_argument("--tokenizer", type=Path, default=_newest_tiny())
-    args = ap.parse_args()
+    asyncio.run(_run(ap.parse_args()))
+
+
+async def _run(args: argparse.Namespace) -> None:
     rng = random.Random(0)
-    index = MemoryIndex(MODEL, max_entries=2 * args.entries)
+    index = PrefixIndex(MODEL, MemoryStore(max_entries=2 * args.entries))
     t0 = time.perf_counter()
-    _fill(index, args.entries, rng)
-    print(f"index: {index.stats().entries} entries over {WORKERS} workers "
+    await _fill(index, args.entries, rng)
+    print(f"index: {(await index.stats()).entries} entries over {WORKERS} workers "
           f"(filled in {time.perf_counter() - t0:.1f}s); block size {BS}")
     placement = _placement(index)
     gc.freeze()  # as warply-router does after start-up (router/__main__.py)
@@ -171,14 +175,14 @@ def main() -> None:
         for i in range(args.samples):
             tokens = array("I", [rng.randrange(8000) for _ in range(n_tokens)])
             held = n_tokens // 2 // BS * BS  # half the prompt cached on one worker
-            index.apply(f"w{i % WORKERS}", [BlockStored(
+            await index.apply(f"w{i % WORKERS}", [BlockStored(
                 list(range(10**9 + i * 10**5, 10**9 + i * 10**5 + held // BS)), None,
                 tokens[:held], BS)])
             prompts.append(tokens)
         bare = []
         for tokens in prompts:
             t = time.perf_counter()
-            placement.choose(tokens)
+            await placement.choose(tokens)
             bare.append(time.perf_counter() - t)
         print(f"{n_tokens:6d} tokens  decision            {_q(bare)}")
     if args.tokenizer is None:
@@ -190,7 +194,7 @@ def main() -> None:
           f"max_model_len {args.max_model_len}")
     proxy = Proxy(MODEL, tok, placement, RouterMetrics(_config(), placement.workers), 60)
     proxy.max_model_len = args.max_model_len
-    asyncio.run(_tokenized(proxy, tok, index, rng, args))
+    await _tokenized(proxy, tok, index, rng, args)
 
 
 if __name__ == "__main__":

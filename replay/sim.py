@@ -1,7 +1,8 @@
 """Offline replay: the real router index and strategies over simulated engines, in simulated time.
 
 For each trace request in arrival order: every simulated engine runs the scheduler passes that
-start before the arrival; their cache events go into a real `router.index.MemoryIndex`; the
+start before the arrival; their cache events go into the router's real `PrefixIndex` over a
+`MemoryStore` (driven synchronously with `completed`: its coroutines never suspend); the
 strategy gets the request's canonical keys, the index's matches and each worker's load as the
 router computes it (in-flight requests and tokens, engine waiting queue, KV usage); the request
 joins the chosen engine. Nothing sleeps: time is the simulator's clock.
@@ -16,7 +17,7 @@ from dataclasses import dataclass
 from replay.costmodel import CostModel
 from replay.engine import EngineConfig, SimEngine, SimRequest
 from replay.trace import ExpandedTrace
-from router.index import MemoryIndex
+from router.index import MemoryStore, PrefixIndex, completed
 from router.placement import predicted_cached
 from router.strategies import RequestView, Strategy, WorkerLoad
 
@@ -36,8 +37,8 @@ class ReplayResult:
     """Trace index → worker."""
     engines: dict[str, SimEngine]
     """The simulated engines, in their final state (caches, counters)."""
-    index: MemoryIndex
-    """The router index the engines fed."""
+    index: PrefixIndex
+    """The router index the engines fed (over a `MemoryStore`: read it with `completed`)."""
     decision_s: list[float]
     """Router decision time per request (index match + strategy), seconds."""
     rejected: int = 0
@@ -78,7 +79,7 @@ def simulate(
         SimEngine(f"w{i}", trace.tokens, cfg, model() if model else None) for i in range(workers)
     ]
     by_name = {e.name: e for e in engines}
-    index = MemoryIndex(trace.model)
+    index = PrefixIndex(trace.model, MemoryStore())
     placement: dict[int, str] = {}
     decisions: list[float] = []
     rejected = 0
@@ -89,7 +90,7 @@ def simulate(
         for e in engines:
             e.advance(now)
             if e.events:
-                index.apply(e.name, e.events)
+                completed(index.apply(e.name, e.events))
                 e.events.clear()
         if not engines[0].fits(req.input_length, req.output_length):
             rejected += 1
@@ -98,7 +99,7 @@ def simulate(
         view = RequestView(keys, req.input_length, cfg.block_size)
         loads = [_load(e) for e in engines]
         t0 = clock()
-        matches = index.match(keys)
+        matches = completed(index.match(keys))
         name = strategy.choose(view, loads, matches)
         decisions.append(clock() - t0)
         placement[i] = name
@@ -113,7 +114,7 @@ def simulate(
     for e in engines:
         e.advance(float("inf"))
         if e.events:
-            index.apply(e.name, e.events)
+            completed(index.apply(e.name, e.events))
             e.events.clear()
     if progress and step:
         progress(step)

@@ -22,7 +22,7 @@ from router.config import RouterConfig
 from router.control import send_directive
 from router.errors import ApiError, json_object
 from router.feed import IndexFeed
-from router.index import MemoryIndex
+from router.index import MemoryStore, PrefixIndex
 from router.metrics import RouterMetrics
 from router.placement import Placement
 from router.proxy import Proxy
@@ -44,7 +44,7 @@ class Router:
 
     def __init__(self, config: RouterConfig, tokenizer: RouterTokenizer | None = None) -> None:
         self.config = config
-        self.index = MemoryIndex(config.model, max_entries=config.index_max_entries)
+        self.index = PrefixIndex(config.model, MemoryStore(config.index_max_entries))
         self.workers = Workers(config.pools)
         self.placement = Placement(config, self.index, self.workers)
         tokenizer = tokenizer or RouterTokenizer(config.tokenizer)
@@ -170,21 +170,21 @@ class Router:
         return web.json_response(body, status=status)
 
     async def _metrics(self, _: web.Request) -> web.Response:
-        body = self.metrics.render(self.index.stats())
+        body = self.metrics.render(await self.index.stats())
         return web.Response(body=body, content_type="text/plain", charset="utf-8")
 
     # -- admin API -------------------------------------------------------------------------------
 
-    def cache_stats(self) -> CacheStats:
+    async def cache_stats(self) -> CacheStats:
         """What `/warply/cache_stats` serves."""
-        return self.metrics.cache_stats(self.index.stats())
+        return self.metrics.cache_stats(await self.index.stats())
 
     def worker_list(self) -> WorkerList:
         """What `/warply/workers` serves."""
         return WorkerList([w.view(self.feed.stream_stats(w.name)) for w in self.workers.values()])
 
     async def _cache_stats(self, _: web.Request) -> web.Response:
-        return _json(self.cache_stats())
+        return _json(await self.cache_stats())
 
     async def _workers(self, _: web.Request) -> web.Response:
         return _json(self.worker_list())

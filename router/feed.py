@@ -35,7 +35,7 @@ class IndexFeed:
                     w.name,
                     w.config.events,
                     self.on_batch,
-                    self._on_stale,
+                    index.drop_worker,
                     replay_endpoint=w.config.replay,
                     topic=w.config.topic.encode(),
                     bind=w.config.bind,
@@ -55,12 +55,9 @@ class IndexFeed:
                 await task
         self._tasks.clear()
 
-    async def _on_stale(self, worker: str) -> None:
-        self._index.drop_worker(worker)
-
     async def on_batch(self, worker: str, batch: DecodedBatch) -> None:
         """Apply one decoded batch of `worker`'s stream."""
-        self._index.apply(worker, batch.events)
+        await self._index.apply(worker, batch.events)
         for ev in batch.events:
             if isinstance(ev, LoadSnapshot):
                 self._workers.engine_load(worker, ev)

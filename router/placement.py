@@ -55,7 +55,7 @@ class Placement:
             for pool in workers.pools
         ]
 
-    def choose(
+    async def choose(
         self,
         tokens: Sequence[int],
         namespace: str = "",
@@ -63,11 +63,11 @@ class Placement:
         exclude: Collection[str] = (),
     ) -> Decision:
         """The placement for a prompt; raises `NoCandidate` when no worker may take it."""
-        decision = self._choose(tokens, len(tokens), namespace, prefix_reuse, exclude, False)
+        decision = await self._choose(tokens, len(tokens), namespace, prefix_reuse, exclude, False)
         assert decision is not None  # only early choices give up
         return decision
 
-    def choose_early(
+    async def choose_early(
         self,
         tokens: Sequence[int],
         prompt_tokens: int,
@@ -80,9 +80,9 @@ class Placement:
         so the caller must tokenize the whole prompt and `choose`). Key chains are prefix
         hashes: once every worker's match has ended inside `tokens`, no later token changes it.
         """
-        return self._choose(tokens, prompt_tokens, namespace, prefix_reuse, exclude, True)
+        return await self._choose(tokens, prompt_tokens, namespace, prefix_reuse, exclude, True)
 
-    def _choose(
+    async def _choose(
         self,
         tokens: Sequence[int],
         prompt_tokens: int,
@@ -99,7 +99,7 @@ class Placement:
             if not candidates:
                 continue
             keys = prefix_keys(tokens, bs, self.model, namespace)
-            matches = self.index.match(keys, [w.name for w in candidates])
+            matches = await self.index.match(keys, [w.name for w in candidates])
             if early and any(m.blocks >= len(keys) for m in matches.values()):
                 return None
             picks.append((bs, strategy, keys, matches, candidates))

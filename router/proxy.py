@@ -164,7 +164,7 @@ class Proxy:
                 prep.prompt, prep.rest = await prep.rest, None
             prompt = prep.prompt
             if not prompt.complete:
-                decision = self._placement.choose_early(
+                decision = await self._placement.choose_early(
                     prompt.tokens, prompt.estimate, prep.namespace, prep.prefix_reuse, tried
                 )
                 if decision is not None:
@@ -172,7 +172,7 @@ class Proxy:
                     prep.rest = asyncio.ensure_future(rest)
                     return decision
                 prep.prompt = prompt = await self._tokenize(self._tokenizer.finish, prompt)
-            return self._placement.choose(
+            return await self._placement.choose(
                 prompt.tokens, prep.namespace, prep.prefix_reuse, tried
             )
         except NoCandidate as exc:

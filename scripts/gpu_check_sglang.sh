@@ -21,7 +21,7 @@ timeout 420 "$PY" - "$PORT" "$ROUTER" "$CONTROL" "$MODEL" <<'PY'
 import json, sys, time, urllib.request
 import zmq
 from transformers import AutoTokenizer
-from router.index import MemoryIndex
+from router.index import MemoryStore, PrefixIndex, completed
 from warply.protocol import Directive, DirectiveKind, StreamDecoder, encode_directive, prefix_keys
 port, router, control, model = sys.argv[1], sys.argv[2], sys.argv[3], sys.argv[4]
 sub = zmq.Context.instance().socket(zmq.SUB); sub.setsockopt(zmq.SUBSCRIBE, b"")
@@ -37,7 +37,7 @@ else:
 tok = AutoTokenizer.from_pretrained(model)
 prompt = "Warply GPU check. " * 40
 ids = tok(prompt)["input_ids"]
-index, decoder = MemoryIndex("tiny"), StreamDecoder("gpu0")
+index, decoder = PrefixIndex("tiny", MemoryStore()), StreamDecoder("gpu0")
 def ask():
     body = json.dumps({"input_ids": ids, "sampling_params": {"max_new_tokens": 4}}).encode()
     req = urllib.request.Request(base + "/generate", body, {"Content-Type": "application/json"})
@@ -47,10 +47,10 @@ def drain():
         b = decoder.decode_frames(sub.recv_multipart())
         if b:
             for e in b.events: print("event", type(e).__name__, str(e)[:160])
-            index.apply("gpu0", b.events)
+            completed(index.apply("gpu0", b.events))
 print("first cached_tokens", ask()); drain()
 keys = prefix_keys(ids, 16, "tiny")
-print("index predicts", index.match(keys).get("gpu0"), "of", len(keys), "blocks")
+print("index predicts", completed(index.match(keys)).get("gpu0"), "of", len(keys), "blocks")
 print("second cached_tokens", ask()); drain()
 d = zmq.Context.instance().socket(zmq.DEALER); d.connect(f"tcp://127.0.0.1:{control}")
 d.send(encode_directive(Directive("pin1", DirectiveKind.PIN, token_ids=ids, ttl_s=30)))

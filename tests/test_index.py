@@ -1,15 +1,29 @@
-"""The router's prefix index: canonical keys from events, tiers, removals, caps, resync."""
+"""The router's prefix index: the store contract (on `MemoryStore`), ingestion (canonical keys
+from events, tiers, removals, resync) and the memory store's own cap and recency."""
 
 from __future__ import annotations
 
+import asyncio
 import random
 from collections import Counter
+from collections.abc import Collection, Iterable, Sequence
+from typing import Any
 
-from router.index import MemoryIndex
+from index_contract import check_store_contract
+
+from router.index import (
+    IndexStats,
+    IndexStore,
+    MemoryStore,
+    PrefixIndex,
+    WorkerMatch,
+    completed,
+)
 from warply.protocol import (
     AllCleared,
     BlockRemoved,
     BlockStored,
+    Event,
     Tier,
     TierMoved,
     prefix_keys,
@@ -17,6 +31,26 @@ from warply.protocol import (
 
 MODEL = "m"
 BS = 4
+
+
+class _Index:
+    """`PrefixIndex` over a `MemoryStore`, driven synchronously (its coroutines never suspend)."""
+
+    def __init__(self, max_entries: int = 4_000_000) -> None:
+        self.store = MemoryStore(max_entries)
+        self.index = PrefixIndex(MODEL, self.store)
+
+    def apply(self, worker: str, events: Iterable[Event]) -> None:
+        completed(self.index.apply(worker, events))
+
+    def drop_worker(self, worker: str) -> None:
+        completed(self.index.drop_worker(worker))
+
+    def match(self, keys: Sequence[int], workers: Collection[str] | None = None) -> Any:
+        return completed(self.index.match(keys, workers))
+
+    def stats(self) -> IndexStats:
+        return completed(self.index.stats())
 
 
 def _stored(
@@ -31,8 +65,63 @@ def _stored(
     return BlockStored(hashes, parent, tokens, BS, tier, namespace)
 
 
+# -- the store contract ----------------------------------------------------------------------
+
+
+def test_memory_store_keeps_the_store_contract() -> None:
+    asyncio.run(check_store_contract(MemoryStore))
+
+
+def test_memory_store_never_suspends() -> None:
+    store = MemoryStore()
+    completed(store.add("a", Tier.GPU, [1, 2]))
+    assert completed(store.match([1, 2], ["a"]))["a"].blocks == 2
+
+    async def suspends() -> None:
+        await asyncio.sleep(0)
+
+    try:
+        completed(suspends())
+    except RuntimeError:
+        pass
+    else:
+        raise AssertionError("a suspending coroutine must not pass for completed")
+
+
+def test_memory_store_cap_evicts_least_recently_used_blocks() -> None:
+    store = MemoryStore(max_entries=4)
+    completed(store.add("a", Tier.GPU, [1, 2]))
+    completed(store.add("b", Tier.GPU, [3, 4]))
+    completed(store.match([1, 2], ["a"]))  # a match is a use: 3 and 4 are now the oldest
+    completed(store.remove("a", Tier.CPU, [1]))  # removing (nothing) and moving are not uses
+    completed(store.move("b", Tier.GPU, Tier.CPU, [3]))
+    completed(store.add("a", Tier.GPU, [5]))
+    stats = completed(store.stats())
+    assert (stats.entries, stats.evictions) == (4, 1)
+    assert completed(store.match([3], ["b"]))["b"].blocks == 0  # 3 went first
+    completed(store.add("c", Tier.GPU, [4]))  # an add is a use: 4 is the newest, 1 goes
+    assert [(k, w) for k, w, _ in store.entries()] == [(2, "a"), (5, "a"), (4, "b"), (4, "c")]
+    completed(store.add("c", Tier.GPU, [6, 7, 8]))  # a shared block goes with all its holders
+    stats = completed(store.stats())
+    assert (stats.entries, stats.evictions) == (3, 6)
+    assert [(k, w) for k, w, _ in store.entries()] == [(6, "c"), (7, "c"), (8, "c")]
+
+
+def test_memory_store_slots_reach_past_64_bits() -> None:
+    store = MemoryStore()
+    workers = [f"w{i}" for i in range(40)]
+    for i, w in enumerate(workers):
+        completed(store.add(w, list(Tier)[i % 4], list(range(1 + i % 6))))
+    m = completed(store.match(list(range(6)), workers))
+    assert {w: m[w].blocks for w in workers} == {w: 1 + i % 6 for i, w in enumerate(workers)}
+    assert m["w7"].by_tier == {list(Tier)[3]: 2}
+
+
+# -- ingestion through PrefixIndex -----------------------------------------------------------
+
+
 def test_match_follows_the_longest_cached_prefix_per_worker() -> None:
-    idx = MemoryIndex(MODEL)
+    idx = _Index()
     prompt = list(range(40))
     idx.apply("a", [_stored(prompt[:16], 100, namespace="")])
     idx.apply("a", [_stored(prompt[16:24], 104, parent=103)])  # continues the chain
@@ -43,7 +132,7 @@ def test_match_follows_the_longest_cached_prefix_per_worker() -> None:
 
 
 def test_namespaces_never_share_blocks() -> None:
-    idx = MemoryIndex(MODEL)
+    idx = _Index()
     prompt = list(range(16))
     idx.apply("a", [_stored(prompt, 1, namespace="tenant-a")])
     assert idx.match(prefix_keys(prompt, BS, MODEL, "tenant-b"))["a"].blocks == 0
@@ -56,7 +145,7 @@ def test_namespaces_never_share_blocks() -> None:
 
 
 def test_removal_per_tier_and_tier_moves() -> None:
-    idx = MemoryIndex(MODEL)
+    idx = _Index()
     prompt = list(range(16))
     keys = prefix_keys(prompt, BS, MODEL)
     idx.apply("a", [_stored(prompt, 1), _stored(prompt, 1, tier=Tier.CPU)])
@@ -73,14 +162,28 @@ def test_removal_per_tier_and_tier_moves() -> None:
 
 
 def test_unknown_parent_and_unknown_removal_are_counted() -> None:
-    idx = MemoryIndex(MODEL)
+    idx = _Index()
     idx.apply("a", [_stored(list(range(8)), 10, parent=999), BlockRemoved([12345])])
     assert idx.stats().skipped == {"unknown_parent": 2, "unknown_block": 1}
     assert idx.stats().entries == 0
 
 
+def test_engine_hashes_are_forgotten_once_the_worker_holds_the_block_nowhere() -> None:
+    idx = _Index()
+    idx.apply("a", [_stored(list(range(8)), 1), _stored(list(range(8)), 1, tier=Tier.CPU)])
+    idx.apply("a", [BlockRemoved([1], Tier.GPU)])  # still on CPU: the hash stays known
+    idx.apply("a", [TierMoved([1], Tier.CPU, Tier.SSD)])
+    assert not idx.stats().skipped
+    idx.apply("a", [BlockRemoved([1, 1], Tier.SSD)])  # gone: its repeat is an unknown block
+    assert idx.stats().skipped == {"unknown_block": 1}
+    idx.apply("a", [BlockRemoved([1], Tier.GPU), TierMoved([1, 2, 77], Tier.GPU, Tier.CPU)])
+    assert idx.stats().skipped == {"unknown_block": 4}  # 1 unknown twice, 77 never known
+    idx.apply("a", [_stored(list(range(8, 12)), 9, parent=1)])  # its parent was forgotten
+    assert idx.stats().skipped == {"unknown_block": 4, "unknown_parent": 1}
+
+
 def test_lru_cap_evicts_oldest_blocks_and_counts_them() -> None:
-    idx = MemoryIndex(MODEL, max_entries=8)
+    idx = _Index(max_entries=8)
     old, new = list(range(16)), list(range(100, 132))
     idx.apply("a", [_stored(old, 1)])
     idx.apply("b", [_stored(new, 50)])
@@ -90,8 +193,19 @@ def test_lru_cap_evicts_oldest_blocks_and_counts_them() -> None:
     assert idx.match(prefix_keys(new, BS, MODEL))["b"].blocks == 8
 
 
+def test_a_child_of_an_evicted_block_still_chains() -> None:
+    idx = _Index(max_entries=4)
+    prompt = list(range(32))
+    idx.apply("a", [_stored(prompt[:16], 1)])
+    idx.apply("b", [_stored(list(range(100, 116)), 50)])  # evicts all of a's blocks
+    idx.apply("a", [_stored(prompt[16:], 5, parent=4)])
+    assert not idx.stats().skipped
+    keys = prefix_keys(prompt, BS, MODEL)
+    assert idx.match(keys[4:], ["a"])["a"].blocks == 4
+
+
 def test_drop_worker_forgets_only_that_worker() -> None:
-    idx = MemoryIndex(MODEL)
+    idx = _Index()
     prompt = list(range(16))
     idx.apply("a", [_stored(prompt, 1)])
     idx.apply("b", [_stored(prompt, 7)])
@@ -100,41 +214,111 @@ def test_drop_worker_forgets_only_that_worker() -> None:
     assert "a" not in m and m["b"].blocks == 4 and idx.stats().entries == 4
 
 
-def test_stats_counts_stay_equal_to_a_full_walk_under_random_events() -> None:
-    rng = random.Random(4)
-    idx = MemoryIndex(MODEL, max_entries=60)
+def _random_events(idx: _Index, seed: int, steps: int = 400) -> list[tuple[str, Any]]:
+    """Random stores, removals, moves, clears and drops (None) over three workers, applied to
+    `idx` as they are drawn, each step checked against a full walk of its store."""
+    rng = random.Random(seed)
     tiers = list(Tier)
     next_hash = 1
     stored: dict[str, list[int]] = {"a": [], "b": [], "c": []}
-    for _ in range(400):
+    steps_out: list[tuple[str, Any]] = []
+    for _ in range(steps):
         worker = rng.choice(list(stored))
         op = rng.random()
+        step: Any
         if op < 0.5 or not stored[worker]:
             n = rng.randint(1, 4)
             tokens = [rng.randrange(3) for _ in range(n * BS)]  # few values: shared blocks
-            idx.apply(worker, [_stored(tokens, next_hash, tier=rng.choice(tiers))])
+            step = [_stored(tokens, next_hash, tier=rng.choice(tiers))]
             stored[worker] += range(next_hash, next_hash + n)
             next_hash += n
         elif op < 0.7:
-            idx.apply(worker, [BlockRemoved(rng.sample(stored[worker], 1), rng.choice(tiers))])
+            step = [BlockRemoved(rng.sample(stored[worker], 1), rng.choice(tiers))]
         elif op < 0.85:
             src, dst = rng.sample(tiers, 2)
-            idx.apply(worker, [TierMoved(rng.sample(stored[worker], 1), src, dst)])
+            step = [TierMoved(rng.sample(stored[worker], 1), src, dst)]
         elif op < 0.95:
-            idx.apply(worker, [AllCleared(rng.choice([None, *tiers]))])
+            step = [AllCleared(rng.choice([None, *tiers]))]
         else:
-            idx.drop_worker(worker)
+            step = None
             stored[worker] = []
+        steps_out.append((worker, step))
+        if step is None:
+            idx.drop_worker(worker)
+        else:
+            idx.apply(worker, step)
         walked: Counter[tuple[str, Tier]] = Counter()
-        for _, w, bits in idx.entries():
+        for _, w, bits in idx.store.entries():
             walked[(w, list(Tier)[(bits & -bits).bit_length() - 1])] += 1
         stats = idx.stats()
         assert stats.entries_by_worker_tier == walked
-        assert stats.entries == sum(walked.values()) <= 60
+        assert stats.entries == sum(walked.values()) <= idx.store.max_entries
+    return steps_out
+
+
+def test_stats_counts_stay_equal_to_a_full_walk_under_random_events() -> None:
+    _random_events(_Index(max_entries=60), seed=4)
+
+
+class _Suspending(IndexStore):
+    """A store that yields to the event loop in every call, as a network store does."""
+
+    def __init__(self, inner: IndexStore) -> None:
+        self.inner = inner
+        self.calls: Counter[str] = Counter()
+
+    async def _hop(self, name: str) -> None:
+        self.calls[name] += 1
+        await asyncio.sleep(0)
+
+    async def add(self, worker: str, tier: Tier, keys: Sequence[int]) -> None:
+        await self._hop("add")
+        await self.inner.add(worker, tier, keys)
+
+    async def remove(self, worker: str, tier: Tier | None, keys: Sequence[int]) -> list[bool]:
+        await self._hop("remove")
+        return await self.inner.remove(worker, tier, keys)
+
+    async def move(self, worker: str, src: Tier, dst: Tier, keys: Sequence[int]) -> int:
+        await self._hop("move")
+        return await self.inner.move(worker, src, dst, keys)
+
+    async def drop_worker(self, worker: str, keys: Iterable[int]) -> None:
+        await self._hop("drop_worker")
+        await self.inner.drop_worker(worker, keys)
+
+    async def match(self, keys: Sequence[int], workers: Collection[str]) -> dict[str, WorkerMatch]:
+        await self._hop("match")
+        return await self.inner.match(keys, workers)
+
+    async def stats(self) -> IndexStats:
+        await self._hop("stats")
+        return await self.inner.stats()
+
+
+def test_ingestion_speaks_only_the_contract_and_may_be_suspended() -> None:
+    """The same events through a store that suspends in every call give the same index."""
+    direct = _Index(max_entries=60)
+    steps = _random_events(direct, seed=9)
+    store = _Suspending(MemoryStore(60))
+    index = PrefixIndex(MODEL, store)
+
+    async def feed() -> tuple[IndexStats, list[tuple[int, str, int]]]:
+        for worker, step in steps:
+            if step is None:
+                await index.drop_worker(worker)
+            else:
+                await index.apply(worker, step)
+        assert isinstance(store.inner, MemoryStore)
+        return await index.stats(), list(store.inner.entries())
+
+    stats, entries = asyncio.run(feed())
+    assert stats == direct.stats() and entries == list(direct.store.entries())
+    assert set(store.calls) == {"add", "remove", "move", "drop_worker", "stats"}
 
 
 def test_a_run_ends_at_a_missing_block_even_for_one_candidate() -> None:
-    idx = MemoryIndex(MODEL, max_entries=7)
+    idx = _Index(max_entries=7)
     prompt = list(range(32))
     idx.apply("a", [_stored(prompt, 1)])  # 8 blocks, cap 7: the chain's first one is evicted
     keys = prefix_keys(prompt, BS, MODEL)
@@ -143,7 +327,7 @@ def test_a_run_ends_at_a_missing_block_even_for_one_candidate() -> None:
 
 
 def test_many_workers_share_blocks() -> None:
-    idx = MemoryIndex(MODEL)
+    idx = _Index()
     prompt = list(range(24))
     workers = [f"w{i}" for i in range(40)]  # slots far past 64 bits
     for i, w in enumerate(workers):

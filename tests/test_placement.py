@@ -1,9 +1,10 @@
-"""Placement across pools and the per-attempt load bookings, without HTTP."""
+"""Placement across pools and the per-attempt load bookings, without HTTP (over the memory
+store nothing suspends, so `completed` drives the coroutines)."""
 
 from __future__ import annotations
 
 from router.config import RouterConfig
-from router.index import MemoryIndex
+from router.index import MemoryStore, PrefixIndex, completed
 from router.placement import Placement
 from router.workers import Workers
 from warply.protocol import BlockStored
@@ -12,7 +13,7 @@ MODEL = "m"
 TOKENS = list(range(100, 140))  # 40 tokens: 10 blocks of 4, 5 of 8
 
 
-def _placement() -> tuple[Placement, MemoryIndex, Workers]:
+def _placement() -> tuple[Placement, PrefixIndex, Workers]:
     """Two pools with different block sizes, one worker each: a (4 tokens), b (8 tokens)."""
     config = RouterConfig.model_validate(
         {
@@ -24,26 +25,27 @@ def _placement() -> tuple[Placement, MemoryIndex, Workers]:
             ],
         }
     )
-    index = MemoryIndex(MODEL)
+    index = PrefixIndex(MODEL, MemoryStore())
     workers = Workers(config.pools)
     for w in workers.values():
         w.healthy = True
     return Placement(config, index, workers), index, workers
 
 
-def _hold(index: MemoryIndex, worker: str, block_size: int, blocks: int, first: int) -> None:
+def _hold(index: PrefixIndex, worker: str, block_size: int, blocks: int, first: int) -> None:
     hashes = list(range(first, first + blocks))
-    index.apply(worker, [BlockStored(hashes, None, TOKENS[: blocks * block_size], block_size)])
+    stored = BlockStored(hashes, None, TOKENS[: blocks * block_size], block_size)
+    completed(index.apply(worker, [stored]))
 
 
 def test_the_pool_whose_pick_holds_most_cached_tokens_wins() -> None:
     placement, index, _ = _placement()
     _hold(index, "a", 4, 2, 1)  # 8 tokens
     _hold(index, "b", 8, 2, 100)  # 16 tokens
-    d = placement.choose(TOKENS)
+    d = completed(placement.choose(TOKENS))
     assert (d.worker.name, d.matched_blocks, d.predicted_cached) == ("b", 2, 16)
     _hold(index, "a", 4, 6, 1)  # now 24 tokens, in 4-token blocks
-    d = placement.choose(TOKENS)
+    d = completed(placement.choose(TOKENS))
     assert (d.worker.name, d.matched_blocks, d.predicted_cached) == ("a", 6, 24)
     assert len(d.keys) == 10, "the key chain is the winning pool's (block size 4)"
 
@@ -53,17 +55,17 @@ def test_equal_cached_tokens_go_to_the_lower_load() -> None:
     _hold(index, "a", 4, 4, 1)  # 16 tokens
     _hold(index, "b", 8, 2, 100)  # 16 tokens
     workers["a"].load.in_flight = 1
-    assert placement.choose(TOKENS).worker.name == "b"
+    assert completed(placement.choose(TOKENS)).worker.name == "b"
     workers["a"].load.in_flight = 0
     workers["b"].load.engine_waiting = 2
-    assert placement.choose(TOKENS).worker.name == "a"
+    assert completed(placement.choose(TOKENS)).worker.name == "a"
 
 
 def test_an_unavailable_pool_is_skipped() -> None:
     placement, index, workers = _placement()
     _hold(index, "b", 8, 4, 100)
     workers["b"].enabled = False  # drained
-    assert placement.choose(TOKENS).worker.name == "a"
+    assert completed(placement.choose(TOKENS)).worker.name == "a"
 
 
 def test_a_booking_gives_back_exactly_what_it_took() -> None:

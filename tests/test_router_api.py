@@ -248,7 +248,7 @@ def test_passthrough_and_overrides(tokenizer_dir: Path) -> None:
             sent = engine.bodies[-1]
             assert "warply" not in sent and sent["cache_salt"] == "tenant-a"
             assert sent["logit_bias"] == {"5": 1} and sent["max_tokens"] == 3
-            stats = router.cache_stats()
+            stats = await router.cache_stats()
             assert stats.affinity[0].namespace == "tenant-a"
             assert stats.engine_cached_tokens == 4
 
@@ -267,13 +267,13 @@ def test_cache_key_namespaces_the_key_chain(tokenizer_dir: Path) -> None:
             prompt = "the cache holds a prefix of tokens the cache holds a prefix"
             ids = tok.encode(prompt, True)
             n = len(ids) // BS * BS
-            router.index.apply(
+            await router.index.apply(
                 "b",
                 [BlockStored(list(range(1, n // BS + 1)), None, ids[:n], BS, namespace="t1")],
             )
             for ns, want in (("t1", "b"), ("t2", None)):
                 tokens = ids
-                d = router.placement.choose(tokens, ns)
+                d = await router.placement.choose(tokens, ns)
                 assert (d.matched_blocks > 0) == (want is not None)
                 if want:
                     assert d.worker.name == want
@@ -308,8 +308,8 @@ def test_long_prompts_are_placed_from_their_leading_part(tokenizer_dir: Path) ->
             early: list[bool] = []
             choose_early = router.placement.choose_early
 
-            def spy(*args: Any, **kw: Any) -> Any:
-                decision = choose_early(*args, **kw)
+            async def spy(*args: Any, **kw: Any) -> Any:
+                decision = await choose_early(*args, **kw)
                 early.append(decision is not None)
                 return decision
 
@@ -318,22 +318,23 @@ def test_long_prompts_are_placed_from_their_leading_part(tokenizer_dir: Path) ->
             held, cold = _document(1, 120), _document(2, 120)
             ids = tok.encode(held, True)
             n = len(ids) // BS * BS
-            router.index.apply("b", [BlockStored(list(range(1, n // BS + 1)), None, ids[:n], BS)])
+            stored = BlockStored(list(range(1, n // BS + 1)), None, ids[:n], BS)
+            await router.index.apply("b", [stored])
             for _ in range(2):
                 status, body = await call("POST", "/v1/completions", {"prompt": held})
                 assert status == 200 and body["choices"][0]["text"] == "b"
             assert early == [False], "b's prefix runs past the leading part: tokenize it all"
-            before = router.cache_stats()
+            before = await router.cache_stats()
             status, _ = await call("POST", "/v1/completions", {"prompt": cold})
             assert status == 200 and early == [False, True]
-            after = router.cache_stats()
+            after = await router.cache_stats()
             # the metrics count the exact length, tokenized after the request left
             assert after.prompt_tokens - before.prompt_tokens == len(tok.encode(cold, True))
             assert (before.placed_early, after.placed_early) == (0, 1)
             assert after.tokenizer_cache is not None
             misses = after.tokenizer_cache.misses
             assert (await call("POST", "/v1/completions", {"prompt": cold}))[0] == 200
-            again = router.cache_stats().tokenizer_cache
+            again = (await router.cache_stats()).tokenizer_cache
             assert again is not None and again.misses == misses, "the rest was cached"
             assert early == [False, True], "a prompt seen before is tokenized whole"
 
@@ -356,7 +357,7 @@ def test_streaming_hides_usage_unless_asked(tokenizer_dir: Path) -> None:
                 assert events[-1] == "data: [DONE]"
                 assert ('"usage"' in text) == include
                 assert engine.bodies[-1]["stream_options"]["include_usage"] is True
-            stats = router.cache_stats()
+            stats = await router.cache_stats()
             assert stats.engine_cached_tokens == 16
             assert stats.ttft_s.n == 2
 
@@ -447,7 +448,7 @@ def record_alert(ratio: float, threshold: float) -> None:
 def test_bytes_cached_by_tier(tokenizer_dir: Path) -> None:
     async def scenario() -> None:
         async with running(tokenizer_dir, [FakeEngine("a")]) as (router, call, _s, _b):
-            router.index.apply("a", [BlockStored([1, 2], None, list(range(2 * BS)), BS)])
+            await router.index.apply("a", [BlockStored([1, 2], None, list(range(2 * BS)), BS)])
             status, stats = await call("GET", "/warply/cache_stats")
             assert status == 200
             assert stats["index"]["bytes_by_tier"] == {"gpu": 2 * BS * 100}
@@ -467,8 +468,9 @@ def test_refused_connection_is_retried_on_another_worker(tokenizer_dir: Path) ->
             prompt = "the cache holds a prefix of tokens"
             ids = RouterTokenizer(tokenizer_dir).encode(prompt, True)
             n = len(ids) // BS * BS
-            router.index.apply("a", [BlockStored(list(range(1, n // BS + 1)), None, ids[:n], BS)])
-            assert router.placement.choose(ids).worker.name == "a"  # a's prefix draws it
+            stored = BlockStored(list(range(1, n // BS + 1)), None, ids[:n], BS)
+            await router.index.apply("a", [stored])
+            assert (await router.placement.choose(ids)).worker.name == "a"  # a's prefix draws it
             status, body = await call("POST", "/v1/completions", {"prompt": prompt})
             assert status == 200 and body["choices"][0]["text"] == "b"
             assert not a.healthy
@@ -477,7 +479,7 @@ def test_refused_connection_is_retried_on_another_worker(tokenizer_dir: Path) ->
                 assert (load.in_flight, load.in_flight_tokens, load.pending_prefill_tokens) == (
                     0, 0, 0
                 )
-            stats = router.cache_stats()
+            stats = await router.cache_stats()
             assert stats.workers["b"].engine_cached_tokens == 0 and stats.workers["b"].requests
 
     _run(scenario())

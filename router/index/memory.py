@@ -1,32 +1,26 @@
-"""Global prefix index: which worker holds which canonical block, on which tier.
+"""`MemoryStore`: the in-process index store (`router.index.contract.IndexStore`).
 
-Fed by decoded state streams (Warply plugins or stock vLLM / SGLang KV events). Engine block
-hashes are seeded differently per engine, so the index rebuilds each block's canonical key from
-the token ids a `BlockStored` carries (`warply.protocol.keys`), chaining from the parent's key,
-and keeps per-worker `engine hash -> key` maps to resolve later removals.
+Everything lives in plain dicts of ints, bounded by an LRU cap on (block, worker) entries with
+counted evictions. Each block's holders are one int: worker slot i owns the 4 bits at 4·i (its
+tier bits), so a block costs no per-block dict, a batch of new blocks is inserted with
+`dict.fromkeys`, and the garbage collector tracks nothing here (no collection pauses from a
+million entries). Per (worker, fastest tier) entry counts are kept as entries change, so
+`stats()` never walks the index.
 
-`PrefixIndex` is the small interface the router and the trace replayer use; `MemoryIndex` keeps
-everything in process, bounded by an LRU cap on (block, worker) entries with counted evictions.
-A shared backend for several router replicas implements the same interface.
+No method suspends: synchronous code (the trace replayer, tests, benches) drives the async
+contract with `completed`.
 """
 
 from __future__ import annotations
 
-import abc
 from collections import Counter, OrderedDict
-from collections.abc import Iterable, Iterator, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Collection, Coroutine, Iterable, Iterator, Sequence
+from typing import Any, TypeVar
 
-from warply.protocol import (
-    AllCleared,
-    BlockRemoved,
-    BlockStored,
-    Event,
-    Tier,
-    TierMoved,
-    chain_keys,
-    root_seed,
-)
+from router.index.contract import IndexStats, IndexStore, WorkerMatch
+from warply.protocol import Tier
+
+_T = TypeVar("_T")
 
 _TIERS = tuple(Tier)
 _BIT = {tier: 1 << i for i, tier in enumerate(_TIERS)}
@@ -35,6 +29,21 @@ _SLOT = 4
 """Bits per worker in a block's holders int (`_occupied` folds exactly this many)."""
 assert len(_TIERS) <= _SLOT, "a worker's tier bits must fit its slot"
 _NIBBLE = (1 << _SLOT) - 1
+
+
+def completed(coro: Coroutine[Any, Any, _T]) -> _T:
+    """The result of a coroutine that finishes without suspending, run without an event loop.
+
+    Every coroutine of `MemoryStore`, and of ingestion and `PrefixIndex` over it, is one: this
+    costs one `send`. Raises RuntimeError if the coroutine suspends (a network store: run it in
+    an event loop instead)."""
+    try:
+        coro.send(None)
+    except StopIteration as done:
+        result: _T = done.value
+        return result
+    coro.close()
+    raise RuntimeError("the coroutine suspended: await it in an event loop")
 
 
 def _occupied(holders: int) -> int:
@@ -47,110 +56,36 @@ def _fastest(bits: int) -> int:
     return (bits & -bits).bit_length() - 1
 
 
-@dataclass(frozen=True, slots=True)
-class WorkerMatch:
-    """How much of a request's key chain one worker holds, from the first block on."""
+class MemoryStore(IndexStore):
+    """In-process store with an LRU cap on (block, worker) entries."""
 
-    blocks: int
-    """Leading blocks held on any tier."""
-    by_tier: dict[Tier, int]
-    """How many of those leading blocks sit on each tier (fastest tier that holds the block)."""
-
-
-@dataclass(slots=True)
-class IndexStats:
-    """Counters for metrics: what the index holds and what it refused."""
-
-    entries: int = 0
-    evictions: int = 0
-    entries_by_tier: Counter[Tier] = field(default_factory=Counter)
-    skipped: Counter[str] = field(default_factory=Counter)
-    entries_by_worker_tier: Counter[tuple[str, Tier]] = field(default_factory=Counter)
-    """Entries per (worker, fastest tier holding the block): bytes cached per pool and tier."""
-
-
-class PrefixIndex(abc.ABC):
-    """Where cached prefixes live, per worker and tier."""
-
-    @abc.abstractmethod
-    def apply(self, worker: str, events: Iterable[Event]) -> None:
-        """Apply one worker's state events, in stream order."""
-
-    @abc.abstractmethod
-    def drop_worker(self, worker: str) -> None:
-        """Forget everything a worker holds (stream gap it could not recover, or worker gone)."""
-
-    @abc.abstractmethod
-    def match(
-        self, keys: Sequence[int], workers: Iterable[str] | None = None
-    ) -> dict[str, WorkerMatch]:
-        """Per worker (all, or the given ones), the leading run of `keys` it holds."""
-
-    @abc.abstractmethod
-    def stats(self) -> IndexStats:
-        """Current size and lifetime counters."""
-
-
-class MemoryIndex(PrefixIndex):
-    """In-process index with an LRU cap on (block, worker) entries.
-
-    Each block's holders are one int: worker slot i owns the 4 bits at 4·i (its tier bits), so
-    a block costs no per-block dict, a batch of new blocks is inserted with `dict.fromkeys`, and
-    the garbage collector tracks nothing here (no collection pauses from a million entries).
-    """
-
-    def __init__(self, model: str, max_entries: int = 4_000_000) -> None:
+    def __init__(self, max_entries: int = 4_000_000) -> None:
         if max_entries <= 0:
             raise ValueError("max_entries must be positive")
-        self.model = model
         self.max_entries = max_entries
         # canonical key -> holders (tier bits per worker slot); order = recency (oldest first).
         self._blocks: OrderedDict[int, int] = OrderedDict()
-        # worker -> engine hash -> canonical key (the namespace is folded into the key's chain).
-        self._engine: dict[str, dict[int, int]] = {}
         self._shift: dict[str, int] = {}
         """Worker -> bit offset of its slot (4 · slot number), kept for the process's life."""
         self._workers: list[str] = []
         """Slot number -> worker."""
         self._entries = 0
         self._evictions = 0
-        self._skipped: Counter[str] = Counter()
         # (worker, index of the fastest tier holding the block) -> entries, kept as entries change
         # so `stats()` (every /metrics scrape) never walks the index (1.2 s at a million entries).
         self._held: Counter[tuple[str, int]] = Counter()
 
-    def apply(self, worker: str, events: Iterable[Event]) -> None:
-        hashes = self._engine.setdefault(worker, {})
+    def _slot(self, worker: str) -> int:
+        """The worker's slot offset, given the next free slot on first sight."""
         shift = self._shift.get(worker)
         if shift is None:
             shift = self._shift[worker] = _SLOT * len(self._workers)
             self._workers.append(worker)
-        for ev in events:
-            if isinstance(ev, BlockStored):
-                self._stored(worker, shift, hashes, ev)
-            elif isinstance(ev, BlockRemoved):
-                self._clear_bits(shift, hashes, ev.block_hashes, _BIT[ev.tier])
-            elif isinstance(ev, TierMoved):
-                self._moved(shift, hashes, ev)
-            elif isinstance(ev, AllCleared):
-                bits = _ALL_TIERS if ev.tier is None else _BIT[ev.tier]
-                self._clear_bits(shift, hashes, list(hashes), bits)
-        self._enforce_cap()
+        return shift
 
-    def _stored(self, worker: str, shift: int, hashes: dict[int, int], ev: BlockStored) -> None:
-        if ev.parent_hash is None:
-            seed = root_seed(self.model, ev.namespace or "")
-        else:
-            parent = hashes.get(ev.parent_hash)
-            if parent is None:
-                # The parent was stored before we subscribed or was dropped: the prefix these
-                # tokens extend is unknown, so no canonical key can be computed.
-                self._skipped["unknown_parent"] += len(ev.block_hashes)
-                return
-            seed = parent
-        keys = chain_keys(ev.token_ids, ev.block_size, seed)  # one per hash: BlockStored checks
-        hashes.update(zip(ev.block_hashes, keys, strict=True))
-        bit = _BIT[ev.tier]
+    async def add(self, worker: str, tier: Tier, keys: Sequence[int]) -> None:
+        shift = self._slot(worker)
+        bit = _BIT[tier]
         blocks = self._blocks
         known = blocks.keys() & keys  # usually empty: a stored block is new to the index
         fresh = 0
@@ -171,6 +106,8 @@ class MemoryIndex(PrefixIndex):
         fresh += len(new)
         self._entries += fresh
         self._held[(worker, _fastest(bit))] += fresh
+        if self._entries > self.max_entries:
+            self._enforce_cap()
 
     def _retier(self, worker: str, old: int, new: int) -> None:
         """Move one entry's count from its old fastest tier to its new one (0 bits: absent)."""
@@ -190,34 +127,50 @@ class MemoryIndex(PrefixIndex):
         if not new:
             self._entries -= 1
 
-    def _clear_bits(
-        self, shift: int, hashes: dict[int, int], engine_hashes: list[int], bits: int
-    ) -> None:
-        blocks = self._blocks
-        for engine_hash in engine_hashes:
-            key = hashes.get(engine_hash)
-            if key is None:
-                self._skipped["unknown_block"] += 1
-                continue
-            holders = blocks.get(key, 0)
+    async def remove(self, worker: str, tier: Tier | None, keys: Sequence[int]) -> list[bool]:
+        shift = self._shift.get(worker)
+        if shift is None:
+            return [False] * len(keys)
+        bits = _ALL_TIERS if tier is None else _BIT[tier]
+        get = self._blocks.get
+        held: list[bool] = []
+        for key in keys:
+            holders = get(key, 0)
             old = holders >> shift & _NIBBLE
             left = old & ~bits
-            if not left:
-                del hashes[engine_hash]
             if left != old:
                 self._set(key, holders, shift, old, left)
+            held.append(left != 0)
+        return held
 
-    def _moved(self, shift: int, hashes: dict[int, int], ev: TierMoved) -> None:
-        for engine_hash in ev.block_hashes:
-            key = hashes.get(engine_hash)
-            holders = self._blocks.get(key, 0) if key is not None else 0
+    async def move(self, worker: str, src: Tier, dst: Tier, keys: Sequence[int]) -> int:
+        shift = self._shift.get(worker)
+        if shift is None:
+            return len(keys)
+        keep, bit = ~_BIT[src], _BIT[dst]
+        get = self._blocks.get
+        absent = 0
+        for key in keys:
+            holders = get(key, 0)
             old = holders >> shift & _NIBBLE
-            if key is None or not old:
-                self._skipped["unknown_block"] += 1
+            if not old:
+                absent += 1
                 continue
-            new = (old & ~_BIT[ev.src]) | _BIT[ev.dst]
+            new = (old & keep) | bit
             if new != old:
                 self._set(key, holders, shift, old, new)
+        return absent
+
+    async def drop_worker(self, worker: str, keys: Iterable[int]) -> None:
+        shift = self._shift.get(worker)
+        if shift is None:
+            return
+        get = self._blocks.get
+        for key in keys:
+            holders = get(key, 0)
+            old = holders >> shift & _NIBBLE
+            if old:
+                self._set(key, holders, shift, old, 0)
 
     def _enforce_cap(self) -> None:
         while self._entries > self.max_entries:
@@ -226,8 +179,6 @@ class MemoryIndex(PrefixIndex):
                 self._held[(worker, _fastest(bits))] -= 1
                 self._entries -= 1
                 self._evictions += 1
-            # The engine-hash maps keep their entries: a later BlockRemoved for them is a no-op,
-            # and a child block stored later can still chain from them.
 
     def _holders(self, holders: int) -> Iterator[tuple[str, int]]:
         """(worker, tier bits) of each worker in a block's holders."""
@@ -238,24 +189,13 @@ class MemoryIndex(PrefixIndex):
 
     def entries(self) -> Iterator[tuple[int, str, int]]:
         """Every (canonical key, worker, tier bits) entry, oldest block first (a full walk: for
-        tests and debugging, not for metrics)."""
+        tests and debugging, not for metrics). Bit i of the tier bits is `tuple(Tier)[i]`."""
         for key, holders in self._blocks.items():
             for worker, bits in self._holders(holders):
                 yield key, worker, bits
 
-    def drop_worker(self, worker: str) -> None:
-        hashes = self._engine.pop(worker, {})
-        shift = self._shift.get(worker, 0)
-        for key in hashes.values():
-            holders = self._blocks.get(key, 0)
-            old = holders >> shift & _NIBBLE
-            if old:
-                self._set(key, holders, shift, old, 0)
-
-    def match(
-        self, keys: Sequence[int], workers: Iterable[str] | None = None
-    ) -> dict[str, WorkerMatch]:
-        asked = set(self._engine if workers is None else workers)
+    async def match(self, keys: Sequence[int], workers: Collection[str]) -> dict[str, WorkerMatch]:
+        asked = set(workers)
         depth = dict.fromkeys(asked, 0)
         shifts = {w: self._shift[w] for w in asked if w in self._shift}
         live = sum(1 << s for s in shifts.values())  # lowest bit of each live worker's slot
@@ -301,13 +241,11 @@ class MemoryIndex(PrefixIndex):
             by_tier[tier] = by_tier.get(tier, 0) + n
         return by_tier
 
-    def stats(self) -> IndexStats:
+    async def stats(self) -> IndexStats:
         by_worker: Counter[tuple[str, Tier]] = Counter(
             {(worker, _TIERS[tier]): n for (worker, tier), n in self._held.items() if n}
         )
         by_tier: Counter[Tier] = Counter()
         for (_, tier), n in by_worker.items():
             by_tier[tier] += n
-        return IndexStats(
-            self._entries, self._evictions, by_tier, Counter(self._skipped), by_worker
-        )
+        return IndexStats(self._entries, self._evictions, by_tier, Counter(), by_worker)

@@ -3,7 +3,7 @@
 Builds SGLang's `UnifiedRadixCache` on CPU (scripts/capture_sglang_events.py), installs the
 plugin's hooks with SGLang's own `HookRegistry`, and drives the real
 `SchedulerKvEventsPublisher` with `--kv-events-config '{"publisher": "warply", ...}'`. A SUB socket
-bound on 127.0.0.1 plays the router's collector; `router.index.MemoryIndex` is fed from it.
+bound on 127.0.0.1 plays the router's collector; `router.index.PrefixIndex` is fed from it.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ from sglang.srt.runtime_context import get_parallel
 
 import sglang_hook.settings as settings_mod
 import warply_plugins.sglang as plugin
-from router.index import MemoryIndex
+from router.index import MemoryStore, PrefixIndex, completed
 from warply.launch import free_port
 from warply.protocol import (
     BlockRemoved,
@@ -156,12 +156,12 @@ CHAT_B = SYSTEM + [(9000 + 7 * i) % 32000 for i in range(64)]
 DOC = [(20000 + 11 * i) % 32000 for i in range(300)]
 
 
-def pump(kv: Any, sub: zmq.Socket[bytes], index: MemoryIndex, worker: str) -> list[Any]:
+def pump(kv: Any, sub: zmq.Socket[bytes], index: PrefixIndex, worker: str) -> list[Any]:
     """One scheduler pump on `kv`; the decoded events, applied to `index` as `worker`."""
     kv.publish_kv_events()
     decoder = StreamDecoder(worker)
     events = [e for b in receive(sub, decoder) for e in b.events]
-    index.apply(worker, events)
+    completed(index.apply(worker, events))
     return events
 
 
@@ -174,7 +174,7 @@ def test_events_carry_router_keys_and_route(collectors: Any, backend: str, page:
         # libzmq reads a connecting PUB's subscriptions lazily: early batches can be dropped
         # (the router recovers such a gap by replay); the test waits until the stream is live.
         handshake(kv, collectors[w][0])
-    index = MemoryIndex(MODEL)
+    index = PrefixIndex(MODEL, MemoryStore())
     try:
         insert(*caches["w0"], CHAT_A)
         insert(*caches["w0"], CHAT_B)
@@ -185,20 +185,20 @@ def test_events_carry_router_keys_and_route(collectors: Any, backend: str, page:
 
         for tokens, worker in ((CHAT_A, "w0"), (CHAT_B, "w0"), (DOC, "w1")):
             keys = prefix_keys(tokens, page, MODEL)
-            match = index.match(keys)
+            match = completed(index.match(keys))
             assert match[worker].blocks == len(keys), (worker, match)
             assert match["w1" if worker == "w0" else "w0"].blocks == 0
         salted = prefix_keys(CHAT_A[:64], page, MODEL, "tenant-1")
-        assert index.match(salted)["w1"].blocks == len(salted)
-        assert index.match(prefix_keys(CHAT_A[:64], page, MODEL))["w1"].blocks == 0
+        assert completed(index.match(salted))["w1"].blocks == len(salted)
+        assert completed(index.match(prefix_keys(CHAT_A[:64], page, MODEL)))["w1"].blocks == 0
 
         # An eviction sweep on w1 comes out as removals; the index forgets what w1 held.
         cache1, _ = caches["w1"]
         assert cache1.evict(EvictParams(num_tokens=10_000)).num_tokens_evicted > 0
         removed = pump(pubs["w1"], collectors["w1"][0], index, "w1")
         assert any(isinstance(e, BlockRemoved) for e in removed)
-        assert index.match(prefix_keys(DOC, page, MODEL))["w1"].blocks == 0
-        assert index.match(salted)["w1"].blocks == 0
+        assert completed(index.match(prefix_keys(DOC, page, MODEL)))["w1"].blocks == 0
+        assert completed(index.match(salted))["w1"].blocks == 0
     finally:
         for kv in pubs.values():
             kv.kv_event_publisher.shutdown()
@@ -230,7 +230,7 @@ def test_lora_adapters_get_their_own_keys(collectors: Any, backend: str) -> None
     pubs = {w: scheduler_publisher(caches[w][0], collectors[w][1], w) for w in caches}
     for w, kv in pubs.items():
         handshake(kv, collectors[w][0])
-    index = MemoryIndex(MODEL)
+    index = PrefixIndex(MODEL, MemoryStore())
     try:
         for extra_key in (None, "a" * 32, "b" * 32):
             insert(*caches["w0"], CHAT_A, extra_key=extra_key)
@@ -245,7 +245,8 @@ def test_lora_adapters_get_their_own_keys(collectors: Any, backend: str) -> None
         ]
         n = len(CHAT_A) // page
         for lora, holders in ((None, {"w0"}), ("adapter-a", {"w0"}), ("adapter-b", {"w0", "w1"})):
-            match = index.match(prefix_keys(CHAT_A, page, MODEL, cache_namespace(None, lora)))
+            keys = prefix_keys(CHAT_A, page, MODEL, cache_namespace(None, lora))
+            match = completed(index.match(keys))
             assert {w for w, m in match.items() if m.blocks == n} == holders, lora
             assert all(m.blocks in (0, n) for m in match.values())
     finally:

@@ -2,7 +2,7 @@
 
 Built through SGLang's own `StorageBackendFactory.create_backend("dynamic", ...)`. Stores are
 reported on the worker's Warply stream as tier ssd / object_store, keyed from the device tier's
-events, so `MemoryIndex` sees the L3 tier.
+events, so the router's `PrefixIndex` sees the L3 tier.
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ from test_hook_export import (
     scheduler_publisher,
 )
 
-from router.index import MemoryIndex
+from router.index import MemoryStore, PrefixIndex, completed
 from warply.protocol import BlockRemoved, BlockStored, Tier, prefix_keys
 
 PAGE = 16
@@ -176,7 +176,7 @@ def test_l3_stores_reach_the_index_as_their_tier(store: dict[str, Any], collecto
     sub, router = collectors["w0"]
     kv = scheduler_publisher(cache, router, "w0")
     handshake(kv, sub)
-    index = MemoryIndex(MODEL)
+    index = PrefixIndex(MODEL, MemoryStore())
     try:
         insert(cache, alloc, DOC)
         pump(kv, sub, index, "w0")  # device stores feed the page book
@@ -191,11 +191,11 @@ def test_l3_stores_reach_the_index_as_their_tier(store: dict[str, Any], collecto
         # The device copy goes; the L3 copy keeps the prefix routable, on its tier.
         cache.evict(EvictParams(num_tokens=10_000))
         pump(kv, sub, index, "w0")
-        match = index.match(prefix_keys(DOC, PAGE, MODEL))["w0"]
+        match = completed(index.match(prefix_keys(DOC, PAGE, MODEL)))["w0"]
         assert match.blocks == len(keys) and match.by_tier == {tier: len(keys)}
         backend.delete(keys)
         removed = pump(kv, sub, index, "w0")
         assert any(isinstance(e, BlockRemoved) and e.tier is tier for e in removed)
-        assert index.match(prefix_keys(DOC, PAGE, MODEL))["w0"].blocks == 0
+        assert completed(index.match(prefix_keys(DOC, PAGE, MODEL)))["w0"].blocks == 0
     finally:
         kv.kv_event_publisher.shutdown()

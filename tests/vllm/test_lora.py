@@ -19,7 +19,7 @@ from typing import Any
 import pytest
 from conftest import ROOT, Collector, engine
 
-from router.index import MemoryIndex
+from router.index import MemoryStore, PrefixIndex, completed
 from warply.launch import VllmServer
 from warply.protocol import (
     BlockStored,
@@ -110,10 +110,10 @@ def test_adapters_get_their_own_keys(lora_server: tuple[VllmServer, Collector]) 
     assert roots == {("", None), ("\0a", "a"), ("\0b", "b"), ("tenant-a\0a", "a")}
 
     # The router's index places each request by its own adapter's blocks.
-    index = MemoryIndex(MODEL_NAME)
-    index.apply("w", events)
+    index = PrefixIndex(MODEL_NAME, MemoryStore())
+    completed(index.apply("w", events))
     for label, keys in want.items():
-        assert index.match(keys)["w"].blocks == len(keys), label
+        assert completed(index.match(keys))["w"].blocks == len(keys), label
 
     # A repeat under adapter `a` hits its own blocks; the reuse report names a's namespace.
     again = server.completion(prompt, model="a", max_tokens=1, temperature=0.0, ignore_eos=True)

@@ -1,0 +1,44 @@
+"""`PrefixIndex`: ingestion in front of one store, the object the router and the replayer hold."""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Collection, Iterable, Sequence
+
+from router.index.contract import IndexStats, IndexStore, WorkerMatch
+from router.index.ingest import Ingest
+from warply.protocol import Event
+
+
+class PrefixIndex:
+    """Where cached prefixes live, per worker and tier, for one model.
+
+    Writes go through ingestion (engine events → canonical keys → `store`); reads go to the
+    store. Every method is a coroutine (the store may be on the network); over the memory store
+    none suspends."""
+
+    def __init__(self, model: str, store: IndexStore) -> None:
+        self.model = model
+        self.store = store
+        self.ingest = Ingest(model, store)
+
+    async def apply(self, worker: str, events: Iterable[Event]) -> None:
+        """Apply one worker's state events, in stream order."""
+        await self.ingest.apply(worker, events)
+
+    async def drop_worker(self, worker: str) -> None:
+        """Forget everything a worker holds (stream gap it could not recover, or worker gone)."""
+        await self.ingest.drop_worker(worker)
+
+    async def match(
+        self, keys: Sequence[int], workers: Collection[str] | None = None
+    ) -> dict[str, WorkerMatch]:
+        """Per worker (the given ones, or every worker with a live stream), the leading run of
+        `keys` it holds (`IndexStore.match`)."""
+        return await self.store.match(keys, self.ingest.workers() if workers is None else workers)
+
+    async def stats(self) -> IndexStats:
+        """The store's counters, with ingestion's skipped events."""
+        stats = await self.store.stats()
+        stats.skipped = Counter(self.ingest.skipped)
+        return stats
