@@ -35,7 +35,8 @@ Guarantees every store gives:
         `router.index.memory.completed`.
     Order. Ingestion awaits each call before it makes the next one for the same worker, so one
         worker's calls arrive in stream order and never overlap; calls for different workers
-        and match / stats calls may interleave with them.
+        and match / stats calls may interleave with them. One batch of events becomes several
+        calls: over a store that suspends, a match may see part of a batch applied.
     Atomicity. A reader (match, stats) sees each add / remove / move / drop_worker call wholly
         or not at all. The memory store gets this from never suspending; a network store from
         doing each call in one server-side step (a transaction or a script).

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Collection, Iterable, Sequence
+from collections.abc import Collection, Coroutine, Iterable, Sequence
+from typing import Any
 
 from router.index.contract import IndexStats, IndexStore, WorkerMatch
 from router.index.ingest import Ingest
@@ -30,12 +31,13 @@ class PrefixIndex:
         """Forget everything a worker holds (stream gap it could not recover, or worker gone)."""
         await self.ingest.drop_worker(worker)
 
-    async def match(
+    def match(
         self, keys: Sequence[int], workers: Collection[str] | None = None
-    ) -> dict[str, WorkerMatch]:
+    ) -> Coroutine[Any, Any, dict[str, WorkerMatch]]:
         """Per worker (the given ones, or every worker with a live stream), the leading run of
-        `keys` it holds (`IndexStore.match`)."""
-        return await self.store.match(keys, self.ingest.workers() if workers is None else workers)
+        `keys` it holds (`IndexStore.match`). Await it: this is the store's own coroutine, not
+        one wrapped in another (a frame less on every request's path)."""
+        return self.store.match(keys, self.ingest.workers() if workers is None else workers)
 
     async def stats(self) -> IndexStats:
         """The store's counters, with ingestion's skipped events."""
