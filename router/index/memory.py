@@ -84,7 +84,9 @@ class MemoryStore(IndexStore):
         return shift
 
     async def add(self, worker: str, tier: Tier, keys: Sequence[int]) -> None:
-        shift = self._slot(worker)
+        shift = self._shift.get(worker)
+        if shift is None:
+            shift = self._slot(worker)
         bit = _BIT[tier]
         blocks = self._blocks
         known = blocks.keys() & keys  # usually empty: a stored block is new to the index

@@ -15,7 +15,7 @@ class PrefixIndex:
     """Where cached prefixes live, per worker and tier, for one model.
 
     Writes go through ingestion (engine events → canonical keys → `store`); reads go to the
-    store. Every method is a coroutine (the store may be on the network); over the memory store
+    store. Every method returns a coroutine (the store may be on the network); over the memory store
     none suspends."""
 
     def __init__(self, model: str, store: IndexStore) -> None:
@@ -23,9 +23,9 @@ class PrefixIndex:
         self.store = store
         self.ingest = Ingest(model, store)
 
-    async def apply(self, worker: str, events: Iterable[Event]) -> None:
-        """Apply one worker's state events, in stream order."""
-        await self.ingest.apply(worker, events)
+    def apply(self, worker: str, events: Iterable[Event]) -> Coroutine[Any, Any, None]:
+        """Apply one worker's state events, in stream order (`Ingest.apply`; await it)."""
+        return self.ingest.apply(worker, events)
 
     async def drop_worker(self, worker: str) -> None:
         """Forget everything a worker holds (stream gap it could not recover, or worker gone)."""
@@ -35,8 +35,8 @@ class PrefixIndex:
         self, keys: Sequence[int], workers: Collection[str] | None = None
     ) -> Coroutine[Any, Any, dict[str, WorkerMatch]]:
         """Per worker (the given ones, or every worker with a live stream), the leading run of
-        `keys` it holds (`IndexStore.match`). Await it: this is the store's own coroutine, not
-        one wrapped in another (a frame less on every request's path)."""
+        `keys` it holds (`IndexStore.match`). Await it: like `apply`, this hands back the
+        coroutine that does the work rather than wrapping it in another (a frame less)."""
         return self.store.match(keys, self.ingest.workers() if workers is None else workers)
 
     async def stats(self) -> IndexStats:
