@@ -53,6 +53,13 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--knobs", help="strategy knobs as a JSON object")
     ap.add_argument("--min-hit-ratio", type=float, help="alert below this windowed hit rate")
     ap.add_argument("--worker", action="append", default=[], help="URL[,name=,events=,replay=]")
+    ap.add_argument(
+        "--lora-adapter",
+        action="append",
+        default=[],
+        metavar="NAME",
+        help="a LoRA adapter the engines serve (repeatable); requests may name it in `model`",
+    )
     ap.add_argument("--block-size", type=int, help="block size of the --worker pool")
     ap.add_argument("--kv-bytes-per-token", type=int, default=0, help="for bytes-cached metrics")
     ap.add_argument("--log-level", default="INFO")
@@ -62,6 +69,8 @@ def _parser() -> argparse.ArgumentParser:
 def config_from_args(args: argparse.Namespace) -> RouterConfig:
     """The flags and the config file as one validated config; raises `ConfigError`."""
     overrides: dict[str, Any] = {name: getattr(args, name) for name in CLI_FIELDS}
+    if args.lora_adapter:
+        overrides["lora_adapters"] = args.lora_adapter
     if args.worker:
         overrides["pools"] = [
             {

@@ -56,6 +56,7 @@ class Router:
             self.placement,
             self.metrics,
             config.request_timeout_s,
+            config.lora_adapters,
         )
         self.proxy.max_model_len = config.max_model_len
         self._health_task: asyncio.Task[None] | None = None
@@ -153,15 +154,22 @@ class Router:
         return await self.proxy.handle(request, "chat")
 
     async def _models(self, _: web.Request) -> web.Response:
-        card: dict[str, Any] = {
-            "id": self.config.model,
-            "object": "model",
-            "created": int(time.time()),
-            "owned_by": "warply",
-        }
-        if self.proxy.max_model_len is not None:
-            card["max_model_len"] = self.proxy.max_model_len
-        return web.json_response({"object": "list", "data": [card]})
+        """The base model and its LoRA adapters (each with `parent`, as vLLM lists them)."""
+        created = int(time.time())
+        cards: list[dict[str, Any]] = []
+        for name in (self.config.model, *self.config.lora_adapters):
+            card: dict[str, Any] = {
+                "id": name,
+                "object": "model",
+                "created": created,
+                "owned_by": "warply",
+            }
+            if name != self.config.model:
+                card["parent"] = self.config.model
+            if self.proxy.max_model_len is not None:
+                card["max_model_len"] = self.proxy.max_model_len
+            cards.append(card)
+        return web.json_response({"object": "list", "data": cards})
 
     async def _health(self, _: web.Request) -> web.Response:
         healthy = sum(w.available for w in self.workers.values())

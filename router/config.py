@@ -13,6 +13,8 @@ from typing import Any
 import yaml  # type: ignore[import-untyped]
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from warply.protocol.endpoints import check_endpoint
+
 
 class ConfigError(ValueError):
     """The configuration is invalid; the message names the offending field(s)."""
@@ -43,6 +45,11 @@ class WorkerConfig(_Strict):
     @classmethod
     def _strip_slash(cls, url: str) -> str:
         return url.rstrip("/")
+
+    @field_validator("events", "replay", "control")
+    @classmethod
+    def _endpoint(cls, value: str | None) -> str | None:
+        return None if value is None else check_endpoint(value)
 
 
 class PoolConfig(_Strict):
@@ -80,6 +87,9 @@ class RouterConfig(_Strict):
 
     model: str = Field(min_length=1)
     """Served model name clients send (and the engines serve); also seeds the key chains."""
+    lora_adapters: list[str] = Field(default_factory=list)
+    """LoRA adapter names the engines serve (vLLM `--lora-modules NAME=PATH`); a request may
+    name one in `model`, and its prefixes are keyed apart from the base model's."""
     tokenizer: Path
     """Folder with the engine's tokenizer.json + tokenizer_config.json (the model folder)."""
     host: str = "127.0.0.1"
@@ -95,8 +105,18 @@ class RouterConfig(_Strict):
     health_interval_s: float = Field(2.0, gt=0)
     request_timeout_s: float = Field(600.0, gt=0)
 
+    @field_validator("lora_adapters")
+    @classmethod
+    def _adapter_names(cls, names: list[str]) -> list[str]:
+        for name in names:
+            if not name or "\0" in name:
+                raise ValueError(f"adapter name {name!r} must be non-empty, without NUL")
+        return names
+
     @model_validator(mode="after")
     def _unique_names(self) -> RouterConfig:
+        if self.model in self.lora_adapters:
+            raise ValueError(f"lora_adapters: {self.model!r} is the base model's name")
         seen: set[str] = set()
         for pool in self.pools:
             for w in pool.workers:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -82,8 +82,11 @@ class Proxy:
         placement: Placement,
         metrics: RouterMetrics,
         timeout_s: float,
+        adapters: Collection[str] = (),
     ) -> None:
         self.model = model
+        self._served = {model, *adapters}
+        """Names a request's `model` may take: the base model and its LoRA adapters."""
         self.max_model_len: int | None = None
         self._tokenizer = tokenizer
         self._placement = placement
@@ -186,7 +189,7 @@ class Proxy:
         """Validate and rewrite the body; tokenize its prompt the engine's way (a long single
         prompt only up to its second new chunk, unless its length must be checked)."""
         model = body.get("model")
-        if model is not None and model != self.model:
+        if model is not None and model not in self._served:
             raise ApiError(404, f"The model `{model}` does not exist.", "model_not_found", "model")
         ov = _overrides(body)
         if ov.cache_key is not None:

@@ -22,7 +22,15 @@ from tokenizers import Tokenizer, models, pre_tokenizers, processors, trainers
 from router.app import Router
 from router.config import RouterConfig
 from router.tokenize import RouterTokenizer
-from warply.protocol import BlockStored, DecodedBatch, LoadSnapshot, PrefixHit, prefix_keys
+from warply.protocol import (
+    BlockStored,
+    DecodedBatch,
+    LoadSnapshot,
+    PrefixHit,
+    cache_namespace,
+    prefix_keys,
+    request_namespace,
+)
 from warply.protocol.api import CacheStats, WorkerList
 
 HOST = "127.0.0.1"
@@ -288,6 +296,38 @@ def test_cache_key_namespaces_the_key_chain(tokenizer_dir: Path) -> None:
                 names.append((await call("POST", "/v1/completions", req))[1]["choices"][0]["text"])
             # load alone decides (idle, equal: in turn); b's cached prefix does not pin the prompt
             assert sorted(names) == ["a", "a", "b", "b"]
+
+    _run(scenario())
+
+
+def test_lora_adapters_are_served_and_keyed_apart(tokenizer_dir: Path) -> None:
+    async def scenario() -> None:
+        engines = [FakeEngine("a"), FakeEngine("b")]
+        async with running(tokenizer_dir, engines, lora_adapters=["sql"]) as (
+            router,
+            call,
+            _s,
+            _b,
+        ):
+            status, body = await call("GET", "/v1/models")
+            assert [(c["id"], c.get("parent")) for c in body["data"]] == [("m", None), ("sql", "m")]
+            prompt = "the cache holds a prefix of tokens the cache holds a prefix"
+            ids = RouterTokenizer(tokenizer_dir).encode(prompt, True)
+            n = len(ids) // BS * BS
+            # Worker b holds the prompt's blocks under adapter `sql` (as the plugins report it).
+            lora_ns = cache_namespace(None, "sql")
+            stored = BlockStored(list(range(1, n // BS + 1)), None, ids[:n], BS, namespace=lora_ns)
+            await router.index.apply("b", [stored])
+            req = {"model": "sql", "prompt": prompt}
+            for _ in range(3):
+                status, body = await call("POST", "/v1/completions", req)
+                assert status == 200 and body["choices"][0]["text"] == "b"
+            assert engines[1].bodies[-1]["model"] == "sql"  # the engine picks the adapter
+            # The base model's identical prompt matches none of the adapter's blocks.
+            d = await router.placement.choose(ids, request_namespace({"model": "m"}, "m"))
+            assert d.matched_blocks == 0
+            status, body = await call("POST", "/v1/completions", {"model": "other", "prompt": "x"})
+            assert status == 404 and _is_error(body, "model_not_found")
 
     _run(scenario())
 

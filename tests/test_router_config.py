@@ -57,6 +57,10 @@ def test_yaml_and_toml_load(tmp_path: Path) -> None:
         (("model: tiny", "model: tiny\nmodle: x"), "modle"),
         (("url: \"http://127.0.0.1:8002\"", "url: \"ftp://x\""), "pools.0.workers.1.url"),
         (("name: b,", "name: a,"), "used twice"),
+        (("tcp://127.0.0.1:5557", "127.0.0.1:5557"), "pools.0.workers.0.events"),
+        (("tcp://127.0.0.1:5557", "tcp://127.0.0.1:99999"), "port 99999 out of range"),
+        (("model: tiny", "model: tiny\nlora_adapters: [tiny]"), "the base model's name"),
+        (("model: tiny", "model: tiny\nlora_adapters: ['']"), "adapter name '' must be non-empty"),
     ],
 )
 def test_bad_fields_are_named(tmp_path: Path, edit: tuple[str, str], field: str) -> None:
@@ -68,9 +72,11 @@ def test_flags_override_and_build_a_pool(tmp_path: Path) -> None:
     args = _parser().parse_args(
         ["--config", str(_write(tmp_path, GOOD)), "--port", "9000", "--strategy", "round_robin",
          "--worker", "http://127.0.0.1:7001,events=tcp://127.0.0.1:7002,name=x",
-         "--block-size", "128", "--min-hit-ratio", "0.3"]
+         "--block-size", "128", "--min-hit-ratio", "0.3", "--lora-adapter", "a1",
+         "--lora-adapter", "a2"]
     )
     cfg = config_from_args(args)
+    assert cfg.lora_adapters == ["a1", "a2"]
     assert cfg.port == 9000 and cfg.strategy.name == "round_robin"
     assert cfg.pools[0].block_size == 128 and cfg.pools[0].workers[0].name == "x"
     assert cfg.alerts.min_hit_ratio == 0.3

@@ -85,6 +85,9 @@ def test_tenant_isolated_routes_within_the_tenant() -> None:
     matches = {"w1": WorkerMatch(10, {Tier.GPU: 10})}
     req_a = RequestView(REQ.keys, REQ.prompt_tokens, REQ.block_size, namespace="a")
     assert s.choose(req_a, _workers(5, 0, 0), matches) == "w0"
+    # A LoRA adapter's requests keep their tenant: the namespace is the salt plus the adapter.
+    req_a_lora = RequestView(REQ.keys, REQ.prompt_tokens, REQ.block_size, namespace="a\0lora1")
+    assert s.choose(req_a_lora, _workers(5, 0, 0), matches) == "w0"
     req_other = RequestView(REQ.keys, REQ.prompt_tokens, REQ.block_size, namespace="zzz")
     assert s.choose(req_other, _workers(0, 0, 0), matches) == "w2"
     with pytest.raises(NoCandidate):

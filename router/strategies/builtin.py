@@ -18,6 +18,7 @@ from router.strategies.base import (
     WorkerLoad,
     imbalanced,
 )
+from warply.protocol import namespace_salt
 
 
 class RoundRobin(Strategy):
@@ -159,7 +160,7 @@ class KvReuse(Strategy):
 
 class TenantIsolatedKnobs(PrefixAffinityKnobs):
     tenants: dict[str, list[str]] = Field(default_factory=dict)
-    """Cache namespace (tenant) → the workers reserved for it."""
+    """Tenant (the request's `cache_key` / `cache_salt`) → the workers reserved for it."""
     shared: list[str] = Field(default_factory=list)
     """Workers for namespaces not listed in `tenants` (empty: all workers not reserved)."""
 
@@ -181,15 +182,16 @@ class TenantIsolated(PrefixAffinity):
         matches: Mapping[str, WorkerMatch],
     ) -> str:
         k: TenantIsolatedKnobs = self.knobs  # type: ignore[assignment]
-        if request.namespace in k.tenants:
-            allowed = set(k.tenants[request.namespace])
+        tenant = namespace_salt(request.namespace)  # a LoRA adapter does not change the tenant
+        if tenant in k.tenants:
+            allowed = set(k.tenants[tenant])
         elif k.shared:
             allowed = set(k.shared)
         else:
             allowed = {w.name for w in candidates} - {w for ws in k.tenants.values() for w in ws}
         mine = [w for w in candidates if w.name in allowed]
         if not mine:
-            raise NoCandidate(f"no healthy worker for cache namespace {request.namespace!r}")
+            raise NoCandidate(f"no healthy worker for tenant {tenant!r}")
         return super().choose(request, mine, matches)
 
 

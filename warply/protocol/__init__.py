@@ -30,6 +30,7 @@ from warply.protocol.normalize import (
     cache_namespace,
     engine_block_id,
     event_tier,
+    namespace_salt,
     request_namespace,
     salt_namespace,
 )
@@ -69,6 +70,7 @@ __all__ = [
     "event_tier",
     "parse_endpoint",
     "prefix_keys",
+    "namespace_salt",
     "request_namespace",
     "root_seed",
     "salt_namespace",

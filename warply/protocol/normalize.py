@@ -113,6 +113,11 @@ def cache_namespace(salt: str | None, lora: str | None = None) -> str:
     return f"{base}\0{lora}" if lora else base
 
 
+def namespace_salt(namespace: str) -> str:
+    """The tenant's cache salt inside a namespace (`cache_namespace` without the adapter)."""
+    return namespace.partition("\0")[0]
+
+
 def request_namespace(body: Mapping[str, Any], base_model: str) -> str:
     """The namespace of an OpenAI request body: its `cache_salt`, and the LoRA adapter its
     `model` names when that is not the base model (vLLM and SGLang serve adapters by name)."""
