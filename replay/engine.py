@@ -249,12 +249,12 @@ class SimEngine:
             else:
                 lru.pop(k, None)
                 holders[k] = 1
-        self._evict(shortfall)
-        self.private += private - req.private
-        if promoted:
+        if promoted:  # before evicting: a demotion may push these very blocks off the host tier
             for k in promoted:
                 del self.host[k]
             self.events.append(TierMoved(promoted, Tier.CPU, Tier.GPU))
+        self._evict(shortfall)
+        self.private += private - req.private
         if fresh:
             self._store(req, keyed, set(fresh))
         req.keyed, req.private, req.computed = keyed, private, computed

@@ -12,7 +12,7 @@ from replay.oracle import infinite_reuse, lru_reuse
 from replay.report import summarize
 from replay.sim import ReplayResult, simulate
 from replay.trace import ExpandedTrace, TraceError, TraceRequest, read_trace
-from router.index import completed
+from router.index import MemoryStore, completed
 from router.strategies import BUILTIN, PrefixAffinity, RoundRobin
 from warply.protocol import BlockRemoved, Tier
 
@@ -170,6 +170,25 @@ def test_index_fed_by_the_simulator_agrees_with_its_caches(
     stats = completed(index.stats())
     assert stats.entries == total > 0
     assert not stats.skipped
+
+
+def test_a_small_host_tier_stays_in_step_with_the_index() -> None:
+    # Host tier much smaller than the device: promotions and demotions meet in one step (a
+    # demotion used to push a block being promoted off the host tier, crashing the replay).
+    if not CONVERSATION.exists():
+        pytest.skip("shared traces not present")
+    trace = ExpandedTrace(read_trace(CONVERSATION, limit=600), 512, 64)
+    cfg = EngineConfig(num_blocks=2048, host_blocks=256)
+    result = simulate(trace, PrefixAffinity(), 4, config=cfg)
+    assert result.engines and all(e.stats.host_evictions for e in result.engines.values())
+    store = result.index.store
+    assert isinstance(store, MemoryStore)
+    gpu, cpu = 1 << list(Tier).index(Tier.GPU), 1 << list(Tier).index(Tier.CPU)
+    for name, engine in result.engines.items():
+        held = [(key, bits) for key, worker, bits in store.entries() if worker == name]
+        assert {key for key, bits in held if bits & gpu} == engine.cached_keys()
+        assert {key for key, bits in held if bits & cpu} == set(engine.host)
+    assert not completed(result.index.stats()).skipped
 
 
 def test_every_request_finishes_with_sane_metrics(slice_results: dict[str, ReplayResult]) -> None:
