@@ -218,7 +218,7 @@ async def _run(args: argparse.Namespace, workdir: Path) -> int:
         _log("warm-up pass straight to the engines (not measured) ...")
         urls = [engine.url for engine, _, _ in engines]
         await replay(lambda item: urls[item["conversation"] % len(urls)], items, args.in_flight)
-        for strategy in STRATEGIES:
+        for strategy in args.strategy or STRATEGIES:
             reset_caches(engines)
             with router_process(strategy, engines, args.model, workdir) as router:
                 router.wait_healthy(60)
@@ -271,6 +271,11 @@ def main() -> int:
     ap.add_argument("--words-per-id", type=int, default=24, help="words per trace hash id")
     ap.add_argument("--max-ids", type=int, default=48, help="hash ids kept per prompt")
     ap.add_argument("--in-flight", type=int, default=4)
+    ap.add_argument(
+        "--strategy",
+        action="append",
+        help=f"router strategy to run, in turn (repeatable; default: {', '.join(STRATEGIES)})",
+    )
     ap.add_argument("--workdir", type=Path, help="where logs go (default: a temp folder)")
     args = ap.parse_args()
     if not args.trace.is_file():
