@@ -41,7 +41,7 @@ import demo  # noqa: E402  (engines, router and cache reset of the demo; not a p
 from replay.__main__ import parse_strategy  # noqa: E402
 from replay.engine import EngineConfig  # noqa: E402
 from replay.live import LiveConfig, run_live  # noqa: E402
-from replay.oracle import lru_reuse  # noqa: E402
+from replay.references import lru_reuse  # noqa: E402
 from replay.report import summarize  # noqa: E402
 from replay.sim import simulate  # noqa: E402
 from replay.trace import ExpandedTrace, read_trace  # noqa: E402
@@ -107,15 +107,15 @@ def run_sim(args: argparse.Namespace, path: Path) -> dict[str, dict[str, Any]]:
         max_seqs=args.max_seqs,
     )
     trace = ExpandedTrace(read_trace(path), args.trace_block, cfg.block_size)
-    oracle = lru_reuse(trace, 2 * cfg.num_blocks)
+    pooled = lru_reuse(trace, 2 * cfg.num_blocks)
     rows: dict[str, dict[str, Any]] = {}
     for name in STRATEGIES:
         spec = _spec(name)
         result = simulate(trace, spec.build(), 2, name, cfg, None)
-        row = summarize(result, oracle)
+        row = summarize(result, pooled)
         counts = [sum(1 for w in result.placement.values() if w == f"w{i}") for i in range(2)]
         row["per_worker"] = "/".join(map(str, counts))
-        row["oracle_lru"] = oracle
+        row["pooled_lru"] = pooled
         rows[name] = row
     return rows
 
@@ -276,7 +276,7 @@ def main() -> int:
     print(f"slice: {json.dumps(info)}\n  file {path}")
     sim = run_sim(args, path)
     print(
-        f"sim (aggregate-LRU oracle, N=2: {sim[STRATEGIES[0]]['oracle_lru']:.3f}): "
+        f"sim (pooled-LRU reference, N=2: {sim[STRATEGIES[0]]['pooled_lru']:.3f}): "
         + ", ".join(f"{n} {r['reuse']:.3f}" for n, r in sim.items())
     )
     report: dict[str, Any] = {

@@ -6,6 +6,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 from collections.abc import Callable, Sequence
 from concurrent.futures import ProcessPoolExecutor
@@ -18,7 +19,7 @@ from pydantic import BaseModel, ValidationError
 from replay.baselines import BASELINES
 from replay.costmodel import CostModel
 from replay.engine import EngineConfig
-from replay.oracle import infinite_reuse, lru_reuse
+from replay.references import INFINITE, infinite_reuse, lru_reuse, pooled_lru_label
 from replay.report import plot, summarize, table, write_json
 from replay.sim import simulate
 from replay.trace import ExpandedTrace, TraceError, read_trace
@@ -92,6 +93,14 @@ def _cost_model(path: str | None) -> Callable[[], CostModel] | None:
     return model
 
 
+def _engine_block(block_size: int | None, trace_block: int) -> int:
+    """The engine block size: as given, else 64 tokens (the reference engine) when trace blocks
+    are made of whole 64-token blocks, else the trace block itself (e.g. 16 for the GSP trace)."""
+    if block_size is not None:
+        return block_size
+    return 64 if trace_block % 64 == 0 else trace_block
+
+
 def _workers(text: str) -> list[int]:
     try:
         values = [int(v) for v in text.split(",")]
@@ -118,7 +127,7 @@ def _run_one(job: tuple[StrategySpec, int]) -> dict[str, Any]:
         _SHARED["model"],
         _SHARED.get("progress"),
     )
-    return summarize(result, _SHARED["oracles"].get(f"aggregate LRU N={workers}"))
+    return summarize(result, _SHARED["oracles"].get(pooled_lru_label(workers)))
 
 
 def _replay(args: argparse.Namespace) -> int:
@@ -129,7 +138,7 @@ def _replay(args: argparse.Namespace) -> int:
     try:
         config = EngineConfig(
             num_blocks=args.num_blocks,
-            block_size=args.block_size,
+            block_size=_engine_block(args.block_size, args.trace_block),
             max_batched_tokens=args.max_batched_tokens,
             max_seqs=args.max_seqs,
             watermark=args.watermark,
@@ -139,11 +148,14 @@ def _replay(args: argparse.Namespace) -> int:
     except ValidationError as exc:
         raise UsageError(f"bad engine settings: {exc}") from None
     model = _cost_model(args.cost_model)
-    requests = read_trace(args.trace, args.limit)
+    requests = [
+        dataclasses.replace(r, arrival_ms=r.arrival_ms / args.speedup)
+        for r in read_trace(args.trace, args.limit)
+    ]
     trace = ExpandedTrace(requests, args.trace_block, config.block_size)
-    oracles = {"infinite": infinite_reuse(trace)}
+    oracles = {INFINITE: infinite_reuse(trace)}
     for n in counts:
-        oracles[f"aggregate LRU N={n}"] = lru_reuse(trace, n * config.num_blocks)
+        oracles[pooled_lru_label(n)] = lru_reuse(trace, n * config.num_blocks)
     _SHARED.update(trace=trace, config=config, model=model, oracles=oracles)
     jobs = [(spec, n) for n in counts for spec in specs]
     rows: list[dict[str, Any]] = []
@@ -167,9 +179,10 @@ def _replay(args: argparse.Namespace) -> int:
         "trace": str(args.trace),
         "requests": len(trace),
         "trace_block": args.trace_block,
+        "speedup": args.speedup,
         "engine": {"simulator": "replay.engine", **config.model_dump()},
         "cost_model": args.cost_model or "reference (Dynamo mocker polynomial)",
-        "oracles": oracles,
+        "reuse_references": oracles,
         "results": rows,
     }
     if args.json:
@@ -215,6 +228,12 @@ def _common(p: argparse.ArgumentParser) -> None:
         help="tokens per trace hash id (Mooncake: 512; the SGLang GSP trace here: 16)",
     )
     p.add_argument("--limit", type=positive(int), help="replay only the first N requests")
+    p.add_argument(
+        "--speedup",
+        type=positive(float),
+        default=1.0,
+        help="divide arrival times by this (2 = twice the arrival rate)",
+    )
     p.add_argument("--json", metavar="PATH", help="write the report as JSON")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
 
@@ -231,7 +250,8 @@ def parser() -> argparse.ArgumentParser:
         help="simulated engines + the router's real index and strategies",
         description="Replay a trace through the router's index and strategies over N simulated "
         "engines (simulated time; default engine = the reference model of ENGINES.md). "
-        "Prints a table with oracle reuse bounds; --json / --plot save it.",
+        "Prints a table with the reuse bound (one infinite cache) and the pooled-LRU reference; "
+        "--json / --plot save it.",
     )
     _common(r)
     r.add_argument("--workers", default="8", help="simulated workers, e.g. 8 or 4,8")
@@ -246,7 +266,12 @@ def parser() -> argparse.ArgumentParser:
     r.add_argument("--plot", metavar="PATH", help="write a PNG plot (matplotlib)")
     r.add_argument("--jobs", type=positive(int), default=1, help="replays run in parallel")
     r.add_argument("--num-blocks", type=int, default=16384, help="KV blocks per worker")
-    r.add_argument("--block-size", type=int, default=64, help="tokens per engine block")
+    r.add_argument(
+        "--block-size",
+        type=positive(int),
+        help="tokens per engine block (default: 64 when a trace block is a multiple of 64, "
+        "else the trace block)",
+    )
     r.add_argument("--max-batched-tokens", type=int, default=8192, help="per scheduler pass")
     r.add_argument("--max-seqs", type=int, default=256, help="running sequences per pass")
     r.add_argument("--watermark", type=float, default=0.01, help="free-block fraction kept")
@@ -264,7 +289,6 @@ def parser() -> argparse.ArgumentParser:
     _common(lv)
     lv.add_argument("--url", required=True, help="base URL, e.g. http://127.0.0.1:8000")
     lv.add_argument("--model", default="", help="model name to send (default: the first served)")
-    lv.add_argument("--speedup", type=positive(float), default=1.0, help="time compression")
     lv.add_argument("--concurrency", type=positive(int), default=64, help="max open requests")
     lv.add_argument("--timeout", type=positive(float), default=600.0, help="whole run, seconds")
     lv.add_argument("--max-output-tokens", type=positive(int), help="cap each output_length")

@@ -177,7 +177,7 @@ def _summary(cfg: LiveConfig, outcomes: list[_Outcome], wall_s: float) -> dict[s
         "errors": len(outcomes) - len(ok),
         "first_error": next((o.error for o in outcomes if o.error), ""),
         "reuse": sum(o.cached for o in ok) / prompt if prompt else 0.0,
-        "vs_oracle": None,
+        "vs_pooled_lru": None,
         **latency_fields([o.ttft_ms for o in ok], [o.itl_ms for o in ok if o.itl_ms >= 0]),
         "throughput_tok_s": sum(o.output for o in ok) / wall_s if wall_s else 0.0,
         "imbalance": None,

@@ -1,4 +1,4 @@
-"""Replay reports: per-strategy metrics, oracle bounds, and their table, JSON and PNG forms.
+"""Replay reports: per-strategy metrics, reuse references, and their table, JSON and PNG forms.
 
 Metrics per strategy (simulated time):
   reuse        = Σ reused prompt tokens / Σ prompt tokens (first admission of each request)
@@ -7,7 +7,7 @@ Metrics per strategy (simulated time):
   throughput   = output tokens / (last finish − first arrival), tokens/s
   imbalance    = max / mean of prefill tokens computed per worker
   decision     = router time per request (index match + strategy), µs (mean, p99)
-  vs_oracle    = reuse / reuse of one LRU cache with the workers' aggregate capacity
+  vs_pooled_lru = reuse / reuse of one LRU cache with the workers' pooled capacity (can be > 1)
 """
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ def latency_fields(ttft_ms: Any, itl_ms: Any) -> dict[str, float]:
     }
 
 
-def summarize(result: ReplayResult, oracle_lru: float | None = None) -> dict[str, Any]:
+def summarize(result: ReplayResult, pooled_lru: float | None = None) -> dict[str, Any]:
     """The metrics of one replay (module docstring), as a flat JSON-ready dict."""
     reqs = result.requests
     prompt = sum(r.prompt for r in reqs)
@@ -58,7 +58,7 @@ def summarize(result: ReplayResult, oracle_lru: float | None = None) -> dict[str
         "rejected": result.rejected,
         "reuse": reuse,
         "host_reuse": sum(r.host_tokens for r in reqs) / prompt if prompt else 0.0,
-        "vs_oracle": reuse / oracle_lru if oracle_lru else None,
+        "vs_pooled_lru": reuse / pooled_lru if pooled_lru else None,
         **latency_fields(ttft, itl),
         "throughput_tok_s": out_tokens / (span_ms / 1000) if span_ms else 0.0,
         "imbalance": max(work) / (sum(work) / len(work)) if sum(work) else 1.0,
@@ -75,7 +75,7 @@ _COLUMNS = (
     ("strategy", "strategy", "{}"),
     ("workers", "N", "{}"),
     ("reuse", "reuse", "{:.3f}"),
-    ("vs_oracle", "/oracle", "{:.0%}"),
+    ("vs_pooled_lru", "/pLRU", "{:.0%}"),
     ("ttft_mean_ms", "TTFT ms", "{:.1f}"),
     ("ttft_p50_ms", "p50", "{:.1f}"),
     ("ttft_p90_ms", "p90", "{:.1f}"),
@@ -90,7 +90,7 @@ _COLUMNS = (
 
 
 def table(rows: Sequence[dict[str, Any]], oracles: dict[str, float]) -> str:
-    """A plain-text table of `summarize` rows, with the oracle bounds underneath."""
+    """A plain-text table of `summarize` rows, with the reuse references underneath."""
     cells = [[h for _, h, _ in _COLUMNS]]
     for row in rows:
         cells.append(["-" if row[k] is None else fmt.format(row[k]) for k, _, fmt in _COLUMNS])
@@ -103,7 +103,7 @@ def table(rows: Sequence[dict[str, Any]], oracles: dict[str, float]) -> str:
         for r in cells
     ]
     lines.insert(1, "  ".join("-" * w for w in widths))
-    lines += [f"oracle {name}: reuse {value:.3f}" for name, value in oracles.items()]
+    lines += [f"{name}: reuse {value:.3f}" for name, value in oracles.items()]
     return "\n".join(lines)
 
 
@@ -112,7 +112,7 @@ def write_json(path: str | Path, report: dict[str, Any]) -> None:
 
 
 def plot(path: str | Path, rows: Sequence[dict[str, Any]], oracles: dict[str, float]) -> None:
-    """Bar charts of reuse (with the oracle bounds as lines) and TTFT mean/p99 per strategy."""
+    """Bar charts of reuse (with the reuse references as lines) and TTFT mean/p99 per strategy."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -123,7 +123,7 @@ def plot(path: str | Path, rows: Sequence[dict[str, Any]], oracles: dict[str, fl
     fig, (ax1, ax2) = plt.subplots(2, 1, figsize=(max(6.0, 1.1 * len(rows) + 2), 7))
     ax1.bar(x, [r["reuse"] for r in rows], color="tab:blue")
     for (name, value), style in zip(oracles.items(), ("--", ":", "-.", "-"), strict=False):
-        ax1.axhline(value, linestyle=style, color="black", linewidth=1, label=f"oracle {name}")
+        ax1.axhline(value, linestyle=style, color="black", linewidth=1, label=name)
     ax1.set_ylabel("prefix reuse")
     ax1.set_xticks(x, labels, fontsize=7)
     ax1.legend(fontsize=7)

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from replay.engine import EngineConfig, SimEngine, SimRequest
-from replay.oracle import infinite_reuse, lru_reuse
+from replay.references import infinite_reuse, lru_reuse
 from replay.report import summarize
 from replay.sim import ReplayResult, simulate
 from replay.trace import ExpandedTrace, TraceError, TraceRequest, read_trace
@@ -193,7 +193,7 @@ def test_a_small_host_tier_stays_in_step_with_the_index() -> None:
 
 def test_every_request_finishes_with_sane_metrics(slice_results: dict[str, ReplayResult]) -> None:
     for result in slice_results.values():
-        row = summarize(result, oracle_lru=1.0)
+        row = summarize(result, pooled_lru=1.0)
         assert row["requests"] == 300 and row["rejected"] == 0
         assert 17 < row["ttft_p50_ms"] <= row["ttft_p90_ms"] <= row["ttft_p99_ms"]
         assert row["itl_mean_ms"] >= 1 and row["imbalance"] >= 1

@@ -5,14 +5,17 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from collections.abc import Mapping, Sequence
+from importlib.metadata import EntryPoint
 from pathlib import Path
 
 import pytest
 
-from replay.__main__ import main, parse_strategy
+import warply.common.loading as loading
+from replay.__main__ import UsageError, main, parse_strategy
 from replay.baselines import DynamoKv, LlmdPrecise, SglangCacheAware
 from router.index import WorkerMatch
-from router.strategies import RequestView, WorkerLoad
+from router.strategies import RequestView, RoundRobin, WorkerLoad
 
 GSP = Path(__file__).parents[1] / "../shared/traces/sglang_gsp/gsp_default_blk16.jsonl"
 
@@ -56,10 +59,11 @@ def test_warply_bench_replay_end_to_end(tmp_path: Path) -> None:
         "--json", str(out), "--plot", str(png), "--quiet",
     )  # fmt: skip
     assert run.returncode == 0, run.stderr
-    assert "oracle infinite" in run.stdout and "pa" in run.stdout
+    assert "infinite cache (bound)" in run.stdout and "pa" in run.stdout
     report = json.loads(out.read_text())
     assert [r["strategy"] for r in report["results"]] == ["round_robin", "pa"]
-    assert report["engine"]["simulator"] and report["oracles"]["infinite"] > 0
+    assert report["engine"]["simulator"] and report["speedup"] == 1.0
+    assert report["reuse_references"]["infinite cache (bound)"] > 0
     assert png.read_bytes()[:4] == b"\x89PNG"
 
 
@@ -93,10 +97,68 @@ def test_missing_trace_and_bad_numbers(capsys: pytest.CaptureFixture[str]) -> No
     assert "'two' is not an integer" in capsys.readouterr().err
 
 
-def test_strategy_specs() -> None:
+class Sticky(RoundRobin):
+    """A user strategy, found by `module:Class` path or entry point like the router finds it."""
+
+    name = "sticky"
+
+    def choose(
+        self,
+        request: RequestView,
+        candidates: Sequence[WorkerLoad],
+        matches: Mapping[str, WorkerMatch],
+    ) -> str:
+        return candidates[0].name
+
+
+def test_strategy_specs(monkeypatch: pytest.MonkeyPatch) -> None:
     spec = parse_strategy('pa8=prefix_affinity:{"balance_abs": 8}')
     assert spec.label == "pa8" and spec.build().knobs.balance_abs == 8  # type: ignore[attr-defined]
     assert parse_strategy("dynamo_kv").label == "dynamo_kv"
+    # User strategies replay too: by `module:Class` path (knobs after it) and by entry point.
+    assert parse_strategy(f"{__name__}:Sticky").cls is Sticky
+    assert parse_strategy(f"s={__name__}:Sticky:{{}}").label == "s"
+    ep = EntryPoint("sticky", f"{__name__}:Sticky", "warply.strategies")
+    monkeypatch.setattr(
+        loading, "entry_points", lambda **kw: [ep] if kw.get("name") == "sticky" else []
+    )
+    assert parse_strategy("sticky").cls is Sticky
+    with pytest.raises(UsageError, match="not a router.strategies.Strategy subclass"):
+        parse_strategy("pathlib:Path")
+
+
+def test_engine_block_follows_the_trace_block(tmp_path: Path) -> None:
+    line = {"timestamp": 0, "input_length": 64, "output_length": 1, "hash_ids": [1, 2, 3, 4]}
+    trace = tmp_path / "t16.jsonl"
+    trace.write_text(json.dumps(line) + "\n")
+    out = tmp_path / "r.json"
+    args = ["replay", str(trace), "--trace-block", "16", "--quiet", "-s", "round_robin"]
+    assert main([*args, "--json", str(out)]) == 0
+    assert json.loads(out.read_text())["engine"]["block_size"] == 16
+    assert main([*args, "--block-size", "32", "--json", str(out)]) == 0
+    assert json.loads(out.read_text())["engine"]["block_size"] == 32
+
+
+def test_speedup_compresses_arrivals(tmp_path: Path) -> None:
+    # Two unrelated 8k-token prompts 400 ms apart on one worker: alone each prefills in ~170 ms;
+    # 100x faster arrivals make the second wait behind the first.
+    lines = [
+        {"timestamp": 400 * i, "input_length": 8192, "output_length": 1,
+         "hash_ids": list(range(16 * i, 16 * i + 16))}
+        for i in range(2)
+    ]  # fmt: skip
+    trace = tmp_path / "t.jsonl"
+    trace.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    ttft = {}
+    for speedup in ("1", "100"):
+        out = tmp_path / f"r{speedup}.json"
+        args = ["replay", str(trace), "--workers", "1", "--quiet", "-s", "round_robin"]
+        assert main([*args, "--speedup", speedup, "--json", str(out)]) == 0
+        report = json.loads(out.read_text())
+        assert report["speedup"] == float(speedup)
+        ttft[speedup] = report["results"][0]["ttft_mean_ms"]
+    assert ttft["1"] == pytest.approx(169.1, abs=0.5)
+    assert ttft["100"] > 1.4 * ttft["1"]
 
 
 def test_gsp_slice_runs_all_default_strategies(tmp_path: Path) -> None:
