@@ -8,6 +8,7 @@ import pytest
 from router.index import WorkerMatch
 from router.strategies import (
     BUILTIN,
+    AdaptiveAffinity,
     KvReuse,
     LeastLoaded,
     NoCandidate,
@@ -100,6 +101,7 @@ def test_knobs_are_validated_with_the_field_named() -> None:
     with pytest.raises(pydantic.ValidationError, match="unknown_knob"):
         KvReuse.Knobs(unknown_knob=1)  # type: ignore[call-arg]
     assert set(BUILTIN) == {
+        "adaptive",
         "round_robin",
         "least_loaded",
         "prefix_affinity",
@@ -108,8 +110,118 @@ def test_knobs_are_validated_with_the_field_named() -> None:
     }
 
 
-@pytest.mark.parametrize("name", ["least_loaded", "prefix_affinity", "kv-reuse"])
+@pytest.mark.parametrize("name", ["least_loaded", "prefix_affinity", "kv-reuse", "adaptive"])
 def test_equal_idle_workers_take_new_requests_in_turn(name: str) -> None:
     s = BUILTIN[name]()
     picks = [s.choose(REQ, _workers(0, 0, 0), {}) for _ in range(6)]
     assert sorted(picks) == ["w0", "w0", "w1", "w1", "w2", "w2"]
+
+
+# ---- adaptive (the default) ----------------------------------------------------------------
+
+LONG = RequestView(keys=list(range(100, 164)), prompt_tokens=64 * 16, block_size=16)
+"""64 blocks of 16 tokens: two 512-token checkpoints (depths 32 and 64)."""
+
+
+def _idle(*queued: int) -> list[WorkerLoad]:
+    return [WorkerLoad(f"w{i}", pending_prefill_tokens=q) for i, q in enumerate(queued)]
+
+
+def test_adaptive_cost_formula_prices_waiting_against_recomputing() -> None:
+    # REQ: 160 tokens, all cached on w0 (u = 0); on w1 u = 160 = u(w1) - u*. Fresh state:
+    # pi = 0, h = 1, typical work = one block (16 tokens) so n(w) = q(w) / 16.
+    # cost(w0) = q0;  cost(w1) = q1 + 160 + (q1/16 + duplicate_floor 3) * 160.
+    held = {"w0": WorkerMatch(10, {Tier.GPU: 10})}
+    assert AdaptiveAffinity().choose(REQ, _idle(600, 0), held) == "w0"  # 600 < 640
+    assert AdaptiveAffinity().choose(REQ, _idle(700, 0), held) == "w1"  # 700 > 640
+    # Recomputing on a busy worker costs more: w1 with 160 queued -> 160 + 160 + 13 * 160.
+    assert AdaptiveAffinity().choose(REQ, _idle(2300, 160), held) == "w0"
+    assert AdaptiveAffinity().choose(REQ, _idle(2500, 160), held) == "w1"
+    # The knobs are the formula's: no duplication price -> cost(w1) = 160, 160 < 200.
+    free = AdaptiveAffinity(AdaptiveAffinity.Knobs(duplicate_floor=0))
+    assert free.choose(REQ, _idle(200, 0), held) == "w1"
+    # A request that may not reuse goes by load alone.
+    no_reuse = RequestView(REQ.keys, REQ.prompt_tokens, REQ.block_size, prefix_reuse=False)
+    assert AdaptiveAffinity().choose(no_reuse, _idle(600, 0), held) == "w1"
+
+
+def test_adaptive_one_hot_worker_does_not_turn_affinity_off_for_the_others() -> None:
+    # w0 is swamped; w1 holds this conversation with a short queue; w2 is idle. Fleet-wide
+    # guards (prefix_affinity, sglang cache_aware) send everything to the least loaded now.
+    loads = [
+        WorkerLoad("w0", in_flight=40, pending_prefill_tokens=50_000),
+        WorkerLoad("w1", in_flight=2, pending_prefill_tokens=100),
+        WorkerLoad("w2"),
+    ]
+    held = {"w1": WorkerMatch(10, {Tier.GPU: 10})}
+    guarded = PrefixAffinity(PrefixAffinity.Knobs(balance_abs=4, balance_rel=1.5))
+    assert guarded.choose(REQ, loads, held) == "w2"
+    assert AdaptiveAffinity().choose(REQ, loads, held) == "w1"
+
+
+def test_adaptive_corrects_skew_the_load_guard_cannot_see() -> None:
+    # Four requests in flight, split 3/1: the guard (spread > 4) never fires, so prefix
+    # affinity keeps the conversation on the worker whose prefill queue is long.
+    loads = [
+        WorkerLoad("w0", in_flight=3, pending_prefill_tokens=3 * 4096),
+        WorkerLoad("w1", in_flight=1),
+    ]
+    held = {"w0": WorkerMatch(2, {Tier.GPU: 2})}  # 2 of 10 blocks cached on w0
+    assert PrefixAffinity().choose(REQ, loads, held) == "w0"
+    assert AdaptiveAffinity().choose(REQ, loads, held) == "w1"
+
+
+@pytest.mark.parametrize("balance", [3.0, 0.0])
+def test_adaptive_new_conversations_go_where_less_work_was_routed(balance: float) -> None:
+    s = AdaptiveAffinity(AdaptiveAffinity.Knobs(balance=balance))
+    part = {"w0": WorkerMatch(5, {Tier.GPU: 5})}  # half cached on w0: 80 uncached tokens
+    for _ in range(3):
+        assert s.choose(REQ, _idle(0, 0), part) == "w0"
+    share = s.worker_gauges()["routed_share"]
+    assert share["w0"] == 2.0 and share["w1"] == 0.0  # all recent work went to w0
+    # s(w0) = 2 * 80 * (1 - d)(1 + d + d^2) with d = 1 - 1/32: 14.5 tokens, times balance.
+    # A new conversation (nothing cached anywhere), w1 with a short queue of 30 tokens:
+    # balance 3 -> cost(w0) = 160 + 43.6 > cost(w1) = 30 + 160; balance 0 -> w0 (no queue).
+    expected = "w1" if balance else "w0"
+    assert s.choose(REQ, _idle(0, 30), {}) == expected
+    # Equal costs: the less-routed worker, not the next in turn.
+    assert s.choose(REQ, _idle(0, 0), {}) == "w1"
+
+
+def test_adaptive_replicates_a_hot_shared_prefix_but_keeps_a_private_one() -> None:
+    held = {"w0": WorkerMatch(10, {Tier.GPU: 10})}
+    private = AdaptiveAffinity()
+    assert private.choose(REQ, _idle(400, 0), held) == "w0"  # 400 < 160 + 3 * 160
+    hot = AdaptiveAffinity()
+    for _ in range(9):  # nine earlier requests whose longest cached prefix ended at key 9
+        assert hot.choose(REQ, _idle(0, 0), held) == "w0"
+    # h = 8 (decayed a little): duplicate price 3 / 8, cost(w1) ≈ 160 + 60 < 400.
+    assert hot.choose(REQ, _idle(400, 0), held) == "w1"
+    assert hot.gauges()["spills"] == 1 and hot.gauges()["spill_tokens"] == 160
+
+
+def test_adaptive_measures_eviction_loss_and_raises_the_duplication_price() -> None:
+    s = AdaptiveAffinity()
+    k = s.knobs
+    assert isinstance(k, AdaptiveAffinity.Knobs)
+    assert s.choose(LONG, _idle(0, 0), {}) in {"w0", "w1"}  # checkpoints at 32 and 64 stored
+    assert s.eviction_loss == 0 and s.duplicate_price() == k.duplicate_floor
+    s.choose(LONG, _idle(0, 0), {})  # back for 64 blocks, none held anywhere: all lost
+    assert s.eviction_loss == 1
+    assert s.gauges()["duplicate_price"] == k.duplicate_floor + k.eviction_gain
+    s.choose(LONG, _idle(0, 0), {"w1": WorkerMatch(64, {Tier.GPU: 64})})  # all found
+    assert 0.4 < s.eviction_loss < 0.6  # decayed: lost 64·d / asked (64·d + 64)
+    gauges = s.gauges()
+    assert set(gauges) == {
+        "eviction_loss",
+        "duplicate_price",
+        "queue_depth",
+        "work_per_request_tokens",
+        "placements",
+        "spills",
+        "spill_tokens",
+    }
+    assert gauges["placements"] == 3
+    # Bounded: the price never exceeds floor + gain, whatever the measurements.
+    assert s.duplicate_price() <= k.duplicate_floor + k.eviction_gain
+

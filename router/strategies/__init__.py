@@ -6,12 +6,14 @@ errors) and `choose()` (`base`). The router and the trace replayer load them thr
 `module:Class` path.
 """
 
+from router.strategies.adaptive import AdaptiveAffinity
 from router.strategies.base import (
     NO_MATCH,
     Knobs,
     NoCandidate,
     RequestView,
     Strategy,
+    TierWeights,
     WorkerLoad,
     imbalanced,
 )
@@ -22,11 +24,11 @@ from router.strategies.builtin import (
     PrefixAffinity,
     RoundRobin,
     TenantIsolated,
-    TierWeights,
 )
 from router.strategies.registry import known_names, make_strategy, strategy_class
 
 __all__ = [
+    "AdaptiveAffinity",
     "BUILTIN",
     "NO_MATCH",
     "Knobs",

@@ -16,7 +16,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, Field
 
 from router.index import WorkerMatch
 
@@ -72,6 +72,21 @@ class Knobs(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
 
+class TierWeights(BaseModel):
+    """Credit for a cached block by the tier it must be loaded from (1 = free reuse)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    gpu: float = Field(1.0, ge=0, le=1)
+    cpu: float = Field(0.75, ge=0, le=1)
+    ssd: float = Field(0.25, ge=0, le=1)
+    object_store: float = Field(0.1, ge=0, le=1)
+
+    def credit(self, match: WorkerMatch) -> float:
+        """Σ_t weight_t · hit_t(w): cached blocks, discounted by how slow their tier is."""
+        weights: dict[str, float] = self.model_dump()
+        return sum(weights[tier.value] * n for tier, n in match.by_tier.items())
+
+
 def imbalanced(loads: Sequence[int], balance_abs: float, balance_rel: float) -> bool:
     """The load guard: max − min load > balance_abs and max > balance_rel · min."""
     hi, lo = max(loads), min(loads)
@@ -99,6 +114,14 @@ class Strategy(abc.ABC):
     def _least_loaded(self, candidates: Sequence[WorkerLoad]) -> str:
         """argmin load(w), then fewer in-flight tokens, then in turn."""
         return self._best(candidates, lambda w: (w.load, w.in_flight_tokens))
+
+    def gauges(self) -> dict[str, float]:
+        """The strategy's own measured state, for metrics (name → value); none by default."""
+        return {}
+
+    def worker_gauges(self) -> dict[str, dict[str, float]]:
+        """Per-worker measured state, for metrics (name → worker → value); none by default."""
+        return {}
 
     @abc.abstractmethod
     def choose(

@@ -1,20 +1,23 @@
 """Warply's built-in strategies, each stated as a formula with its knobs (notation in
-`router.strategies.base`): two baselines, prefix affinity, kv-reuse cost, tenant isolation."""
+`router.strategies.base`): two baselines, prefix affinity, kv-reuse cost, tenant isolation, and
+the default, `adaptive` (`router.strategies.adaptive`)."""
 
 from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Mapping, Sequence
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, Field
 
 from router.index import WorkerMatch
+from router.strategies.adaptive import AdaptiveAffinity
 from router.strategies.base import (
     NO_MATCH,
     Knobs,
     NoCandidate,
     RequestView,
     Strategy,
+    TierWeights,
     WorkerLoad,
     imbalanced,
 )
@@ -47,21 +50,6 @@ class LeastLoaded(Strategy):
         matches: Mapping[str, WorkerMatch],
     ) -> str:
         return self._least_loaded(candidates)
-
-
-class TierWeights(BaseModel):
-    """Credit for a cached block by the tier it must be loaded from (1 = free reuse)."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True)
-    gpu: float = Field(1.0, ge=0, le=1)
-    cpu: float = Field(0.75, ge=0, le=1)
-    ssd: float = Field(0.25, ge=0, le=1)
-    object_store: float = Field(0.1, ge=0, le=1)
-
-    def credit(self, match: WorkerMatch) -> float:
-        """Σ_t weight_t · hit_t(w): cached blocks, discounted by how slow their tier is."""
-        weights: dict[str, float] = self.model_dump()
-        return sum(weights[tier.value] * n for tier, n in match.by_tier.items())
 
 
 class PrefixAffinityKnobs(Knobs):
@@ -196,5 +184,6 @@ class TenantIsolated(PrefixAffinity):
 
 
 BUILTIN: dict[str, type[Strategy]] = {
-    cls.name: cls for cls in (RoundRobin, LeastLoaded, PrefixAffinity, KvReuse, TenantIsolated)
+    cls.name: cls
+    for cls in (AdaptiveAffinity, RoundRobin, LeastLoaded, PrefixAffinity, KvReuse, TenantIsolated)
 }

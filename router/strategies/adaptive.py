@@ -1,0 +1,226 @@
+"""`adaptive`, the default strategy: one cost per candidate that prices waiting, prefill and
+recomputing a prefix another worker holds, with the price of recomputing adapted from the
+measured eviction loss and queueing.
+
+Per request of P prompt tokens (B tokens per block) and per candidate worker w, in tokens:
+
+    u(w)  = P − B · credit(w)          uncached tokens: the prefill this request does on w
+    u*    = min over candidates of u(w) the prefill it must do wherever it goes
+    q(w)  = pending prefill tokens(w)  uncached prefill routed to w that has no first token yet
+    ū     = mean u of recent placements (decayed), the fleet's typical prefill per request
+    n(w)  = min(queue_cap, q(w) / ū)   w's queue, in requests of typical size
+    s(w)  = N · (decayed mean of the u routed to w per placement): ū when w got its fair share
+
+    cost(w) = q(w) + u(w)                   this request's time to first token on w (prefill)
+            + X(w) · (u(w) − u*)            the price of recomputing what another worker holds
+            + balance · s(w)                the load w's conversations will keep bringing
+    X(w)    = n(w) + (duplicate_floor + eviction_gain · π) / h
+
+The lowest cost wins; ties go to the smaller s(w), then in turn.
+
+The terms, and why:
+  q + u     what the request itself waits for and computes on w: with nothing else in play the
+            request goes where its first token comes soonest, so one hot worker only loses the
+            requests for which another worker is faster, instead of a fleet-wide load guard
+            turning affinity off for everyone.
+  X · (u − u*)  recomputing a prefix held elsewhere costs more than this request's own time:
+            it delays everything queued behind it on w (n(w): free on an idle worker, dear on a
+            busy one), and it leaves two copies of the prefix where one would do, which costs
+            future hits when caches are full. That second part is `duplicate_floor` plus
+            `eviction_gain` · π, divided by the prefix's heat h.
+  π         the measured eviction loss: of the prefix blocks that earlier requests brought (one
+            checkpoint every `checkpoint_tokens`), the fraction that no worker still held when a
+            later request came back for them (decayed over recent placements; 0..1). High π
+            means caches are full and duplicates push out prefixes that will be needed again,
+            so affinity is worth more; π ≈ 0 means there is room and spreading is cheap.
+  h         the heat of the longest cached prefix: max(1, earlier requests whose longest cached
+            prefix ended at the same block, decayed). A shared document or system prompt
+            (h ≫ 1) is cheap to replicate: its copy on another worker serves many later
+            requests. A private conversation (h = 1) pays the full duplication price.
+  s(w)      new conversations (u(w) = u* everywhere) go where little work was routed lately, so
+            the workers' future load and cache churn stay even; a worker that keeps receiving
+            more than its share also loses the marginal continuations first.
+
+Adaptation is bounded: 0 ≤ π ≤ 1, 0 ≤ n(w) ≤ queue_cap, so duplicate_floor ≤ X(w) · h ≤
+queue_cap · h + duplicate_floor + eviction_gain. The measured state (π, ū, the queue depth, the
+routed shares, spills) is exposed by `gauges()` and `worker_gauges()` for metrics.
+
+Defaults were chosen on the replayer's conversation, GSP, agent and RAG workloads at several
+fleet sizes and rates and checked on other seeds and windows (docs/replay.md, the matrix).
+"""
+
+from __future__ import annotations
+
+import math
+from collections import OrderedDict
+from collections.abc import Mapping, Sequence
+
+from pydantic import BaseModel, Field
+
+from router.index import WorkerMatch
+from router.strategies.base import NO_MATCH, Knobs, RequestView, Strategy, TierWeights, WorkerLoad
+
+
+class AdaptiveKnobs(Knobs):
+    tier_weights: TierWeights = TierWeights()
+    duplicate_floor: float = Field(3.0, ge=0)
+    """Extra cost per token of recomputing a private prefix that another worker holds, when
+    caches have room (π = 0)."""
+    eviction_gain: float = Field(32.0, ge=0)
+    """Added to that per unit of measured eviction loss π (0..1)."""
+    balance: float = Field(3.0, ge=0)
+    """Weight of s(w), the work routed to w lately (ū when it had its fair share)."""
+    queue_cap: float = Field(16.0, ge=0)
+    """Upper bound of n(w), the queue depth in requests that prices recomputing on w."""
+    horizon: float = Field(16.0, gt=0)
+    """Placements per worker over which ū, s(w) and π decay (1/e)."""
+    heat_horizon: float = Field(256.0, gt=0)
+    """Placements per worker over which a prefix's heat decays (1/e)."""
+    checkpoint_tokens: int = Field(512, gt=0)
+    """Spacing of the prefix checkpoints that measure the eviction loss π."""
+    memory: int = Field(1 << 16, gt=0)
+    """Checkpoints, and separately prefix heats, remembered (least recent dropped first)."""
+
+
+class AdaptiveAffinity(Strategy):
+    """The default strategy: see the module docstring for the cost formula and its knobs."""
+
+    name = "adaptive"
+    Knobs = AdaptiveKnobs
+
+    def __init__(self, knobs: BaseModel | None = None) -> None:
+        super().__init__(knobs)
+        self._routed: dict[str, float] = {}
+        """Worker → decayed mean of the u routed to it per placement (s(w) / N)."""
+        self._work = 0.0
+        """ū, tokens (0 until the first placement)."""
+        self._expected = 0.0
+        self._lost = 0.0
+        """Decayed sums of checkpointed prefix blocks asked for again, and of those found
+        nowhere: π = lost / expected."""
+        self._checkpoints: OrderedDict[int, None] = OrderedDict()
+        self._heat: OrderedDict[int, tuple[float, int]] = OrderedDict()
+        """Key of the last block of a longest cached prefix → (decayed count, tick)."""
+        self._tick = 0
+        self._depth = 0.0
+        self.placements = 0
+        self.spills = 0
+        """Placements away from the longest cached prefix."""
+        self.spill_tokens = 0.0
+        """Σ u(w) − u* of the chosen workers: prefill spent to spread load."""
+
+    # ---- observable state ----------------------------------------------------------------
+    @property
+    def eviction_loss(self) -> float:
+        """π: measured fraction of returning prefix blocks that no worker held any more."""
+        return self._lost / self._expected if self._expected > 0 else 0.0
+
+    def duplicate_price(self) -> float:
+        """X for a private prefix (h = 1) on an idle worker: the current affinity weight."""
+        k: AdaptiveKnobs = self.knobs  # type: ignore[assignment]
+        return k.duplicate_floor + k.eviction_gain * self.eviction_loss
+
+    def gauges(self) -> dict[str, float]:
+        return {
+            "eviction_loss": self.eviction_loss,
+            "duplicate_price": self.duplicate_price(),
+            "queue_depth": self._depth,
+            "work_per_request_tokens": self._work,
+            "placements": float(self.placements),
+            "spills": float(self.spills),
+            "spill_tokens": self.spill_tokens,
+        }
+
+    def worker_gauges(self) -> dict[str, dict[str, float]]:
+        total = sum(self._routed.values())
+        n = len(self._routed)
+        return {
+            "routed_share": {
+                w: (n * v / total if total > 0 else 1.0) for w, v in self._routed.items()
+            }
+        }
+
+    # ---- choice --------------------------------------------------------------------------
+    def choose(
+        self,
+        request: RequestView,
+        candidates: Sequence[WorkerLoad],
+        matches: Mapping[str, WorkerMatch],
+    ) -> str:
+        k: AdaptiveKnobs = self.knobs  # type: ignore[assignment]
+        bs, n = request.block_size, len(candidates)
+        prompt = max(request.prompt_tokens, len(request.keys) * bs)
+        reuse = request.prefix_reuse
+        credit = {
+            w.name: k.tier_weights.credit(matches.get(w.name, NO_MATCH)) if reuse else 0.0
+            for w in candidates
+        }
+        uncached = {name: max(0.0, prompt - c * bs) for name, c in credit.items()}
+        least = min(uncached.values())
+        depth = max((matches[w.name].blocks for w in candidates if w.name in matches), default=0)
+        decay = 1.0 - 1.0 / (k.horizon * n)
+        self._tick += 1
+        heat = 1.0
+        if reuse:
+            self._measure_loss(request.keys, depth, max(1, k.checkpoint_tokens // bs), decay, k)
+            if depth:
+                heat = self._heat_of(request.keys[depth - 1], k.heat_horizon * n, k.memory)
+        dup = self.duplicate_price() / heat
+        work = max(self._work, float(bs))
+        routed = self._routed
+        depths = [min(k.queue_cap, w.pending_prefill_tokens / work) for w in candidates]
+        self._depth = sum(depths) / n
+
+        def cost(i: int) -> tuple[float, float]:
+            w = candidates[i]
+            u = uncached[w.name]
+            share = n * routed.get(w.name, 0.0)
+            extra = (depths[i] + dup) * (u - least)
+            return w.pending_prefill_tokens + u + extra + k.balance * share, share
+
+        costs = {w.name: cost(i) for i, w in enumerate(candidates)}
+        name = self._best(candidates, lambda w: costs[w.name])
+        u = uncached[name]
+        self._work = u if self.placements == 0 else decay * self._work + (1 - decay) * u
+        for w in candidates:
+            routed[w.name] = decay * routed.get(w.name, 0.0)
+        routed[name] += (1 - decay) * u
+        self.placements += 1
+        if u > least:
+            self.spills += 1
+            self.spill_tokens += u - least
+        return name
+
+    def _measure_loss(
+        self, keys: Sequence[int], found: int, stride: int, decay: float, k: AdaptiveKnobs
+    ) -> None:
+        """Update π: the deepest checkpoint of `keys` seen before is what earlier requests
+        brought; `found` blocks of it are still held somewhere (the longest match)."""
+        seen = self._checkpoints
+        expected = 0
+        for d in range(len(keys) // stride * stride, 0, -stride):
+            if keys[d - 1] in seen:
+                expected = d
+                break
+        self._expected *= decay
+        self._lost *= decay
+        if expected:
+            self._expected += expected
+            self._lost += max(0, expected - found)
+        for d in range(stride, len(keys) + 1, stride):
+            key = keys[d - 1]
+            if key in seen:
+                seen.move_to_end(key)
+            else:
+                seen[key] = None
+        while len(seen) > k.memory:
+            seen.popitem(last=False)
+
+    def _heat_of(self, key: int, horizon: float, memory: int) -> float:
+        """h = max(1, decayed count of earlier requests whose longest match ended at `key`)."""
+        count, last = self._heat.pop(key, (0.0, self._tick))
+        count *= math.exp(-(self._tick - last) / horizon)
+        self._heat[key] = (count + 1.0, self._tick)
+        if len(self._heat) > memory:
+            self._heat.popitem(last=False)
+        return max(1.0, count)
