@@ -66,7 +66,7 @@ class PoolConfig(_Strict):
 class StrategyConfig(_Strict):
     """A strategy by name (builtin, `warply.strategies` entry point, or `module:Class`)."""
 
-    name: str = "prefix_affinity"
+    name: str = "adaptive"
     knobs: dict[str, Any] = Field(default_factory=dict)
 
 

@@ -225,3 +225,11 @@ def test_adaptive_measures_eviction_loss_and_raises_the_duplication_price() -> N
     # Bounded: the price never exceeds floor + gain, whatever the measurements.
     assert s.duplicate_price() <= k.duplicate_floor + k.eviction_gain
 
+
+def test_adaptive_is_the_default() -> None:
+    from router.config import StrategyConfig
+
+    assert StrategyConfig().name == AdaptiveAffinity.name == "adaptive"
+    assert BUILTIN["adaptive"] is AdaptiveAffinity
+    with pytest.raises(pydantic.ValidationError, match="eviction_gain"):
+        AdaptiveAffinity.Knobs(eviction_gain=-1)
