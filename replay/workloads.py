@@ -1,0 +1,226 @@
+"""Synthetic workloads in Mooncake trace format, deterministic for a seed.
+
+    python -m replay.workloads agent  -o agent.jsonl  [--seed 0] [--requests N]
+    python -m replay.workloads rag    -o rag.jsonl
+    python -m replay.workloads unique -o unique.jsonl
+    python -m replay.workloads shift  TRACE -o shifted.jsonl --at 0.5 --factor 4
+
+Shapes (trace block 512 tokens; replay them with `--trace-block 512`):
+
+- `agent`: agent loops. Sessions arrive as a Poisson process; each starts with one of a few
+  shared tool/system prompts and its own task, then takes 6-24 steps; each step appends the
+  model's previous output and a tool observation to the prompt (append-only, up to ~64k
+  tokens) and arrives after the previous step's expected generation time plus a tool delay.
+- `rag`: retrieval over a few large shared documents. Every request is a shared system prompt,
+  one of 8 documents (8k-24k tokens, Zipf-popular: the hottest takes ~40 % of requests), a few
+  retrieved passages of its own and a question. Poisson arrivals.
+- `unique`: no reuse at all: every prompt is new (lognormal lengths), Poisson arrivals.
+- `shift`: an existing trace whose inter-arrival gaps after a point (`--at`, a fraction of the
+  requests) are divided by `--factor` (a sudden rise of the arrival rate mid-trace).
+
+Block ids are assigned so that equal ids mean equal prefixes, as in Mooncake traces: a prompt is
+a list of segments (shared or private runs of tokens), and block i's id is a function of block
+i−1's id and the segment pieces block i holds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from warply.common.argtypes import positive
+
+BLOCK = 512
+"""Tokens per trace block (hash id) in the generated traces."""
+
+Segment = tuple[int, int]
+"""(segment id, tokens): a run of tokens; equal ids are equal contents."""
+
+
+@dataclass
+class _Ids:
+    """Assigns chained block ids (equal prefix content ↔ equal id) and fresh segment ids."""
+
+    table: dict[tuple[int, tuple[tuple[int, int, int], ...]], int] = field(default_factory=dict)
+    next_segment: int = 0
+
+    def segment(self, tokens: int) -> Segment:
+        self.next_segment += 1
+        return (self.next_segment, int(tokens))
+
+    def blocks(self, segments: Sequence[Segment]) -> tuple[list[int], int]:
+        """Hash ids of the prompt made of `segments` and its length in tokens."""
+        ids: list[int] = []
+        pieces: list[tuple[int, int, int]] = []
+        filled, parent, total = 0, -1, 0
+        for seg, length in segments:
+            start = 0
+            while start < length:
+                take = min(length - start, BLOCK - filled)
+                pieces.append((seg, start, start + take))
+                start += take
+                filled += take
+                if filled == BLOCK:
+                    parent = self._id(parent, pieces)
+                    ids.append(parent)
+                    pieces, filled = [], 0
+            total += length
+        if pieces:
+            ids.append(self._id(parent, pieces))
+        return ids, total
+
+    def _id(self, parent: int, pieces: list[tuple[int, int, int]]) -> int:
+        key = (parent, tuple(pieces))
+        return self.table.setdefault(key, len(self.table))
+
+
+def _record(t_ms: float, segments: Sequence[Segment], output: int, ids: _Ids) -> dict[str, object]:
+    hash_ids, length = ids.blocks(segments)
+    return {
+        "timestamp": round(t_ms),
+        "input_length": length,
+        "output_length": int(output),
+        "hash_ids": hash_ids,
+    }
+
+
+def _lognormal(rng: np.random.Generator, median: float, sigma: float, lo: int, hi: int) -> int:
+    return int(np.clip(rng.lognormal(np.log(median), sigma), lo, hi))
+
+
+def agent(requests: int = 3000, seed: int = 0, rate: float = 1.5) -> list[dict[str, object]]:
+    """Agent loops (module docstring); `rate` sessions per second."""
+    rng = np.random.default_rng(seed)
+    ids = _Ids()
+    systems = [ids.segment(int(rng.integers(2500, 6000))) for _ in range(3)]
+    out: list[dict[str, object]] = []
+    t = 0.0
+    while len(out) < requests:
+        t += rng.exponential(1000.0 / rate)
+        system = systems[int(rng.integers(len(systems)))]
+        prompt = [system, ids.segment(int(rng.integers(300, 2000)))]
+        at = t
+        for _ in range(int(rng.integers(6, 25))):
+            length = sum(n for _, n in prompt)
+            if length > 64_000 or len(out) >= requests:
+                break
+            output = _lognormal(rng, 150, 0.6, 16, 600)
+            out.append(_record(at, prompt, output, ids))
+            # next step: after the expected generation (~15 ms/token + 0.3 s) and a tool call
+            at += 300 + 15 * output + rng.exponential(1500)
+            observation = _lognormal(rng, 800, 1.0, 50, 8000)
+            prompt = [*prompt, ids.segment(output), ids.segment(observation)]
+    return out
+
+
+def rag(requests: int = 3000, seed: int = 0, rate: float = 12.0) -> list[dict[str, object]]:
+    """RAG over a few large shared documents (module docstring); `rate` requests per second."""
+    rng = np.random.default_rng(seed)
+    ids = _Ids()
+    system = ids.segment(800)
+    docs = [ids.segment(int(rng.integers(8_000, 24_000))) for _ in range(8)]
+    weights = 1.0 / np.arange(1, len(docs) + 1) ** 1.2
+    weights /= weights.sum()
+    out: list[dict[str, object]] = []
+    t = 0.0
+    for _ in range(requests):
+        t += rng.exponential(1000.0 / rate)
+        doc = docs[int(rng.choice(len(docs), p=weights))]
+        passages = ids.segment(int(rng.integers(500, 3000)))
+        question = ids.segment(int(rng.integers(20, 300)))
+        output = _lognormal(rng, 200, 0.7, 16, 1000)
+        out.append(_record(t, [system, doc, passages, question], output, ids))
+    return out
+
+
+def unique(requests: int = 3000, seed: int = 0, rate: float = 8.0) -> list[dict[str, object]]:
+    """Unique prompts, no reuse (module docstring); `rate` requests per second."""
+    rng = np.random.default_rng(seed)
+    ids = _Ids()
+    out: list[dict[str, object]] = []
+    t = 0.0
+    for _ in range(requests):
+        t += rng.exponential(1000.0 / rate)
+        prompt = [ids.segment(_lognormal(rng, 3000, 0.8, 64, 32_000))]
+        out.append(_record(t, prompt, _lognormal(rng, 250, 0.7, 16, 2000), ids))
+    return out
+
+
+def shift(records: list[dict[str, object]], at: float, factor: float) -> list[dict[str, object]]:
+    """`records` (sorted by time) with the gaps after the first `at` fraction divided by
+    `factor`: the arrival rate multiplies by `factor` from there on."""
+    records = sorted(records, key=lambda r: float(r["timestamp"]))  # type: ignore[arg-type]
+    cut = int(len(records) * at)
+    if cut >= len(records):
+        return records
+    pivot = float(records[cut]["timestamp"])  # type: ignore[arg-type]
+    shifted = []
+    for i, r in enumerate(records):
+        ts = float(r["timestamp"])  # type: ignore[arg-type]
+        if i >= cut:
+            ts = pivot + (ts - pivot) / factor
+        shifted.append({**r, "timestamp": round(ts)})
+    return shifted
+
+
+GENERATORS: dict[str, Callable[..., list[dict[str, object]]]] = {
+    "agent": agent,
+    "rag": rag,
+    "unique": unique,
+}
+"""Generated shapes by name: (requests, seed, rate) → Mooncake records."""
+
+
+def write(path: str | Path, records: Sequence[dict[str, object]]) -> None:
+    with open(path, "w", encoding="utf-8") as fh:
+        for r in sorted(records, key=lambda r: float(r["timestamp"])):  # type: ignore[arg-type]
+            fh.write(json.dumps(r, separators=(",", ":")) + "\n")
+
+
+def parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(
+        prog="python -m replay.workloads",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    sub = ap.add_subparsers(dest="shape", required=True)
+    for name, fn in GENERATORS.items():
+        p = sub.add_parser(name, help=(fn.__doc__ or "").splitlines()[0])
+        p.add_argument("-o", "--output", required=True, help="JSONL file to write")
+        p.add_argument("--seed", type=int, default=0, help="random seed (same seed, same trace)")
+        p.add_argument("--requests", type=positive(int), default=3000, help="requests to write")
+        p.add_argument(
+            "--rate",
+            type=positive(float),
+            help="sessions/s (agent, default 0.5) or requests/s (rag, unique: default 6)",
+        )
+    s = sub.add_parser("shift", help="raise a trace's arrival rate from a point on")
+    s.add_argument("trace", help="Mooncake JSONL trace to read")
+    s.add_argument("-o", "--output", required=True, help="JSONL file to write")
+    s.add_argument("--at", type=float, default=0.5, help="fraction of requests before the shift")
+    s.add_argument("--factor", type=positive(float), default=4.0, help="rate multiplier after")
+    return ap
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parser().parse_args(argv)
+    if args.shape == "shift":
+        with open(args.trace, encoding="utf-8") as fh:
+            records = [json.loads(line) for line in fh if line.strip()]
+        out = shift(records, args.at, args.factor)
+    else:
+        kwargs: dict[str, float] = {} if args.rate is None else {"rate": args.rate}
+        out = GENERATORS[args.shape](args.requests, args.seed, **kwargs)
+    write(args.output, out)
+    print(f"{args.output}: {len(out)} requests", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
