@@ -140,6 +140,10 @@ def test_adaptive_cost_formula_prices_waiting_against_recomputing() -> None:
     # The knobs are the formula's: no duplication price -> cost(w1) = 160, 160 < 200.
     free = AdaptiveAffinity(AdaptiveAffinity.Knobs(duplicate_floor=0))
     assert free.choose(REQ, _idle(200, 0), held) == "w1"
+    # Fixed knobs (no adaptation): X = duplicate_floor whatever the destination's queue.
+    fixed = AdaptiveAffinity.Knobs(adapt=False)
+    assert AdaptiveAffinity(fixed).choose(REQ, _idle(700, 160), held) == "w0"  # < 160+160+480
+    assert AdaptiveAffinity(fixed).choose(REQ, _idle(900, 160), held) == "w1"  # > 800
     # A request that may not reuse goes by load alone.
     no_reuse = RequestView(REQ.keys, REQ.prompt_tokens, REQ.block_size, prefix_reuse=False)
     assert AdaptiveAffinity().choose(no_reuse, _idle(600, 0), held) == "w1"
@@ -224,6 +228,10 @@ def test_adaptive_measures_eviction_loss_and_raises_the_duplication_price() -> N
     assert gauges["placements"] == 3
     # Bounded: the price never exceeds floor + gain, whatever the measurements.
     assert s.duplicate_price() <= k.duplicate_floor + k.eviction_gain
+    fixed = AdaptiveAffinity(AdaptiveAffinity.Knobs(adapt=False))
+    for _ in range(2):
+        fixed.choose(LONG, _idle(0, 0), {})
+    assert fixed.eviction_loss == 1 and fixed.duplicate_price() == k.duplicate_floor
 
 
 def test_adaptive_is_the_default() -> None:

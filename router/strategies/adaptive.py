@@ -80,6 +80,8 @@ class AdaptiveKnobs(Knobs):
     """Spacing of the prefix checkpoints that measure the eviction loss π."""
     memory: int = Field(1 << 16, gt=0)
     """Checkpoints, and separately prefix heats, remembered (least recent dropped first)."""
+    adapt: bool = True
+    """False: fixed knobs, X(w) = duplicate_floor / h (π and n(w) taken as 0); for comparison."""
 
 
 class AdaptiveAffinity(Strategy):
@@ -118,6 +120,8 @@ class AdaptiveAffinity(Strategy):
     def duplicate_price(self) -> float:
         """X for a private prefix (h = 1) on an idle worker: the current affinity weight."""
         k: AdaptiveKnobs = self.knobs  # type: ignore[assignment]
+        if not k.adapt:
+            return k.duplicate_floor
         return k.duplicate_floor + k.eviction_gain * self.eviction_loss
 
     def gauges(self) -> dict[str, float]:
@@ -170,6 +174,8 @@ class AdaptiveAffinity(Strategy):
         routed = self._routed
         depths = [min(k.queue_cap, w.pending_prefill_tokens / work) for w in candidates]
         self._depth = sum(depths) / n
+        if not k.adapt:
+            depths = [0.0] * n
 
         def cost(i: int) -> tuple[float, float]:
             w = candidates[i]
