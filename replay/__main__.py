@@ -29,6 +29,7 @@ from warply.common.argtypes import positive
 from warply.common.loading import LoadError, load_path
 
 DEFAULT_STRATEGIES = (
+    "adaptive",
     "round_robin",
     "least_loaded",
     "prefix_affinity",
