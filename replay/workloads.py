@@ -3,7 +3,7 @@
     python -m replay.workloads agent  -o agent.jsonl  [--seed 0] [--requests N]
     python -m replay.workloads rag    -o rag.jsonl
     python -m replay.workloads unique -o unique.jsonl
-    python -m replay.workloads shift  TRACE -o shifted.jsonl --at 0.5 --factor 4
+    python -m replay.workloads shift  TRACE -o shifted.jsonl --at 0.5 --factor 4 [--until 1]
 
 Shapes (trace block 512 tokens; replay them with `--trace-block 512`):
 
@@ -15,8 +15,9 @@ Shapes (trace block 512 tokens; replay them with `--trace-block 512`):
   one of 8 documents (8k-24k tokens, Zipf-popular: the hottest takes ~40 % of requests), a few
   retrieved passages of its own and a question. Poisson arrivals.
 - `unique`: no reuse at all: every prompt is new (lognormal lengths), Poisson arrivals.
-- `shift`: an existing trace whose inter-arrival gaps after a point (`--at`, a fraction of the
-  requests) are divided by `--factor` (a sudden rise of the arrival rate mid-trace).
+- `shift`: an existing trace whose inter-arrival gaps from a point on (`--at`, a fraction of the
+  requests) are divided by `--factor` (a sudden rise of the arrival rate mid-trace), up to
+  `--until` (default: the end), after which the rate returns to the trace's own.
 
 Block ids are assigned so that equal ids mean equal prefixes, as in Mooncake traces: a prompt is
 a list of segments (shared or private runs of tokens), and block i's id is a function of block
@@ -152,21 +153,26 @@ def unique(requests: int = 3000, seed: int = 0, rate: float = 8.0) -> list[dict[
     return out
 
 
-def shift(records: list[dict[str, object]], at: float, factor: float) -> list[dict[str, object]]:
-    """`records` (sorted by time) with the gaps after the first `at` fraction divided by
-    `factor`: the arrival rate multiplies by `factor` from there on."""
+def shift(
+    records: list[dict[str, object]], at: float, factor: float, until: float = 1.0
+) -> list[dict[str, object]]:
+    """`records` (sorted by time) with the gaps between the `at` and `until` fractions of the
+    requests divided by `factor`: the arrival rate multiplies by `factor` there (until the end
+    by default), then returns to what it was."""
     records = sorted(records, key=lambda r: float(r["timestamp"]))  # type: ignore[arg-type]
-    cut = int(len(records) * at)
-    if cut >= len(records):
-        return records
-    pivot = float(records[cut]["timestamp"])  # type: ignore[arg-type]
-    shifted = []
+    start, stop = int(len(records) * at), int(len(records) * until)
+    out: list[dict[str, object]] = []
+    t, prev = 0.0, None
     for i, r in enumerate(records):
         ts = float(r["timestamp"])  # type: ignore[arg-type]
-        if i >= cut:
-            ts = pivot + (ts - pivot) / factor
-        shifted.append({**r, "timestamp": round(ts)})
-    return shifted
+        if prev is not None:
+            gap = ts - prev
+            t += gap / factor if start < i <= stop else gap
+        else:
+            t = ts
+        prev = ts
+        out.append({**r, "timestamp": round(t)})
+    return out
 
 
 GENERATORS: dict[str, Callable[..., list[dict[str, object]]]] = {
@@ -205,6 +211,7 @@ def parser() -> argparse.ArgumentParser:
     s.add_argument("-o", "--output", required=True, help="JSONL file to write")
     s.add_argument("--at", type=float, default=0.5, help="fraction of requests before the shift")
     s.add_argument("--factor", type=positive(float), default=4.0, help="rate multiplier after")
+    s.add_argument("--until", type=float, default=1.0, help="fraction where the rate returns")
     return ap
 
 
@@ -213,7 +220,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.shape == "shift":
         with open(args.trace, encoding="utf-8") as fh:
             records = [json.loads(line) for line in fh if line.strip()]
-        out = shift(records, args.at, args.factor)
+        out = shift(records, args.at, args.factor, args.until)
     else:
         kwargs: dict[str, float] = {} if args.rate is None else {"rate": args.rate}
         out = GENERATORS[args.shape](args.requests, args.seed, **kwargs)

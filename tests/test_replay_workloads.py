@@ -61,6 +61,8 @@ def test_shift_multiplies_the_rate_after_the_pivot() -> None:
                for i in range(11)]
     out = shift(records, 0.5, 4)
     assert [r["timestamp"] for r in out] == [0, 100, 200, 300, 400, 500, 525, 550, 575, 600, 625]
+    burst = shift(records, 0.2, 4, until=0.5)  # from request 2 to 5: gaps of 25
+    assert [r["timestamp"] for r in burst] == [0, 100, 200, 225, 250, 275, 375, 475, 575, 675, 775]
 
 
 def test_command_line_writes_a_trace(tmp_path: Path) -> None:
