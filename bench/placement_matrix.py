@@ -94,6 +94,10 @@ def _verdict(rows: dict[str, dict[str, Any]]) -> tuple[str, dict[str, bool]]:
     return ("ok" if not lost else "; ".join(lost)), held
 
 
+def _label(spec: str) -> str:
+    return parse_strategy(spec).label
+
+
 def _cell(row: dict[str, Any]) -> str:
     return f"{row['reuse']:.3f} / {row['ttft_mean_ms']:.0f} / {row['ttft_p99_ms']:.0f}"
 
@@ -105,7 +109,7 @@ def report(results: dict[tuple[str, float, int, str], dict[str, Any]], labels: l
         "reuse / TTFT mean ms / TTFT p99 ms per strategy; verdict: the default against every "
         f"baseline (tolerance {REUSE_TOL} reuse, {TTFT_TOL:.0%} TTFT)",
         "",
-        "| workload | N | rate | " + " | ".join(order) + " | verdict |",
+        "| workload | N | rate | " + " | ".join(_label(x) for x in order) + " | verdict |",
         "|---|---|---|" + "---|" * len(order) + "---|",
     ]
     held_all = {m: 0 for m in ("reuse", "mean", "p99", "all")}
@@ -153,8 +157,10 @@ def report(results: dict[tuple[str, float, int, str], dict[str, Any]], labels: l
         "|---|---|---|---|---|",
     ]
     for b, c in per_base.items():
-        lines.append(f"| {b} | {c['reuse']}/{total} | {c['mean']}/{total} | {c['p99']}/{total} "
-                     f"| {c['all']}/{total} |")
+        lines.append(
+            f"| {_label(b)} | {c['reuse']}/{total} | {c['mean']}/{total} | "
+            f"{c['p99']}/{total} | {c['all']}/{total} |"
+        )
     lines += [
         "",
         "Cells where each strategy is the best of all (ties count for each):",
@@ -163,7 +169,7 @@ def report(results: dict[tuple[str, float, int, str], dict[str, Any]], labels: l
         "|---|---|---|---|",
     ]
     for s, c in best.items():
-        lines.append(f"| {s} | {c['reuse']} | {c['mean']} | {c['p99']} |")
+        lines.append(f"| {_label(s)} | {c['reuse']} | {c['mean']} | {c['p99']} |")
     return "\n".join(lines)
 
 
@@ -214,7 +220,8 @@ def main() -> int:
             results[job] = row
             elapsed = time.perf_counter() - t0
             print(
-                f"[{elapsed:5.0f}s] {done}/{len(jobs)} {job[0]} ×{job[1]:g} N={job[2]} {job[3]}: "
+                f"[{elapsed:5.0f}s] {done}/{len(jobs)} {job[0]} ×{job[1]:g} N={job[2]} "
+                f"{_label(job[3])}: "
                 f"{_cell(row)}",
                 file=sys.stderr,
             )
@@ -224,8 +231,8 @@ def main() -> int:
     (args.out / "matrix.json").write_text(
         json.dumps(
             [
-                {"workload": w, "rate": r, "workers": n, **row}
-                for (w, r, n, _), row in sorted(results.items())
+                {"workload": w, "rate": r, "workers": n, **row, "strategy": _label(s)}
+                for (w, r, n, s), row in sorted(results.items())
             ],
             indent=1,
         )
