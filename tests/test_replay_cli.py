@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 import warply.common.loading as loading
-from replay.__main__ import UsageError, main, parse_strategy
+from replay.__main__ import DEFAULT_STRATEGIES, UsageError, main, parse_strategy
 from replay.baselines import DynamoKv, LlmdPrecise, SglangCacheAware
 from router.index import WorkerMatch
 from router.strategies import RequestView, RoundRobin, WorkerLoad
@@ -168,7 +168,8 @@ def test_gsp_slice_runs_all_default_strategies(tmp_path: Path) -> None:
     assert main(["replay", str(GSP), "--trace-block", "16", "--limit", "128", "--quiet",
                  "--json", str(out)]) == 0  # fmt: skip
     rows = json.loads(out.read_text())["results"]
-    assert len(rows) == 7 and all(r["requests"] == 128 for r in rows)
+    assert [r["strategy"] for r in rows] == list(DEFAULT_STRATEGIES)
+    assert all(r["requests"] == 128 for r in rows)
 
 
 # ---- baselines -----------------------------------------------------------------------------
