@@ -13,6 +13,7 @@ from typing import Any
 import yaml  # type: ignore[import-untyped]
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from warply.protocol.api import Role
 from warply.protocol.endpoints import check_endpoint
 
 
@@ -52,22 +53,30 @@ class WorkerConfig(_Strict):
         return None if value is None else check_endpoint(value)
 
 
+class StrategyConfig(_Strict):
+    """A strategy by name (builtin, `warply.strategies` entry point, or `module:Class`)."""
+
+    name: str = "adaptive"
+    knobs: dict[str, Any] = Field(default_factory=dict)
+
+
 class PoolConfig(_Strict):
-    """Workers that share a block size and KV layout."""
+    """Workers that share a block size, a KV layout and a role."""
 
     name: str = Field(min_length=1)
     block_size: int = Field(gt=0)
     """Must equal the engines' own block (page) size, or keys will never match."""
     kv_bytes_per_token: int = Field(0, ge=0)
     """KV bytes one token takes on these engines (2·layers·kv_heads·head_dim·dtype bytes)."""
+    role: Role = "both"
+    """`both`: the workers prefill and decode their own requests (aggregated serving).
+    `prefill`: they compute prompts handed off to a `decode` pool (vLLM: a KV connector such as
+    NixlConnector with `kv_role` kv_producer); `decode`: they pull a prompt's KV from the prefill
+    worker and generate (kv_consumer), or prefill locally when little of the prompt is missing
+    (`pd.local_prefill_tokens`)."""
+    strategy: StrategyConfig | None = None
+    """This pool's strategy (None: the router's `strategy`)."""
     workers: list[WorkerConfig] = Field(min_length=1)
-
-
-class StrategyConfig(_Strict):
-    """A strategy by name (builtin, `warply.strategies` entry point, or `module:Class`)."""
-
-    name: str = "adaptive"
-    knobs: dict[str, Any] = Field(default_factory=dict)
 
 
 class AlertConfig(_Strict):
@@ -80,6 +89,18 @@ class AlertConfig(_Strict):
     """No alert before the window holds this many requests."""
     callback: str | None = Field(None, pattern=r"^[\w.]+:\w+$")
     """Optional `module:function` called with (hit_ratio, threshold) when the alert fires."""
+
+
+class PdConfig(_Strict):
+    """The prefill → decode hand-off (pools with roles `prefill` and `decode`)."""
+
+    local_prefill_tokens: int = Field(512, ge=0)
+    """Conditional disaggregation: when fewer prompt tokens than this are missing on the chosen
+    decode worker (prompt minus the prefix it holds), it prefills them itself instead of pulling
+    them from a prefill worker; 0 hands every prompt off. Default from the measurement in
+    docs/router.md (local prefill vs the P/D round trip on vLLM CPU engines)."""
+    prefill_timeout_s: float = Field(60.0, gt=0)
+    """Longest wait for a prefill worker's answer; past it the decode worker prefills locally."""
 
 
 class RouterConfig(_Strict):
@@ -104,6 +125,7 @@ class RouterConfig(_Strict):
     alerts: AlertConfig = AlertConfig()
     health_interval_s: float = Field(2.0, gt=0)
     request_timeout_s: float = Field(600.0, gt=0)
+    pd: PdConfig = PdConfig()
 
     @field_validator("lora_adapters")
     @classmethod
@@ -123,6 +145,21 @@ class RouterConfig(_Strict):
                 if w.name in seen:
                     raise ValueError(f"worker name {w.name!r} is used twice")
                 seen.add(w.name)
+        roles = {pool.role for pool in self.pools}
+
+        def named(role: str) -> str:
+            return ", ".join(repr(p.name) for p in self.pools if p.role == role)
+
+        if "prefill" in roles and "decode" not in roles:
+            raise ValueError(
+                f"pools: prefill pool(s) {named('prefill')} hand prompts off to a decode pool, "
+                "but no pool has role 'decode' (add one, or give them role 'both')"
+            )
+        if "decode" in roles and "prefill" not in roles:
+            raise ValueError(
+                f"pools: decode pool(s) {named('decode')} take prompts from a prefill pool, "
+                "but no pool has role 'prefill' (add one, or give them role 'both')"
+            )
         return self
 
 

@@ -1,15 +1,22 @@
 """Placement: the request's key chain → index match → strategy choice. It only chooses; the
-workers it chooses among (health, drain, load) live in `router.workers`.
+workers it chooses among (health, drain, load) live in `router.workers`, and the requests are
+sent by `router.dispatch`.
 
-One strategy instance per pool (pools differ in block size, so their key chains differ). With
-several pools, each pool's strategy picks its worker and the pool whose pick holds the most
-cached tokens wins (ties: the lower load).
+One strategy instance per pool (pools differ in block size, so their key chains differ). The
+pools that answer clients (roles `both` and `decode`) compete as before: each pool's strategy
+picks its worker and the pool whose pick holds the most cached tokens wins (ties: the lower
+load). When the winner is a `decode` worker, the request is handed off (`Decision.prefill`):
+the prefill pools pick their worker the same way (cached prefix, tier-aware), unless fewer than
+`pd.local_prefill_tokens` prompt tokens are missing on the decode worker (conditional
+disaggregation) or no prefill worker is available; then the decode worker prefills locally.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass
+from typing import Literal
 
 from router.config import RouterConfig
 from router.index import PrefixIndex, WorkerMatch
@@ -17,24 +24,59 @@ from router.strategies import NoCandidate, RequestView, Strategy, make_strategy
 from router.workers import Worker, Workers
 from warply.protocol import prefix_keys
 
+Mode = Literal["aggregated", "remote", "local"]
+"""How a request is served: by a `both` worker alone; prefilled on a prefill worker and decoded
+on a decode worker; or prefilled and decoded on a decode worker."""
+
+LocalReason = Literal["", "below_threshold", "no_prefill_worker", "prefill_failed", "batch"]
+"""Why a decode worker prefills a request itself ("" unless the mode is `local`); `batch`: the
+request has several prompts or asks for several choices, which one hand-off cannot carry."""
+
 
 @dataclass(frozen=True, slots=True)
 class Decision:
     """Where one request goes and what the index predicted for it there."""
 
     worker: Worker
+    """The worker that answers the client (an aggregated or a decode worker)."""
     keys: Sequence[int]
     matched_blocks: int
     """Leading blocks of the prompt the chosen worker holds (index view)."""
     predicted_cached: int
-    """Tokens the engine should report as cached (it always recomputes the last token)."""
+    """Tokens of the prompt the chosen worker holds as full blocks, minus the last token (which
+    an engine always recomputes): its cached tokens if it prefills the prompt itself."""
     prompt_tokens: int
     namespace: str
+    prefill: Decision | None = None
+    """The prefill worker's leg of a hand-off (None: `worker` prefills the prompt itself)."""
+    local_reason: LocalReason = ""
+
+    @property
+    def mode(self) -> Mode:
+        if self.prefill is not None:
+            return "remote"
+        return "local" if self.worker.role == "decode" else "aggregated"
 
     @property
     def prefill_tokens(self) -> int:
-        """Prompt tokens the engine is expected to compute (not served from its cache)."""
+        """Prompt tokens `worker` is expected to compute (0 when another worker prefills)."""
+        return 0 if self.prefill is not None else self.prompt_tokens - self.predicted_cached
+
+    @property
+    def reported_cached(self) -> int:
+        """Cached tokens the client's usage should report: the tokens no engine computed for
+        this request (the prefill worker's hit in a hand-off)."""
+        leg = self.prefill
+        return leg.predicted_cached if leg is not None else self.predicted_cached
+
+    @property
+    def missing_tokens(self) -> int:
+        """Prompt tokens `worker` does not hold (a hand-off transfers these)."""
         return self.prompt_tokens - self.predicted_cached
+
+    def local(self, reason: LocalReason) -> Decision:
+        """This decision with the decode worker prefilling the prompt itself."""
+        return dataclasses.replace(self, prefill=None, local_reason=reason)
 
 
 def predicted_cached(matched_blocks: int, prompt_tokens: int, block_size: int) -> int:
@@ -43,17 +85,31 @@ def predicted_cached(matched_blocks: int, prompt_tokens: int, block_size: int) -
     return min(matched_blocks, usable) * block_size
 
 
+@dataclass(frozen=True, slots=True)
+class _Pool:
+    block_size: int
+    workers: list[Worker]
+    strategy: Strategy
+
+
+class _GiveUp(Exception):
+    """An early choice gives up: some worker's match reaches the end of the leading part."""
+
+
 class Placement:
-    """Chooses a worker per request among the available workers."""
+    """Chooses a worker (or a prefill / decode pair) per request among the available workers."""
 
     def __init__(self, config: RouterConfig, index: PrefixIndex, workers: Workers) -> None:
         self.model = config.model
         self.index = index
         self.workers = workers
-        self._pools = [
-            (pool.config.block_size, pool.workers, make_strategy(config.strategy))
-            for pool in workers.pools
-        ]
+        self.local_prefill_tokens = config.pd.local_prefill_tokens
+        self._answer: list[_Pool] = []
+        self._prefill: list[_Pool] = []
+        for pool in workers.pools:
+            strategy = make_strategy(pool.config.strategy or config.strategy)
+            entry = _Pool(pool.config.block_size, pool.workers, strategy)
+            (self._prefill if pool.role == "prefill" else self._answer).append(entry)
 
     async def choose(
         self,
@@ -91,21 +147,50 @@ class Placement:
         exclude: Collection[str],
         early: bool,
     ) -> Decision | None:
-        best: Decision | None = None
-        picks: list[tuple[int, Strategy, Sequence[int], dict[str, WorkerMatch], list[Worker]]]
-        picks = []
-        for bs, members, strategy in self._pools:
-            candidates = [w for w in members if w.available and w.name not in exclude]
+        args = (tokens, prompt_tokens, namespace, prefix_reuse, exclude, early)
+        try:
+            best = await self._best(self._answer, *args)
+            if best is None:
+                raise NoCandidate("no healthy worker is available")
+            if best.worker.role != "decode":
+                return best
+            if best.missing_tokens < self.local_prefill_tokens:
+                return best.local("below_threshold")
+            leg = await self._best(self._prefill, *args)
+        except _GiveUp:
+            return None
+        if leg is None:
+            return best.local("no_prefill_worker")
+        return dataclasses.replace(best, prefill=leg)
+
+    async def _best(
+        self,
+        pools: list[_Pool],
+        tokens: Sequence[int],
+        prompt_tokens: int,
+        namespace: str,
+        prefix_reuse: bool,
+        exclude: Collection[str],
+        early: bool,
+    ) -> Decision | None:
+        """Each pool's pick; the one holding the most cached tokens (then lower load) wins.
+        None: no available worker. Raises `_GiveUp` when an early choice must see the whole
+        prompt."""
+        picks: list[tuple[_Pool, Sequence[int], dict[str, WorkerMatch], list[Worker]]] = []
+        for pool in pools:
+            candidates = [w for w in pool.workers if w.available and w.name not in exclude]
             if not candidates:
                 continue
-            keys = prefix_keys(tokens, bs, self.model, namespace)
+            keys = prefix_keys(tokens, pool.block_size, self.model, namespace)
             matches = await self.index.match(keys, [w.name for w in candidates])
             if early and any(m.blocks >= len(keys) for m in matches.values()):
-                return None
-            picks.append((bs, strategy, keys, matches, candidates))
-        for bs, strategy, chain, matches, candidates in picks:
+                raise _GiveUp
+            picks.append((pool, keys, matches, candidates))
+        best: Decision | None = None
+        for pool, chain, matches, candidates in picks:
+            bs = pool.block_size
             view = RequestView(chain, prompt_tokens, bs, namespace, prefix_reuse)
-            name = strategy.choose(view, [w.load for w in candidates], matches)
+            name = pool.strategy.choose(view, [w.load for w in candidates], matches)
             worker = self.workers[name]
             blocks = matches.get(name, WorkerMatch(0, {})).blocks
             predicted = predicted_cached(blocks, prompt_tokens, bs)
@@ -115,6 +200,4 @@ class Placement:
                 -best.worker.load.load,
             ):
                 best = decision
-        if best is None:
-            raise NoCandidate("no healthy worker is available")
         return best

@@ -1,4 +1,4 @@
-"""Workers: membership (by pool), health, drain, role and load accounting.
+"""Workers: membership (by pool and role), health, drain, role and load accounting.
 
 Health comes from two places, both through `Worker.set_health`: the periodic `/health` probe
 (`Workers.check`) and the proxy, which marks a worker unhealthy when it refuses a connection
@@ -72,7 +72,7 @@ class Worker:
     enabled: bool = True
     """False while an admin drains it."""
     role: Role = "both"
-    """What placement may send it (every worker serves both until pools get P/D roles)."""
+    """What placement may send it: its pool's role (`prefill`, `decode` or `both`)."""
     snapshot: LoadSnapshot | None = None
     """The engine's last load snapshot (its own queues and KV capacity)."""
 
@@ -121,10 +121,14 @@ class Worker:
 
 @dataclass(frozen=True, slots=True)
 class Pool:
-    """Workers that share a block size and KV layout."""
+    """Workers that share a block size, a KV layout and a role."""
 
     config: PoolConfig
     workers: list[Worker]
+
+    @property
+    def role(self) -> Role:
+        return self.config.role
 
 
 class Workers(Mapping[str, Worker]):
@@ -134,7 +138,9 @@ class Workers(Mapping[str, Worker]):
         self.pools: list[Pool] = []
         self._by_name: dict[str, Worker] = {}
         for pool in pools:
-            members = [Worker(wc, pool, WorkerLoad(wc.name)) for wc in pool.workers]
+            members = [
+                Worker(wc, pool, WorkerLoad(wc.name), role=pool.role) for wc in pool.workers
+            ]
             self.pools.append(Pool(pool, members))
             self._by_name.update((w.name, w) for w in members)
 

@@ -1,11 +1,15 @@
-"""Placement across pools and the per-attempt load bookings, without HTTP (over the memory
-store nothing suspends, so `completed` drives the coroutines)."""
+"""Placement across pools (aggregated, and prefill / decode pairs with conditional
+disaggregation) and the per-attempt load bookings, without HTTP (over the memory store nothing
+suspends, so `completed` drives the coroutines)."""
 
 from __future__ import annotations
+
+import pytest
 
 from router.config import RouterConfig
 from router.index import MemoryStore, PrefixIndex, completed
 from router.placement import Placement
+from router.strategies import NoCandidate
 from router.workers import Workers
 from warply.protocol import BlockStored
 
@@ -81,3 +85,69 @@ def test_a_booking_gives_back_exactly_what_it_took() -> None:
     streamed.release()  # a second release changes nothing
     whole.release()
     assert (a.load.in_flight, a.load.in_flight_tokens, a.load.pending_prefill_tokens) == (0, 0, 0)
+
+
+PD_TOKENS = list(range(100, 164))  # 64 tokens: 16 blocks of 4
+
+
+def _pd_placement(threshold: int, both: bool = False) -> tuple[Placement, PrefixIndex, Workers]:
+    pools = [
+        {"name": "pre", "role": "prefill", "block_size": 4,
+         "workers": [{"name": "p0", "url": "http://p0"}, {"name": "p1", "url": "http://p1"}]},
+        {"name": "dec", "role": "decode", "block_size": 4,
+         "workers": [{"name": "d0", "url": "http://d0"}, {"name": "d1", "url": "http://d1"}]},
+    ]  # fmt: skip
+    if both:
+        pools.append({"name": "agg", "block_size": 4, "workers": [{"name": "a", "url": "http://a"}]})
+    config = RouterConfig.model_validate(
+        {"model": "m", "tokenizer": "/unused", "pools": pools,
+         "pd": {"local_prefill_tokens": threshold}}
+    )  # fmt: skip
+    index = PrefixIndex("m", MemoryStore())
+    workers = Workers(config.pools)
+    for w in workers.values():
+        w.healthy = True
+    return Placement(config, index, workers), index, workers
+
+
+def _pd_hold(index: PrefixIndex, worker: str, blocks: int, first: int) -> None:
+    stored = BlockStored(list(range(first, first + blocks)), None, PD_TOKENS[: blocks * 4], 4)
+    completed(index.apply(worker, [stored]))
+
+
+def test_prefill_by_cached_prefix_and_decode_by_what_it_holds() -> None:
+    placement, index, _ = _pd_placement(threshold=16)
+    _pd_hold(index, "p1", 10, 1)  # p1 holds 40 tokens of the prompt
+    _pd_hold(index, "d1", 4, 100)  # d1 holds 16 tokens
+    d = completed(placement.choose(PD_TOKENS))
+    assert d.mode == "remote" and d.worker.name == "d1" and d.prefill is not None
+    assert d.prefill.worker.name == "p1" and d.prefill.predicted_cached == 40
+    assert d.predicted_cached == 16 and d.missing_tokens == 48
+    assert d.reported_cached == 40, "the client's cached tokens: what no engine computed"
+    assert d.prefill_tokens == 0 and d.prefill.prefill_tokens == 24
+    # a later turn that d1 holds nearly whole is prefilled there (conditional disaggregation)
+    _pd_hold(index, "d1", 13, 100)  # 52 tokens held, 12 missing < 16
+    d = completed(placement.choose(PD_TOKENS))
+    assert (d.mode, d.local_reason, d.worker.name) == ("local", "below_threshold", "d1")
+    assert d.prefill is None and d.prefill_tokens == 12 and d.reported_cached == 52
+
+
+def test_no_prefill_worker_means_local_prefill() -> None:
+    placement, _, workers = _pd_placement(threshold=0)
+    workers["p0"].enabled = workers["p1"].enabled = False
+    d = completed(placement.choose(PD_TOKENS))
+    assert (d.mode, d.local_reason) == ("local", "no_prefill_worker")
+    with pytest.raises(NoCandidate):  # no decode worker: nothing answers, prefill or not
+        completed(placement.choose(PD_TOKENS, exclude={"d0", "d1"}))
+
+
+def test_aggregated_workers_beside_a_pd_pair() -> None:
+    placement, index, workers = _pd_placement(threshold=0, both=True)
+    _pd_hold(index, "a", 8, 1)  # the aggregated worker holds the most: it serves alone
+    d = completed(placement.choose(PD_TOKENS))
+    assert (d.mode, d.worker.name) == ("aggregated", "a")
+    _pd_hold(index, "d0", 12, 100)  # now a decode worker holds more: hand-off (prefill by cache)
+    d = completed(placement.choose(PD_TOKENS))
+    assert (d.mode, d.worker.name) == ("remote", "d0")
+    workers["d0"].enabled = workers["d1"].enabled = False
+    assert completed(placement.choose(PD_TOKENS)).worker.name == "a"

@@ -14,6 +14,7 @@ import warply.common.loading as loading
 from router.__main__ import _parser, config_from_args
 from router.config import ConfigError, StrategyConfig, load_config
 from router.strategies import LeastLoaded, PrefixAffinity, make_strategy, strategy_class
+from router.workers import Workers
 
 ROOT = Path(__file__).resolve().parents[1]
 GOOD = """
@@ -119,3 +120,38 @@ def test_cli_bad_config_exits_2_without_traceback(tmp_path: Path) -> None:
         cwd=ROOT, capture_output=True, text=True, timeout=60,
     )
     assert out.returncode == 2 and "strategy.name" in out.stderr and "Traceback" not in out.stderr
+
+
+def _config_text(roles: list[str]) -> str:
+    pools = "".join(
+        f"  - {{name: p{i}, role: {role}, block_size: 16, "
+        f"workers: [{{name: w{i}, url: 'http://127.0.0.1:{8000 + i}'}}]}}\n"
+        for i, role in enumerate(roles)
+    )
+    return f"model: m\ntokenizer: /t\npools:\n{pools}"
+
+
+@pytest.mark.parametrize(
+    ("roles", "error"),
+    [
+        (["prefill"], "no pool has role 'decode'"),
+        (["prefill", "both"], "prefill pool\\(s\\) 'p0' hand prompts off"),
+        (["decode", "both"], "no pool has role 'prefill'"),
+        (["mixed"], "pools.0.role"),
+    ],
+)
+def test_roles_are_validated(tmp_path: Path, roles: list[str], error: str) -> None:
+    path = tmp_path / "r.yaml"
+    path.write_text(_config_text(roles))
+    with pytest.raises(ConfigError, match=error):
+        load_config(path)
+
+
+def test_mixed_deployments_load(tmp_path: Path) -> None:
+    path = tmp_path / "r.yaml"
+    path.write_text(_config_text(["prefill", "prefill", "decode", "decode", "both"]))
+    cfg = load_config(path)
+    assert [p.role for p in cfg.pools] == ["prefill", "prefill", "decode", "decode", "both"]
+    assert cfg.pd.local_prefill_tokens > 0
+    workers = Workers(cfg.pools)
+    assert [w.role for w in workers.values()] == ["prefill", "prefill", "decode", "decode", "both"]
