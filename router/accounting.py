@@ -1,8 +1,10 @@
-"""One client request's bookkeeping: the load it puts on its worker and what the metrics record.
+"""One client request's bookkeeping: the load it puts on its workers and what the metrics record.
 
-The proxy opens a `RequestAccount` when a request arrives and reports to it only; the account
-books load through `router.workers` (one `Booking` per attempt: a retry after a refused
-connection books again on the next worker) and records through `RouterMetrics`.
+The proxy and the dispatcher open a `RequestAccount` when a request arrives and report to it
+only; the account books load through `router.workers` (one `Booking` per worker per attempt: a
+retry after a refused connection books again on the next worker; a hand-off books its prefill
+worker until the prefill answers) and hands one `RequestRecord` to `RouterMetrics` when the
+request ends.
 """
 
 from __future__ import annotations
@@ -12,62 +14,118 @@ import time
 from collections.abc import Mapping
 from typing import Any
 
-from router.metrics import RouterMetrics, Sample
-from router.placement import Decision
+from router.metrics import RequestRecord, RouterMetrics
+from router.placement import Decision, LocalReason
 from router.workers import Booking
+
+
+def cached_tokens(usage: Mapping[str, Any] | None) -> int | None:
+    """`usage.prompt_tokens_details.cached_tokens`, when the engine reported it."""
+    if not isinstance(usage, Mapping):
+        return None
+    details = usage.get("prompt_tokens_details")
+    cached = details.get("cached_tokens") if isinstance(details, Mapping) else None
+    return cached if isinstance(cached, int) else None
 
 
 class RequestAccount:
     """Load and measurements of one request, across its attempts."""
 
-    __slots__ = ("_booking", "_measured", "_metrics", "_routed_s", "_sample", "decision", "t0")
+    __slots__ = ("_answer", "_metrics", "_prefill", "_record", "decision", "t0")
 
     def __init__(self, metrics: RouterMetrics, t0: float) -> None:
         self._metrics = metrics
         self.t0 = t0
         """When the router received the request (TTFT, overhead and latency start here)."""
         self.decision: Decision | None = None
-        self._measured: Decision | None = None
-        """The decision as the metrics see it: with the exact prompt length."""
-        self._sample: Sample | None = None
-        self._booking: Booking | None = None
-        self._routed_s = 0.0
+        """The latest placement (a fallback to a local prefill replaces it)."""
+        self._record = RequestRecord()
+        self._answer: Booking | None = None
+        self._prefill: Booking | None = None
+
+    def _now(self) -> float:
+        return time.perf_counter() - self.t0
 
     def placed(self, decision: Decision, exact: bool = True) -> None:
-        """A worker was chosen: book the request's load on it, and record the placement now,
-        or (`exact` False: placed from the prompt's leading part) once `measured` gives the
-        prompt's exact length."""
-        self.decision = self._measured = decision
-        self._routed_s = time.perf_counter() - self.t0
-        self._sample = self._metrics.routed(decision, self._routed_s) if exact else None
-        self._booking = decision.worker.book(decision.prompt_tokens, decision.prefill_tokens)
+        """Workers were chosen: book the request's load on them (`exact` False: placed from
+        the prompt's leading part; `measured` gives the prompt's exact length later)."""
+        self.released()
+        self.decision = decision
+        rec = self._record
+        rec.overhead_s = self._now()
+        rec.early = not exact
+        rec.prompt_tokens = decision.prompt_tokens
+        rec.prefill_cached = rec.prefill_s = rec.decode_sent_s = None
+        rec.prefill_failure = ""
+        self._answer = decision.worker.book(decision.prompt_tokens, decision.prefill_tokens)
+        if (leg := decision.prefill) is not None:
+            self._prefill = leg.worker.book(leg.prompt_tokens, leg.prefill_tokens)
 
     def measured(self, prompt_tokens: int) -> None:
         """The whole prompt's length, tokenized after an early placement."""
+        self._record.prompt_tokens = prompt_tokens
+
+    def prefill_answered(self, usage: Mapping[str, Any] | None, started_s: float) -> None:
+        """The prefill worker answered (its KV waits for the decode worker)."""
+        rec = self._record
+        rec.prefill_cached = cached_tokens(usage)
+        rec.prefill_s = self._now() - started_s
+        self._release_prefill()
+
+    def prefill_failed(self, reason: str) -> None:
+        """The prefill leg failed: the decode worker prefills the prompt itself."""
         assert self.decision is not None
-        self._measured = dataclasses.replace(self.decision, prompt_tokens=prompt_tokens)
-        self._sample = self._metrics.routed(self._measured, self._routed_s, early=True)
+        self._record.prefill_failure = reason
+        self._release_prefill()
+        self.relocate("prefill_failed")
+
+    def relocate(self, reason: LocalReason) -> None:
+        """The decode worker prefills locally after all: book its prefill work there."""
+        assert self.decision is not None
+        decision = self.decision = self.decision.local(reason)
+        if self._answer is not None:
+            self._answer.release()
+        self._answer = decision.worker.book(decision.prompt_tokens, decision.prefill_tokens)
+
+    def elapsed(self) -> float:
+        """Seconds since the request arrived."""
+        return self._now()
+
+    def answer_sent(self) -> None:
+        """The request to the answering worker (aggregated or decode) is being sent."""
+        self._record.decode_sent_s = self._now()
 
     def first_event(self) -> None:
         """The stream's first event reached the router."""
-        self._metrics.first_token(time.perf_counter() - self.t0)
+        rec = self._record
+        rec.ttft_s = self._now()
+        self._metrics.first_token(rec.ttft_s)
 
     def generated(self, tokens: int = 1) -> None:
         """The stream relayed `tokens` more generated tokens."""
-        if self._booking is not None:
-            self._booking.progressed(tokens)
+        if self._answer is not None:
+            self._answer.progressed(tokens)
 
     def usage(self, usage: Mapping[str, Any] | None) -> None:
-        """The engine's usage block (its cached-token count)."""
-        if usage is not None and self._sample is not None and self._measured is not None:
-            self._metrics.usage(self._measured, self._sample, usage)
+        """The answering engine's usage block (its cached-token count)."""
+        self._record.cached = cached_tokens(usage)
+
+    def _release_prefill(self) -> None:
+        if self._prefill is not None:
+            self._prefill.release()
+            self._prefill = None
 
     def released(self) -> None:
         """The attempt ended (answered, failed or cancelled): give its load back."""
-        if self._booking is not None:
-            self._booking.release()
-            self._booking = None
+        self._release_prefill()
+        if self._answer is not None:
+            self._answer.release()
+            self._answer = None
 
     def closed(self, status: int) -> None:
-        """The request ended with HTTP `status`."""
-        self._metrics.finished(self.decision, status, time.perf_counter() - self.t0)
+        """The request ended with HTTP `status`: record it."""
+        self.released()
+        rec = dataclasses.replace(self._record, status=status, latency_s=self._now())
+        rec.decision = self.decision
+        self._metrics.request(rec)
+

@@ -3,6 +3,7 @@
 Client API: /v1/completions, /v1/chat/completions, /v1/models, /health, /metrics.
 Admin API (Bearer token when `auth_token` is set): /warply/cache_stats, /warply/workers,
 POST /warply/workers/{name} (`{"enabled": false}` drains a worker), POST /warply/directives.
+The health loop also reads decode workers' KV-transfer counters from their /metrics.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from router.control import send_directive
 from router.errors import ApiError, json_object
 from router.feed import IndexFeed
 from router.index import MemoryStore, PrefixIndex
-from router.metrics import RouterMetrics
+from router.metrics import RouterMetrics, kv_transfer_stats
 from router.placement import Placement
 from router.proxy import Proxy
 from router.tokenize import RouterTokenizer
@@ -57,6 +58,7 @@ class Router:
             self.metrics,
             config.request_timeout_s,
             config.lora_adapters,
+            config.pd.prefill_timeout_s,
         )
         self.proxy.max_model_len = config.max_model_len
         self._health_task: asyncio.Task[None] | None = None
@@ -95,8 +97,24 @@ class Router:
         await self.proxy.close()
 
     async def check_health(self) -> None:
-        """Probe every worker's /health once (concurrently)."""
+        """Probe every worker's /health once (concurrently); then read the decode workers' KV
+        transfer counters from their /metrics."""
         await self.workers.check(self.proxy.session)
+        decode = [w for w in self.workers.values() if w.role == "decode" and w.healthy]
+        if decode:
+            await asyncio.gather(*(self._read_transfers(w) for w in decode))
+
+    async def _read_transfers(self, worker: Worker) -> None:
+        try:
+            async with self.proxy.session.get(
+                worker.config.url + "/metrics", timeout=_MODELS_TIMEOUT
+            ) as resp:
+                if resp.status != 200:
+                    return
+                text = await resp.text()
+        except (aiohttp.ClientError, TimeoutError, UnicodeDecodeError):
+            return
+        self.metrics.engine_transfers(worker.name, kv_transfer_stats(text))
 
     async def _health_loop(self) -> None:
         while True:

@@ -29,11 +29,16 @@ class ApiError(Exception):
         self.code = code
         self.param = param
 
+    @property
+    def type(self) -> str:
+        """The OpenAI error type for this status."""
+        return _TYPES.get(self.status, "api_error")
+
     def response(self) -> web.Response:
         body = {
             "error": {
                 "message": self.message,
-                "type": _TYPES.get(self.status, "api_error"),
+                "type": self.type,
                 "param": self.param,
                 "code": self.code,
             }

@@ -1,4 +1,5 @@
-"""The OpenAI request path: parse → tokenize → place → forward (JSON or SSE) → measure.
+"""The OpenAI request path: parse → tokenize → place → dispatch (`router.dispatch`: direct, or
+prefill → decode; JSON or SSE) → measure.
 
 Every field of the client's body goes to the engine unchanged except the router's own `warply`
 field (stripped; `cache_key` becomes the engine's `cache_salt`, so tenants never share KV inside
@@ -21,6 +22,7 @@ import msgspec
 from aiohttp import web
 
 from router.accounting import RequestAccount
+from router.dispatch import Dispatcher, Retry
 from router.errors import ApiError, json_object
 from router.metrics import RouterMetrics
 from router.placement import Decision, Placement
@@ -30,9 +32,7 @@ from warply.protocol import request_namespace
 from warply.protocol.api import Overrides
 
 _T = TypeVar("_T")
-_PATHS = {"chat": "/v1/chat/completions", "completion": "/v1/completions"}
 _FORWARD_HEADERS = ("Authorization", "X-Request-Id")
-_SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
 
 
 @dataclass(slots=True)
@@ -44,6 +44,8 @@ class _Prepared:
     prefix_reuse: bool
     stream: bool
     client_wants_usage: bool
+    single: bool = True
+    """One prompt and one choice (`n` 1): a request a P/D hand-off can carry."""
     rest: asyncio.Future[Prompt] | None = None
     """The whole prompt, being tokenized after an early placement."""
 
@@ -64,14 +66,6 @@ def _max_tokens(body: dict[str, Any]) -> int:
     return max_tokens if isinstance(max_tokens, int) else 0
 
 
-def _placed_headers(decision: Decision) -> dict[str, str]:
-    """Response headers naming the chosen worker and the index's prediction (for debugging)."""
-    return {
-        "X-Warply-Worker": decision.worker.name,
-        "X-Warply-Predicted-Cached": str(decision.predicted_cached),
-    }
-
-
 class Proxy:
     """Handles /v1/completions and /v1/chat/completions."""
 
@@ -83,6 +77,7 @@ class Proxy:
         metrics: RouterMetrics,
         timeout_s: float,
         adapters: Collection[str] = (),
+        prefill_timeout_s: float = 60.0,
     ) -> None:
         self.model = model
         self._served = {model, *adapters}
@@ -93,6 +88,7 @@ class Proxy:
         self._metrics = metrics
         self._timeout = aiohttp.ClientTimeout(total=timeout_s, sock_connect=5)
         self._session: aiohttp.ClientSession | None = None
+        self._dispatch = Dispatcher(lambda: self.session, prefill_timeout_s)
         # One thread: the chunk cache is not shared between threads, and a cold 8k-token prompt
         # (10-30 ms in `tokenizers`, which releases the GIL) must not stall the event loop.
         self._tokenize_pool = ThreadPoolExecutor(1, thread_name_prefix="warply-tokenize")
@@ -125,30 +121,16 @@ class Proxy:
                 decision = await self.place(prep, tried)
                 account.placed(decision, exact=prep.rest is None)
                 try:
-                    url = decision.worker.config.url + _PATHS[kind]
-                    async with self.session.post(url, json=prep.body, headers=headers) as up:
-                        if prep.rest is not None:
-                            prep.prompt, prep.rest = await prep.rest, None
-                            account.measured(prep.prompt.estimate)
-                        if prep.stream and up.status == 200:
-                            resp = web.StreamResponse(headers=_SSE_HEADERS)
-                            resp.headers.update(_placed_headers(decision))
-                            usage = await self._stream(request, resp, up, prep, account)
-                        else:
-                            resp, usage = await self._whole(up)
-                            resp.headers.update(_placed_headers(decision))
-                        account.usage(usage)
-                        status = resp.status
-                        return resp
-                except aiohttp.ClientConnectorError:
-                    decision.worker.set_health(False)  # the health loop brings it back
-                    tried.add(decision.worker.name)
-                except aiohttp.ClientError as exc:
-                    raise ApiError(502, f"upstream {decision.worker.name} failed: {exc}") from None
-                except TimeoutError:
-                    raise ApiError(504, f"upstream {decision.worker.name} timed out") from None
+                    answer = await self._dispatch.send(
+                        request, kind, prep, decision, account, headers
+                    )
+                except Retry as retry:
+                    tried.add(retry.worker)
+                    continue
                 finally:
                     account.released()
+                status = answer.status
+                return answer.response
         except ApiError as err:
             status = err.status
             return err.response()
@@ -212,66 +194,18 @@ class Proxy:
                 "context_length_exceeded",
                 "messages" if "messages" in body else "prompt",
             )
+        n = body.get("n")
+        single = len(prompts) == 1 and (n is None or n == 1)
         stream = bool(body.get("stream", False))
         options = body.get("stream_options")
         wants_usage = isinstance(options, dict) and bool(options.get("include_usage"))
         if stream:
             base = options if isinstance(options, dict) else {}
             body["stream_options"] = {**base, "include_usage": True}
-        return _Prepared(body, first, namespace, ov.prefix_reuse, stream, wants_usage)
+        return _Prepared(body, first, namespace, ov.prefix_reuse, stream, wants_usage, single)
 
     def _too_long(self, prompt_tokens: int, body: dict[str, Any]) -> bool:
         limit = self.max_model_len
         return limit is not None and (
             prompt_tokens >= limit or prompt_tokens + _max_tokens(body) > limit
         )
-
-    async def _whole(
-        self, up: aiohttp.ClientResponse
-    ) -> tuple[web.Response, dict[str, Any] | None]:
-        raw = await up.read()
-        usage = None
-        if up.status == 200:
-            try:
-                parsed = msgspec.json.decode(raw)
-                usage = parsed.get("usage") if isinstance(parsed, dict) else None
-            except msgspec.DecodeError:
-                pass
-        resp = web.Response(
-            body=raw, status=up.status, content_type=up.content_type or "application/json"
-        )
-        return resp, usage if isinstance(usage, dict) else None
-
-    async def _stream(
-        self,
-        request: web.Request,
-        resp: web.StreamResponse,
-        up: aiohttp.ClientResponse,
-        prep: _Prepared,
-        account: RequestAccount,
-    ) -> dict[str, Any] | None:
-        """Relay SSE events; read (and maybe hide) the final usage chunk; time the first one."""
-        await resp.prepare(request)
-        usage: dict[str, Any] | None = None
-        first = True
-        buf = b""
-        async for chunk in up.content.iter_any():
-            buf += chunk
-            while b"\n\n" in buf:
-                event, buf = buf.split(b"\n\n", 1)
-                if first:
-                    account.first_event()
-                    first = False
-                if b'"usage"' in event and event.startswith(b"data: {"):
-                    parsed = msgspec.json.decode(event[6:])
-                    if isinstance(parsed.get("usage"), dict):
-                        usage = parsed["usage"]
-                        if not parsed.get("choices") and not prep.client_wants_usage:
-                            continue
-                elif event.startswith(b"data: {"):
-                    account.generated(1)
-                await resp.write(event + b"\n\n")
-        if buf.strip():
-            await resp.write(buf)
-        await resp.write_eof()
-        return usage

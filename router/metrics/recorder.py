@@ -8,18 +8,50 @@ index of their own.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from typing import Any
+from dataclasses import dataclass
 
 from router.config import RouterConfig
 from router.index import IndexStats
-from router.metrics.alerts import HitAlert, Sample
+from router.metrics.alerts import HitAlert
 from router.metrics.registry import Series
 from router.metrics.stats import Stats, bytes_by_pool_tier, index_view
 from router.placement import Decision
 from router.token_cache import ChunkStats
-from router.workers import Workers
-from warply.protocol.api import CacheStats
+from router.workers import Worker, Workers
+from warply.protocol.api import CacheStats, KvTransferStats
+
+
+@dataclass(slots=True)
+class RequestRecord:
+    """One request as the metrics record it when it ends (`RequestAccount` fills it in)."""
+
+    decision: Decision | None = None
+    """The final placement (None: the request failed before one was made)."""
+    status: int = 0
+    latency_s: float = 0.0
+    prompt_tokens: int = 0
+    """Exact, also after an early placement."""
+    early: bool = False
+    overhead_s: float | None = None
+    """Receipt → placement done: the router's queue before the first upstream request."""
+    cached: int | None = None
+    """The answering engine's `usage.prompt_tokens_details.cached_tokens`."""
+    prefill_cached: int | None = None
+    """The prefill engine's cached tokens (hand-offs)."""
+    prefill_s: float | None = None
+    """Prefill request sent → answered (hand-offs)."""
+    prefill_failure: str = ""
+    decode_sent_s: float | None = None
+    """When (since receipt) the request to the answering worker went out."""
+    ttft_s: float | None = None
+    """When (since receipt) the stream's first event arrived."""
+
+    @property
+    def decode_first_token_s(self) -> float | None:
+        """Answer request sent → first event: KV transfer and first decode step (streams)."""
+        if self.ttft_s is None or self.decode_sent_s is None:
+            return None
+        return self.ttft_s - self.decode_sent_s
 
 
 class RouterMetrics:
@@ -35,7 +67,7 @@ class RouterMetrics:
         self._tokenizer_cache = tokenizer_cache
         self.series = Series()
         self.alert = HitAlert(config.alerts)
-        self.stats = Stats(config.strategy.name, workers)
+        self.stats = Stats(config.strategy.name, workers, config.pd.local_prefill_tokens)
 
     @property
     def alert_firing(self) -> bool:
@@ -43,43 +75,69 @@ class RouterMetrics:
 
     # -- recording ------------------------------------------------------------------------------
 
-    def routed(self, decision: Decision, overhead_s: float, early: bool = False) -> Sample:
-        """A request was placed (`early`: from its prompt's leading part); returns its window
-        sample (engine numbers are filled later)."""
-        pool = decision.worker.pool.name
+    def request(self, rec: RequestRecord) -> None:
+        """One request ended: its placement, what the engines reported, its timings."""
+        d = rec.decision
         s = self.series
-        if early:
+        self.series.requests.labels(d.worker.name if d else "", str(rec.status)).inc()
+        s.latency.observe(rec.latency_s)
+        if d is None:
+            return
+        if rec.overhead_s is not None:
+            s.overhead.observe(rec.overhead_s)
+            self.stats.overhead.append(rec.overhead_s)
+        if rec.early:
             s.early.inc()
-        s.prompt_tokens.labels(pool).inc(decision.prompt_tokens)
-        s.predicted_tokens.labels(pool).inc(decision.predicted_cached)
-        s.overhead.observe(overhead_s)
-        self.stats.overhead.append(overhead_s)
+            self.stats.totals["placed_early"] += 1
+        prompt = rec.prompt_tokens
+        reason = d.local_reason or ("remote" if d.prefill is not None else "")
+        s.decisions.labels(d.mode, reason).inc()
+        leg = d.prefill
+        if leg is not None:  # handed off: the prefill worker computed, the decode worker pulled
+            self._computed(leg.worker, prompt, leg.predicted_cached, rec.prefill_cached)
+            self.stats.handoff(d.worker.name, prompt, d.predicted_cached)
+            pool = d.worker.pool.name
+            s.handoff_prompt_tokens.labels(pool).inc(prompt)
+            s.handoff_held_tokens.labels(pool).inc(d.predicted_cached)
+        else:
+            self._computed(d.worker, prompt, d.predicted_cached, rec.cached)
+        if rec.prefill_failure:
+            s.prefill_failures.labels(rec.prefill_failure).inc()
+        if d.worker.role == "decode":
+            self.stats.decided(d.mode, d.local_reason, rec.prefill_failure)
+            self.stats.phases(rec)
+            for phase, value in (
+                ("queue", rec.overhead_s),
+                ("prefill", rec.prefill_s),
+                ("decode_first_token", rec.decode_first_token_s),
+            ):
+                if value is not None and (phase == "queue" or leg is not None):
+                    s.phase.labels(phase).observe(value)
+        # The client's view: the cached tokens its usage reports (no engine computed them).
         self.stats.routed(
-            decision.worker.name,
-            decision.prompt_tokens,
-            decision.predicted_cached,
-            decision.namespace,
-            decision.keys[0] if decision.keys else None,
-            early,
+            d.worker.name,
+            prompt,
+            d.reported_cached,
+            d.namespace,
+            d.keys[0] if d.keys else None,
+            rec.cached,
         )
-        return self.alert.add(decision.prompt_tokens, decision.predicted_cached)
+        sample = self.alert.add(prompt, d.reported_cached)
+        if rec.cached is not None:
+            self.alert.engine(sample, rec.cached)
 
-    def usage(self, decision: Decision, sample: Sample, usage: Mapping[str, Any] | None) -> None:
-        """The engine's usage block for a request: its cached-token count."""
-        if not isinstance(usage, Mapping):
-            return
-        details = usage.get("prompt_tokens_details")
-        cached = details.get("cached_tokens") if isinstance(details, Mapping) else None
-        if not isinstance(cached, int):
-            return
-        self.series.engine_tokens.labels(decision.worker.pool.name).inc(cached)
-        self.stats.engine_cached(decision.worker.name, decision.prompt_tokens, cached)
-        self.alert.engine(sample, cached)
-
-    def finished(self, decision: Decision | None, status: int, latency_s: float) -> None:
-        """A request ended with `status` (HTTP) after `latency_s`."""
-        self.series.requests.labels(decision.worker.name if decision else "", str(status)).inc()
-        self.series.latency.observe(latency_s)
+    def _computed(
+        self, worker: Worker, prompt: int, predicted: int, cached: int | None
+    ) -> None:
+        """`worker` computed a prompt of `prompt` tokens itself (aggregated, prefill leg, or a
+        local prefill on decode): its pool's and role's hit counters."""
+        labels = (worker.pool.name, worker.role)
+        s = self.series
+        s.prompt_tokens.labels(*labels).inc(prompt)
+        s.predicted_tokens.labels(*labels).inc(predicted)
+        if cached is not None:
+            s.engine_tokens.labels(*labels).inc(cached)
+        self.stats.computed(worker.name, prompt, predicted, cached)
 
     def first_token(self, ttft_s: float) -> None:
         self.series.ttft.observe(ttft_s)
@@ -96,13 +154,22 @@ class RouterMetrics:
         self.series.prefix_hit_tokens.labels(worker).inc(hit_tokens)
         self.stats.engine_hit(worker, hit_tokens)
 
+    def engine_transfers(self, worker: str, stats: KvTransferStats) -> None:
+        """A decode engine's KV-transfer counters, as last read from its /metrics."""
+        self.stats.transfers[worker] = stats
+
     # -- reading ---------------------------------------------------------------------------------
 
     def render(self, index: IndexStats) -> bytes:
         """Prometheus text exposition of the router's registry."""
         by_pool_tier = bytes_by_pool_tier(index, self._workers)
         self.series.refresh(
-            index, by_pool_tier, self._workers.values(), self._tokenizer_cache, self.alert
+            index,
+            by_pool_tier,
+            self._workers.values(),
+            self._tokenizer_cache,
+            self.alert,
+            self.stats.transfers,
         )
         return self.series.render()
 

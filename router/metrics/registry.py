@@ -17,6 +17,7 @@ from router.index import IndexStats
 from router.metrics.alerts import HitAlert
 from router.token_cache import ChunkStats
 from router.workers import Worker
+from warply.protocol.api import KvTransferStats
 
 _OVERHEAD_BUCKETS = (5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 0.1)
 _TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
@@ -32,7 +33,10 @@ class Series:
             registry=r,
         )
         self.prompt_tokens = PromCounter(
-            "warply_router_prompt_tokens", "Prompt tokens routed", ["pool"], registry=r
+            "warply_router_prompt_tokens",
+            "Prompt tokens computed, by the pool and role of the worker that computed them",
+            ["pool", "role"],
+            registry=r,
         )
         self.early = PromCounter(
             "warply_router_early_placements",
@@ -41,14 +45,15 @@ class Series:
         )
         self.predicted_tokens = PromCounter(
             "warply_router_predicted_cached_tokens",
-            "Prompt tokens the index predicted cached on the chosen worker",
-            ["pool"],
+            "Prompt tokens the index predicted cached on the worker that computed the prompt",
+            ["pool", "role"],
             registry=r,
         )
         self.engine_tokens = PromCounter(
             "warply_router_engine_cached_tokens",
-            "Cached prompt tokens engines reported (usage.prompt_tokens_details.cached_tokens)",
-            ["pool"],
+            "Cached prompt tokens engines reported (usage.prompt_tokens_details.cached_tokens), "
+            "by the pool and role of the worker that computed the prompt",
+            ["pool", "role"],
             registry=r,
         )
         self.hit_ratio = Gauge(
@@ -71,6 +76,66 @@ class Series:
             "warply_router_overhead_seconds",
             "Router time before the upstream request (parse, tokenize, match, choose)",
             buckets=_OVERHEAD_BUCKETS,
+            registry=r,
+        )
+        self.decisions = PromCounter(
+            "warply_router_pd_decisions",
+            "Requests by how they were served (mode aggregated, remote = handed off, local = "
+            "the decode worker prefilled) and why a decode worker prefilled locally",
+            ["mode", "reason"],
+            registry=r,
+        )
+        self.prefill_failures = PromCounter(
+            "warply_router_prefill_failures",
+            "Prefill legs that failed (each fell back to a local prefill on decode), by reason",
+            ["reason"],
+            registry=r,
+        )
+        self.phase = Histogram(
+            "warply_router_pd_phase_seconds",
+            "TTFT parts of requests placed on decode workers: queue (receipt to the first "
+            "upstream request), prefill (the prefill worker's answer), decode_first_token "
+            "(KV transfer and the first decode step, streams)",
+            ["phase"],
+            buckets=_TTFT_BUCKETS,
+            registry=r,
+        )
+        self.handoff_prompt_tokens = PromCounter(
+            "warply_router_handoff_prompt_tokens",
+            "Prompt tokens of requests handed off to a decode worker, by its pool",
+            ["pool"],
+            registry=r,
+        )
+        self.handoff_held_tokens = PromCounter(
+            "warply_router_handoff_held_tokens",
+            "Prompt tokens of hand-offs the decode worker already held (index view): not "
+            "transferred",
+            ["pool"],
+            registry=r,
+        )
+        self.kv_transfer_bytes = Gauge(
+            "warply_engine_kv_transfer_bytes",
+            "KV bytes a decode engine pulled from prefill engines (vllm:nixl_bytes_transferred)",
+            ["worker"],
+            registry=r,
+        )
+        self.kv_transfer_seconds = Gauge(
+            "warply_engine_kv_transfer_seconds",
+            "Time a decode engine spent in KV transfers (vllm:nixl_xfer_time_seconds_sum)",
+            ["worker"],
+            registry=r,
+        )
+        self.kv_transfers = Gauge(
+            "warply_engine_kv_transfers",
+            "KV transfers a decode engine made, by outcome (ok, failed)",
+            ["worker", "outcome"],
+            registry=r,
+        )
+        self.p2p_tokens = Gauge(
+            "warply_engine_p2p_tokens",
+            "Prompt tokens an engine took from another engine's cache "
+            "(vllm:prompt_tokens_cached_by_source_total{source=\"p2p\"})",
+            ["worker"],
             registry=r,
         )
         self.entries = Gauge(
@@ -112,8 +177,15 @@ class Series:
         workers: Iterable[Worker],
         tokenizer_cache: ChunkStats | None,
         alert: HitAlert,
+        transfers: Mapping[str, KvTransferStats],
     ) -> None:
         """Set the gauges from the current state."""
+        for worker, t in transfers.items():
+            self.kv_transfer_bytes.labels(worker).set(t.bytes)
+            self.kv_transfer_seconds.labels(worker).set(t.seconds)
+            self.kv_transfers.labels(worker, "ok").set(t.transfers)
+            self.kv_transfers.labels(worker, "failed").set(t.failed)
+            self.p2p_tokens.labels(worker).set(t.p2p_tokens)
         for tier, n in index.entries_by_tier.items():
             self.entries.labels(tier.value).set(n)
         self.index_evictions.set(index.evictions)

@@ -1,14 +1,19 @@
 """The tallies behind `/warply/cache_stats` and the typed `CacheStats` built from them.
 
 Lifetime totals (requests, prompt / predicted / engine-reported cached tokens), the same per
-worker, engine evictions by pool, the affinity map ((namespace, first block) → workers that
-served it, LRU-capped), and windows of TTFT and router overhead for p50 / p99.
+worker (summed per pool and per role when read), engine evictions by pool, the affinity map
+((namespace, first block) → workers that served it, LRU-capped), windows of TTFT and router
+overhead for p50 / p99, and the P/D hand-off: decisions, prefill failures, the TTFT parts of
+handed-off requests and the decode workers' KV transfer counters.
 """
 
 from __future__ import annotations
 
 from collections import Counter, OrderedDict, deque
 from collections.abc import Iterable
+from typing import TYPE_CHECKING
+
+from msgspec.structs import replace as struct_replace
 
 from router.index import IndexStats
 from router.metrics.alerts import HitAlert, ratio
@@ -20,10 +25,17 @@ from warply.protocol.api import (
     CacheStats,
     HitRates,
     IndexView,
+    KvTransferStats,
+    PdStats,
+    PoolStats,
     Quantiles,
     TokenizerCacheStats,
+    TtftBreakdown,
     WorkerStats,
 )
+
+if TYPE_CHECKING:
+    from router.metrics.recorder import RequestRecord
 
 _AFFINITY_CAP = 4096
 _QUANTILE_WINDOW = 2048
@@ -69,34 +81,43 @@ def index_view(
 class Stats:
     """What the router has seen so far; `build` turns it into `CacheStats`."""
 
-    def __init__(self, strategy: str, workers: Workers) -> None:
+    def __init__(self, strategy: str, workers: Workers, local_prefill_tokens: int = 0) -> None:
         self.strategy = strategy
         self._workers = workers
+        self.local_prefill_tokens = local_prefill_tokens
+        self.pd = any(pool.role != "both" for pool in workers.pools)
         self.totals: Counter[str] = Counter()
         self.per_worker: dict[str, WorkerStats] = {name: WorkerStats() for name in workers}
+        self._engine_prompt: Counter[str] = Counter()
+        """Per worker: prompt tokens of the requests it computed that reported usage."""
         self.engine_evictions: Counter[str] = Counter()
         self._affinity: OrderedDict[tuple[str, int], Counter[str]] = OrderedDict()
         self.ttft: deque[float] = deque(maxlen=_QUANTILE_WINDOW)
         self.overhead: deque[float] = deque(maxlen=_QUANTILE_WINDOW)
+        self.decisions: Counter[str] = Counter()
+        self.prefill_failures: Counter[str] = Counter()
+        self.queue_s: deque[float] = deque(maxlen=_QUANTILE_WINDOW)
+        self.prefill_s: deque[float] = deque(maxlen=_QUANTILE_WINDOW)
+        self.decode_first_s: deque[float] = deque(maxlen=_QUANTILE_WINDOW)
+        self.transfers: dict[str, KvTransferStats] = {}
 
     def routed(
         self,
         worker: str,
         prompt_tokens: int,
-        predicted_cached: int,
+        reported_cached: int,
         namespace: str,
         first_key: int | None,
-        early: bool,
+        cached: int | None,
     ) -> None:
-        if early:
-            self.totals["placed_early"] += 1
-        w = self.per_worker[worker]
-        w.requests += 1
-        w.prompt_tokens += prompt_tokens
-        w.predicted_cached_tokens += predicted_cached
+        """A request answered by `worker`: the client's view (the cached tokens its usage
+        reports, predicted and engine-reported) and the affinity map."""
         self.totals["requests"] += 1
         self.totals["prompt_tokens"] += prompt_tokens
-        self.totals["predicted_cached_tokens"] += predicted_cached
+        self.totals["predicted_cached_tokens"] += reported_cached
+        if cached is not None:
+            self.totals["engine_cached_tokens"] += cached
+            self.totals["engine_prompt_tokens"] += prompt_tokens
         if first_key is not None:
             slot = (namespace, first_key)
             self._affinity.setdefault(slot, Counter())[worker] += 1
@@ -104,16 +125,72 @@ class Stats:
             if len(self._affinity) > _AFFINITY_CAP:
                 self._affinity.popitem(last=False)
 
-    def engine_cached(self, worker: str, prompt_tokens: int, cached: int) -> None:
-        self.per_worker[worker].engine_cached_tokens += cached
-        self.totals["engine_cached_tokens"] += cached
-        self.totals["engine_prompt_tokens"] += prompt_tokens
+    def computed(self, worker: str, prompt_tokens: int, predicted: int, cached: int | None) -> None:
+        """`worker` computed a prompt itself (aggregated, prefill leg, local prefill)."""
+        w = self.per_worker[worker]
+        w.requests += 1
+        w.prompt_tokens += prompt_tokens
+        w.predicted_cached_tokens += predicted
+        if cached is not None:
+            w.engine_cached_tokens += cached
+            self._engine_prompt[worker] += prompt_tokens
+
+    def handoff(self, worker: str, prompt_tokens: int, held: int) -> None:
+        """Decode worker `worker` pulled a prompt's KV; it already held `held` tokens of it."""
+        w = self.per_worker[worker]
+        w.handoffs += 1
+        w.handoff_prompt_tokens += prompt_tokens
+        w.handoff_held_tokens += held
+
+    def decided(self, mode: str, reason: str, failure: str) -> None:
+        """A request placed on a decode worker: handed off, or prefilled there (and why)."""
+        self.decisions[f"{mode}:{reason}" if mode == "local" else mode] += 1
+        if failure:
+            self.prefill_failures[failure] += 1
+
+    def phases(self, rec: RequestRecord) -> None:
+        """A hand-off's TTFT parts (the queue of every request placed on a decode worker)."""
+        if rec.overhead_s is not None:
+            self.queue_s.append(rec.overhead_s)
+        if rec.decision is None or rec.decision.prefill is None:
+            return
+        if rec.prefill_s is not None:
+            self.prefill_s.append(rec.prefill_s)
+        if (first := rec.decode_first_token_s) is not None:
+            self.decode_first_s.append(first)
 
     def engine_hit(self, worker: str, hit_tokens: int) -> None:
         w = self.per_worker.get(worker)
         if w is not None:
             w.engine_prefix_hits += 1
             w.engine_prefix_hit_tokens += hit_tokens
+
+    def _worker_view(self, name: str, counts: WorkerStats) -> WorkerStats:
+        worker = self._workers[name]
+        return struct_replace(
+            counts, in_flight=worker.load.in_flight, healthy=worker.healthy
+        )
+
+    def _by(self, key: str) -> dict[str, PoolStats]:
+        """Per-worker numbers summed by pool (`key` "pool") or by role ("role")."""
+        out: dict[str, PoolStats] = {}
+        prompts: Counter[str] = Counter()
+        for name, w in self.per_worker.items():
+            worker = self._workers[name]
+            slot = worker.pool.name if key == "pool" else worker.role
+            agg = out.setdefault(slot, PoolStats(role=worker.role))
+            agg.requests += w.requests
+            agg.prompt_tokens += w.prompt_tokens
+            agg.predicted_cached_tokens += w.predicted_cached_tokens
+            agg.engine_cached_tokens += w.engine_cached_tokens
+            agg.handoffs += w.handoffs
+            agg.handoff_prompt_tokens += w.handoff_prompt_tokens
+            agg.handoff_held_tokens += w.handoff_held_tokens
+            agg.engine_prefix_hit_tokens += w.engine_prefix_hit_tokens
+            prompts[slot] += self._engine_prompt[name]
+        for slot, agg in out.items():
+            agg.hit_rate = ratio(agg.engine_cached_tokens, prompts[slot])
+        return out
 
     def build(
         self,
@@ -124,20 +201,21 @@ class Stats:
     ) -> CacheStats:
         t = self.totals
         affinity = sorted(self._affinity.items(), key=lambda kv: -sum(kv[1].values()))[:top]
-        workers = {}
-        for name, counts in self.per_worker.items():
-            worker = self._workers[name]
-            workers[name] = WorkerStats(
-                requests=counts.requests,
-                prompt_tokens=counts.prompt_tokens,
-                predicted_cached_tokens=counts.predicted_cached_tokens,
-                engine_cached_tokens=counts.engine_cached_tokens,
-                engine_prefix_hits=counts.engine_prefix_hits,
-                engine_prefix_hit_tokens=counts.engine_prefix_hit_tokens,
-                in_flight=worker.load.in_flight,
-                healthy=worker.healthy,
-            )
+        workers = {name: self._worker_view(name, w) for name, w in self.per_worker.items()}
         tok = tokenizer_cache
+        pd = None
+        if self.pd:
+            pd = PdStats(
+                local_prefill_tokens=self.local_prefill_tokens,
+                decisions=dict(self.decisions),
+                prefill_failures=dict(self.prefill_failures),
+                ttft=TtftBreakdown(
+                    quantiles(self.queue_s),
+                    quantiles(self.prefill_s),
+                    quantiles(self.decode_first_s),
+                ),
+                transfers=dict(self.transfers),
+            )
         return CacheStats(
             strategy=self.strategy,
             requests=t["requests"],
@@ -163,4 +241,7 @@ class Stats:
             if tok is None
             else TokenizerCacheStats(tok.hits, tok.misses, tok.bytes),
             alert=AlertState(alert.config.min_hit_ratio, alert.firing),
+            pools=self._by("pool"),
+            roles=self._by("role"),
+            pd=pd,
         )

@@ -69,6 +69,76 @@ class WorkerStats(msgspec.Struct):
     """Prompt tokens those requests reused (engine-confirmed, beside the router's prediction)."""
     in_flight: int = 0
     healthy: bool = False
+    handoffs: int = 0
+    """Requests it decoded after a prefill worker computed their prompt (P/D hand-off); they
+    are not in `requests`, which counts the prompts it computed itself."""
+    handoff_prompt_tokens: int = 0
+    handoff_held_tokens: int = 0
+    """Prompt tokens of those hand-offs it already held (index view): not transferred."""
+
+
+class PoolStats(msgspec.Struct):
+    """One pool's (or one role's) share of the traffic and of the cache hits.
+
+    `requests` .. `engine_cached_tokens` count the prompts its workers computed themselves
+    (aggregated requests, prefill legs of hand-offs, local prefills on decode workers): the hit
+    rate of the pool or role is engine_cached / prompt tokens. The `handoff_*` numbers are the
+    decode side of hand-offs: prompts whose KV it pulled from a prefill worker, and how much of
+    them it already held (predicted by the index; those blocks are not transferred)."""
+
+    role: str
+    requests: int = 0
+    prompt_tokens: int = 0
+    predicted_cached_tokens: int = 0
+    engine_cached_tokens: int = 0
+    hit_rate: float | None = None
+    """engine_cached_tokens / prompt_tokens of the requests that reported usage."""
+    handoffs: int = 0
+    handoff_prompt_tokens: int = 0
+    handoff_held_tokens: int = 0
+    """Decode-side reuse: prompt tokens of hand-offs the decode worker already held."""
+    engine_prefix_hit_tokens: int = 0
+    """Prompt tokens its engines reported reusing (`PrefixHit`), on either path."""
+
+
+class KvTransferStats(msgspec.Struct):
+    """A decode worker's KV transfers, from the engine's own counters (vLLM `vllm:nixl_*`,
+    `vllm:prompt_tokens_cached_by_source_total{source="p2p"}`), read with the health probe."""
+
+    transfers: int = 0
+    bytes: int = 0
+    seconds: float = 0.0
+    """Summed transfer time (`vllm:nixl_xfer_time_seconds_sum`)."""
+    failed: int = 0
+    p2p_tokens: int = 0
+    """Prompt tokens the engine took from another engine's cache instead of computing them."""
+
+
+class TtftBreakdown(msgspec.Struct):
+    """Where a handed-off request's time to first token goes, per request (p50 / p99): router
+    queue (receipt → first upstream request), prefill (the prefill worker's answer), and the
+    decode worker's first token (KV transfer + first decode step; the transfer alone is the
+    engine's `KvTransferStats.seconds / transfers`)."""
+
+    queue_s: Quantiles
+    prefill_s: Quantiles
+    decode_first_token_s: Quantiles
+
+
+class PdStats(msgspec.Struct):
+    """The prefill → decode hand-off."""
+
+    local_prefill_tokens: int
+    """The conditional-disaggregation threshold in force (`pd.local_prefill_tokens`)."""
+    decisions: dict[str, int]
+    """Requests by how they were served: `remote` (handed off), `local:below_threshold`,
+    `local:no_prefill_worker`, `local:prefill_failed` (decode prefilled), `aggregated`."""
+    prefill_failures: dict[str, int]
+    """Prefill legs that failed, by reason (connect, timeout, error, status_NNN,
+    no_kv_transfer_params); each fell back to a local prefill on the decode worker."""
+    ttft: TtftBreakdown
+    transfers: dict[str, KvTransferStats]
+    """Per decode worker."""
 
 
 class AffinityEntry(msgspec.Struct):
@@ -122,6 +192,11 @@ class CacheStats(msgspec.Struct):
     overhead_s: Quantiles
     tokenizer_cache: TokenizerCacheStats | None
     alert: AlertState
+    pools: dict[str, PoolStats] = msgspec.field(default_factory=dict)
+    roles: dict[str, PoolStats] = msgspec.field(default_factory=dict)
+    """The same numbers summed per role (`prefill`, `decode`, `both`)."""
+    pd: PdStats | None = None
+    """None unless some pool has role `prefill` or `decode`."""
 
 
 # -- /warply/workers ------------------------------------------------------------------------------

@@ -1,0 +1,296 @@
+"""Sending a placed request: straight to one worker, or prefill → decode (vLLM P/D hand-off).
+
+Direct: the client's body goes to the chosen worker (aggregated, or a decode worker that
+prefills locally); its answer (JSON or SSE) is relayed.
+
+Hand-off (`Decision.prefill` set), vLLM's two-step flow over a KV connector such as
+NixlConnector:
+
+1. The prefill worker gets the body with `kv_transfer_params: {"do_remote_decode": true}`, one
+   output token (`max_tokens` 1), not streamed. It computes the prompt (reusing its own cached
+   prefix), keeps the KV for the decode worker and answers with the `kv_transfer_params` that
+   locate it (engine id, block ids, host and side-channel port, and
+   `remote_prefill_cached_tokens`: its own cache hit).
+2. The decode worker gets the client's body with those `kv_transfer_params`: it pulls the blocks
+   it does not hold itself (its cached prefix is not transferred), then decodes; its answer is
+   relayed to the client, streamed if asked. Its `usage.prompt_tokens_details.cached_tokens` is
+   the prefill worker's hit (`remote_prefill_cached_tokens`; set by the router when an engine
+   leaves it out): the tokens no engine computed, which is what a client bills on.
+
+Failures never leave a client waiting: a prefill leg that cannot connect, fails, times out
+(`pd.prefill_timeout_s`), answers an error or no `kv_transfer_params` falls back to a local
+prefill on the decode worker (the client's body unchanged). A refused connection (nothing was
+sent) raises `Retry`: the proxy places the request again without that worker. Any other upstream
+failure is an OpenAI-shaped error: 502 / 504, or, once a stream has started, a final
+`data: {"error": ...}` event and `data: [DONE]`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import aiohttp
+import msgspec
+from aiohttp import web
+
+from router.accounting import RequestAccount, cached_tokens
+from router.errors import ApiError
+from router.placement import Decision
+from router.tokenize import Prompt
+
+_log = logging.getLogger("warply.router")
+PATHS = {"chat": "/v1/chat/completions", "completion": "/v1/completions"}
+_SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
+
+
+class Prepared(Protocol):
+    """What the dispatcher needs of a prepared request (`router.proxy`)."""
+
+    body: dict[str, Any]
+    prompt: Prompt
+    rest: asyncio.Future[Prompt] | None
+    stream: bool
+    client_wants_usage: bool
+    single: bool
+
+
+class Retry(Exception):
+    """`worker` refused the connection before anything was sent: place the request again
+    without it."""
+
+    def __init__(self, worker: str) -> None:
+        super().__init__(worker)
+        self.worker = worker
+
+
+@dataclass(slots=True)
+class Answer:
+    """The response to the client and the status the metrics record (a stream that failed after
+    it started is sent as 200 but recorded as 502 / 504)."""
+
+    response: web.StreamResponse
+    status: int
+
+
+def prefill_body(body: Mapping[str, Any]) -> dict[str, Any]:
+    """The prefill leg's body: the client's, computing the prompt and one token, not streamed,
+    asking the engine to keep the KV for a remote decode."""
+    out = dict(body)
+    out["stream"] = False
+    out.pop("stream_options", None)
+    out.pop("min_tokens", None)
+    out["max_tokens"] = 1
+    if "max_completion_tokens" in out:
+        out["max_completion_tokens"] = 1
+    out["kv_transfer_params"] = {"do_remote_decode": True}
+    return out
+
+
+def decode_params(params: Mapping[str, Any], prefill_usage: Any) -> dict[str, Any]:
+    """The decode leg's `kv_transfer_params`: the prefill's, with the prefill engine's cache hit
+    as `remote_prefill_cached_tokens` when the engine left it out (vLLM then reports it as the
+    decode answer's cached tokens)."""
+    out = dict(params)
+    cached = cached_tokens(prefill_usage)
+    if "remote_prefill_cached_tokens" not in out and cached is not None:
+        out["remote_prefill_cached_tokens"] = cached
+    return out
+
+
+def placed_headers(decision: Decision) -> dict[str, str]:
+    """Response headers naming the chosen worker(s), the mode and the index's prediction."""
+    mode = decision.mode
+    headers = {
+        "X-Warply-Worker": decision.worker.name,
+        "X-Warply-Predicted-Cached": str(decision.reported_cached),
+        "X-Warply-Mode": f"{mode}:{decision.local_reason}" if decision.local_reason else mode,
+    }
+    if decision.prefill is not None:
+        headers["X-Warply-Prefill-Worker"] = decision.prefill.worker.name
+    return headers
+
+
+def _error_event(status: int, message: str) -> bytes:
+    err = ApiError(status, message)
+    body = {"error": {"message": message, "type": err.type, "param": None, "code": status}}
+    return b"data: " + msgspec.json.encode(body) + b"\n\ndata: [DONE]\n\n"
+
+
+class Dispatcher:
+    """Sends placed requests upstream over one pooled client session."""
+
+    def __init__(
+        self, session: Callable[[], aiohttp.ClientSession], prefill_timeout_s: float
+    ) -> None:
+        self._session = session
+        self._prefill_timeout = aiohttp.ClientTimeout(total=prefill_timeout_s, sock_connect=5)
+
+    async def send(
+        self,
+        request: web.Request,
+        kind: str,
+        prep: Prepared,
+        decision: Decision,
+        account: RequestAccount,
+        headers: Mapping[str, str],
+    ) -> Answer:
+        """Serve one placed request; raises `Retry` or `ApiError`."""
+        params = None
+        if decision.prefill is not None:
+            if not prep.single:  # several prompts or choices: one hand-off cannot carry them
+                account.relocate("batch")
+            else:
+                params = await self._prefill(kind, prep, decision, account, headers)
+        assert account.decision is not None
+        return await self._answer(request, kind, prep, account.decision, account, headers, params)
+
+    async def _settle(self, prep: Prepared, account: RequestAccount) -> None:
+        """Once the first request is on its way: the rest of an early-placed prompt."""
+        if prep.rest is not None:
+            prep.prompt, prep.rest = await prep.rest, None
+            account.measured(prep.prompt.estimate)
+
+    async def _prefill(
+        self,
+        kind: str,
+        prep: Prepared,
+        decision: Decision,
+        account: RequestAccount,
+        headers: Mapping[str, str],
+    ) -> dict[str, Any] | None:
+        """The prefill leg: the decode leg's `kv_transfer_params`, or None after a failure
+        (the account then holds the decision with a local prefill)."""
+        leg = decision.prefill
+        assert leg is not None
+        started = account.elapsed()
+        url = leg.worker.config.url + PATHS[kind]
+        reason = ""
+        try:
+            async with self._session().post(
+                url, json=prefill_body(prep.body), headers=headers, timeout=self._prefill_timeout
+            ) as up:
+                await self._settle(prep, account)
+                raw = await up.read()
+                if up.status != 200:
+                    reason = f"status_{up.status}"
+                else:
+                    parsed = msgspec.json.decode(raw)
+                    params = parsed.get("kv_transfer_params") if isinstance(parsed, dict) else None
+                    if isinstance(params, dict):
+                        usage = parsed.get("usage")
+                        account.prefill_answered(usage, started)
+                        return decode_params(params, usage)
+                    reason = "no_kv_transfer_params"
+        except aiohttp.ClientConnectorError:
+            leg.worker.set_health(False)  # the health loop brings it back
+            reason = "connect"
+        except TimeoutError:
+            reason = "timeout"
+        except (aiohttp.ClientError, msgspec.DecodeError):
+            reason = "error"
+        await self._settle(prep, account)
+        _log.warning(
+            "prefill on %s failed (%s); %s prefills locally",
+            leg.worker.name, reason, decision.worker.name,
+        )
+        account.prefill_failed(reason)
+        return None
+
+    async def _answer(
+        self,
+        request: web.Request,
+        kind: str,
+        prep: Prepared,
+        decision: Decision,
+        account: RequestAccount,
+        headers: Mapping[str, str],
+        params: dict[str, Any] | None,
+    ) -> Answer:
+        """The request to the answering worker, relayed to the client."""
+        worker = decision.worker
+        body = prep.body if params is None else {**prep.body, "kv_transfer_params": params}
+        account.answer_sent()
+        try:
+            async with self._session().post(
+                worker.config.url + PATHS[kind], json=body, headers=headers
+            ) as up:
+                await self._settle(prep, account)
+                if prep.stream and up.status == 200:
+                    return await self._stream(request, up, prep, decision, account)
+                resp, usage = await self._whole(up)
+                resp.headers.update(placed_headers(decision))
+                account.usage(usage)
+                return Answer(resp, resp.status)
+        except aiohttp.ClientConnectorError:
+            worker.set_health(False)  # the health loop brings it back
+            raise Retry(worker.name) from None
+        except aiohttp.ClientError as exc:
+            raise ApiError(502, f"upstream {worker.name} failed: {exc}") from None
+        except TimeoutError:
+            raise ApiError(504, f"upstream {worker.name} timed out") from None
+
+    @staticmethod
+    async def _whole(
+        up: aiohttp.ClientResponse,
+    ) -> tuple[web.Response, dict[str, Any] | None]:
+        raw = await up.read()
+        usage = None
+        if up.status == 200:
+            try:
+                parsed = msgspec.json.decode(raw)
+                usage = parsed.get("usage") if isinstance(parsed, dict) else None
+            except msgspec.DecodeError:
+                pass
+        resp = web.Response(
+            body=raw, status=up.status, content_type=up.content_type or "application/json"
+        )
+        return resp, usage if isinstance(usage, dict) else None
+
+    @staticmethod
+    async def _stream(
+        request: web.Request,
+        up: aiohttp.ClientResponse,
+        prep: Prepared,
+        decision: Decision,
+        account: RequestAccount,
+    ) -> Answer:
+        """Relay SSE events; read (and maybe hide) the final usage chunk; time the first one.
+        An upstream failure after the stream started ends it with an error event."""
+        resp = web.StreamResponse(headers=_SSE_HEADERS)
+        resp.headers.update(placed_headers(decision))
+        await resp.prepare(request)
+        usage: dict[str, Any] | None = None
+        first = True
+        buf = b""
+        status = 200
+        try:
+            async for chunk in up.content.iter_any():
+                buf += chunk
+                while b"\n\n" in buf:
+                    event, buf = buf.split(b"\n\n", 1)
+                    if first:
+                        account.first_event()
+                        first = False
+                    if b'"usage"' in event and event.startswith(b"data: {"):
+                        parsed = msgspec.json.decode(event[6:])
+                        if isinstance(parsed.get("usage"), dict):
+                            usage = parsed["usage"]
+                            if not parsed.get("choices") and not prep.client_wants_usage:
+                                continue
+                    elif event.startswith(b"data: {"):
+                        account.generated(1)
+                    await resp.write(event + b"\n\n")
+            if buf.strip():
+                await resp.write(buf)
+        except (aiohttp.ClientError, TimeoutError) as exc:
+            timed_out = isinstance(exc, TimeoutError)
+            status = 504 if timed_out else 502
+            what = "timed out" if timed_out else f"failed: {exc}"
+            await resp.write(_error_event(status, f"upstream {decision.worker.name} {what}"))
+        await resp.write_eof()
+        account.usage(usage)
+        return Answer(resp, status)
