@@ -18,20 +18,24 @@ NixlConnector:
    leaves it out): the tokens no engine computed, which is what a client bills on.
 
 Failures never leave a client waiting: a prefill leg that cannot connect, fails, times out
-(`pd.prefill_timeout_s`), answers an error or no `kv_transfer_params` falls back to a local
-prefill on the decode worker (the client's body unchanged). A refused connection (nothing was
-sent) raises `Retry`: the proxy places the request again without that worker. Any other upstream
-failure is an OpenAI-shaped error: 502 / 504, or, once a stream has started, a final
-`data: {"error": ...}` event and `data: [DONE]`.
+(`pd.prefill_timeout_s`), answers an error or no `kv_transfer_params`, or whose worker turns
+unhealthy meanwhile, falls back to a local prefill on the decode worker (the client's body
+unchanged). So does a decode leg whose prefill worker turns unhealthy before the decode worker's
+first event (stream) or answer (JSON): its KV may never arrive, and a decode engine pulling from
+a dead one can stall. A refused connection (nothing was sent) raises `Retry`: the proxy places
+the request again without that worker. Any other upstream failure is an OpenAI-shaped error:
+502 / 504, or, once a stream has started, a final `data: {"error": ...}` event and
+`data: [DONE]`.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
-from collections.abc import Callable, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar
 
 import aiohttp
 import msgspec
@@ -41,8 +45,12 @@ from router.accounting import RequestAccount, cached_tokens
 from router.errors import ApiError
 from router.placement import Decision
 from router.tokenize import Prompt
+from router.workers import Worker
 
 _log = logging.getLogger("warply.router")
+_T = TypeVar("_T")
+WATCH_S = 0.25
+"""How often a leg waiting on a prefill worker checks that worker's health."""
 PATHS = {"chat": "/v1/chat/completions", "completion": "/v1/completions"}
 _SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
 
@@ -120,6 +128,31 @@ def _error_event(status: int, message: str) -> bytes:
     return b"data: " + msgspec.json.encode(body) + b"\n\ndata: [DONE]\n\n"
 
 
+class _PrefillLost(Exception):
+    """The prefill worker went down before the leg it serves got its answer."""
+
+
+async def _unless_down(coro: Awaitable[_T], worker: Worker, started: asyncio.Event | None) -> _T:
+    """Await `coro`; cancel it and raise `_PrefillLost` if `worker` turns unhealthy before
+    `started` is set (None: before `coro` ends). The health probe and refused connections
+    mark workers unhealthy (`router.workers`)."""
+    task = asyncio.ensure_future(coro)
+    try:
+        while True:
+            done, _ = await asyncio.wait({task}, timeout=WATCH_S)
+            if done:
+                return task.result()
+            if not worker.healthy and (started is None or not started.is_set()):
+                task.cancel()
+                await asyncio.wait({task})
+                if task.cancelled():
+                    raise _PrefillLost
+                return task.result()
+    finally:
+        if not task.done():  # the client went away: so does the upstream request
+            task.cancel()
+
+
 class Dispatcher:
     """Sends placed requests upstream over one pooled client session."""
 
@@ -128,6 +161,26 @@ class Dispatcher:
     ) -> None:
         self._session = session
         self._prefill_timeout = aiohttp.ClientTimeout(total=prefill_timeout_s, sock_connect=5)
+
+    @contextlib.asynccontextmanager
+    async def _post(self, url: str, **kw: Any) -> AsyncIterator[aiohttp.ClientResponse]:
+        """POST and yield the response once its headers arrived. A pooled connection the
+        engine closed meanwhile (its keep-alive ran out: the body cannot be written, or the
+        server disconnects before answering) is retried once on a new connection; a refused
+        connection is not (`ClientConnectorError`: the caller tries another worker)."""
+        for attempt in (0, 1):
+            try:
+                resp = await self._session().post(url, **kw)
+                break
+            except aiohttp.ClientConnectorError:
+                raise
+            except (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError):
+                if attempt:
+                    raise
+        try:
+            yield resp
+        finally:
+            resp.release()
 
     async def send(
         self,
@@ -168,26 +221,32 @@ class Dispatcher:
         assert leg is not None
         started = account.elapsed()
         url = leg.worker.config.url + PATHS[kind]
-        reason = ""
-        try:
-            async with self._session().post(
+
+        async def exchange() -> tuple[int, bytes]:
+            async with self._post(
                 url, json=prefill_body(prep.body), headers=headers, timeout=self._prefill_timeout
             ) as up:
                 await self._settle(prep, account)
-                raw = await up.read()
-                if up.status != 200:
-                    reason = f"status_{up.status}"
-                else:
-                    parsed = msgspec.json.decode(raw)
-                    params = parsed.get("kv_transfer_params") if isinstance(parsed, dict) else None
-                    if isinstance(params, dict):
-                        usage = parsed.get("usage")
-                        account.prefill_answered(usage, started)
-                        return decode_params(params, usage)
-                    reason = "no_kv_transfer_params"
+                return up.status, await up.read()
+
+        reason = ""
+        try:
+            status, raw = await _unless_down(exchange(), leg.worker, None)
+            if status != 200:
+                reason = f"status_{status}"
+            else:
+                parsed = msgspec.json.decode(raw)
+                params = parsed.get("kv_transfer_params") if isinstance(parsed, dict) else None
+                if isinstance(params, dict):
+                    usage = parsed.get("usage")
+                    account.prefill_answered(usage, started)
+                    return decode_params(params, usage)
+                reason = "no_kv_transfer_params"
         except aiohttp.ClientConnectorError:
             leg.worker.set_health(False)  # the health loop brings it back
             reason = "connect"
+        except _PrefillLost:
+            reason = "worker_down"
         except TimeoutError:
             reason = "timeout"
         except (aiohttp.ClientError, msgspec.DecodeError):
@@ -210,21 +269,32 @@ class Dispatcher:
         headers: Mapping[str, str],
         params: dict[str, Any] | None,
     ) -> Answer:
-        """The request to the answering worker, relayed to the client."""
+        """The request to the answering worker, relayed to the client. A hand-off's decode leg
+        is abandoned if its prefill worker goes down before the first event (stream) or the
+        answer (JSON): a decode engine pulling KV from a dead engine can stall (vLLM 0.32's
+        NixlConnector on CPU waits as long as the request lives); it is then asked again, to
+        prefill locally."""
         worker = decision.worker
         body = prep.body if params is None else {**prep.body, "kv_transfer_params": params}
         account.answer_sent()
+        started = asyncio.Event()
+        relay = self._relay(request, kind, prep, decision, account, headers, body, started)
         try:
-            async with self._session().post(
-                worker.config.url + PATHS[kind], json=body, headers=headers
-            ) as up:
-                await self._settle(prep, account)
-                if prep.stream and up.status == 200:
-                    return await self._stream(request, up, prep, decision, account)
-                resp, usage = await self._whole(up)
-                resp.headers.update(placed_headers(decision))
-                account.usage(usage)
-                return Answer(resp, resp.status)
+            if params is None or decision.prefill is None:
+                return await relay
+            prefill = decision.prefill.worker
+            try:
+                return await _unless_down(relay, prefill, started)
+            except _PrefillLost:
+                _log.warning(
+                    "prefill worker %s went down before %s answered; %s prefills locally",
+                    prefill.name, worker.name, worker.name,
+                )
+                account.prefill_failed("lost_before_decode")
+                assert account.decision is not None
+                return await self._answer(
+                    request, kind, prep, account.decision, account, headers, None
+                )
         except aiohttp.ClientConnectorError:
             worker.set_health(False)  # the health loop brings it back
             raise Retry(worker.name) from None
@@ -232,6 +302,29 @@ class Dispatcher:
             raise ApiError(502, f"upstream {worker.name} failed: {exc}") from None
         except TimeoutError:
             raise ApiError(504, f"upstream {worker.name} timed out") from None
+
+    async def _relay(
+        self,
+        request: web.Request,
+        kind: str,
+        prep: Prepared,
+        decision: Decision,
+        account: RequestAccount,
+        headers: Mapping[str, str],
+        body: dict[str, Any],
+        started: asyncio.Event,
+    ) -> Answer:
+        async with self._post(
+            decision.worker.config.url + PATHS[kind], json=body, headers=headers
+        ) as up:
+            await self._settle(prep, account)
+            if prep.stream and up.status == 200:
+                return await self._stream(request, up, prep, decision, account, started)
+            resp, usage = await self._whole(up)
+            started.set()
+            resp.headers.update(placed_headers(decision))
+            account.usage(usage)
+            return Answer(resp, resp.status)
 
     @staticmethod
     async def _whole(
@@ -257,14 +350,15 @@ class Dispatcher:
         prep: Prepared,
         decision: Decision,
         account: RequestAccount,
+        started: asyncio.Event,
     ) -> Answer:
         """Relay SSE events; read (and maybe hide) the final usage chunk; time the first one.
-        An upstream failure after the stream started ends it with an error event."""
+        The client's response starts with the first event (until then a failure is still an
+        HTTP error, or a hand-off can still be retried locally); an upstream failure after
+        that ends the stream with an error event."""
         resp = web.StreamResponse(headers=_SSE_HEADERS)
         resp.headers.update(placed_headers(decision))
-        await resp.prepare(request)
         usage: dict[str, Any] | None = None
-        first = True
         buf = b""
         status = 200
         try:
@@ -272,9 +366,10 @@ class Dispatcher:
                 buf += chunk
                 while b"\n\n" in buf:
                     event, buf = buf.split(b"\n\n", 1)
-                    if first:
+                    if not started.is_set():
+                        started.set()
                         account.first_event()
-                        first = False
+                        await resp.prepare(request)
                     if b'"usage"' in event and event.startswith(b"data: {"):
                         parsed = msgspec.json.decode(event[6:])
                         if isinstance(parsed.get("usage"), dict):
@@ -284,9 +379,14 @@ class Dispatcher:
                     elif event.startswith(b"data: {"):
                         account.generated(1)
                     await resp.write(event + b"\n\n")
+            if not started.is_set():
+                started.set()
+                await resp.prepare(request)
             if buf.strip():
                 await resp.write(buf)
         except (aiohttp.ClientError, TimeoutError) as exc:
+            if not resp.prepared:
+                raise  # nothing sent yet: an HTTP error (or a retry)
             timed_out = isinstance(exc, TimeoutError)
             status = 504 if timed_out else 502
             what = "timed out" if timed_out else f"failed: {exc}"

@@ -98,7 +98,9 @@ class Proxy:
         """The pooled upstream client (created on first use, inside the event loop)."""
         if self._session is None:
             self._session = aiohttp.ClientSession(
-                connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=60),
+                # idle connections are dropped before the engines drop them (vLLM's uvicorn:
+                # VLLM_HTTP_TIMEOUT_KEEP_ALIVE, 5 s), so few requests meet a closing one
+                connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=4),
                 timeout=self._timeout,
             )
         return self._session

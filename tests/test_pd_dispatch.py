@@ -48,7 +48,8 @@ class PdEngine:
     cached_tokens: int = 0
     behaviour: str = "ok"
     """ok | down (refuses connections) | status500 | hang | drop (closes the connection) |
-    no_params (answers a prefill without kv_transfer_params) | die_midstream"""
+    no_params (answers a prefill without kv_transfer_params) | die_midstream |
+    hang_on_pull (a decode engine whose KV never arrives: hangs on kv_transfer_params)"""
     params: dict[str, Any] = field(default_factory=lambda: dict(PARAMS))
     bodies: list[dict[str, Any]] = field(default_factory=list)
     metrics_text: str = ""
@@ -82,7 +83,8 @@ class PdEngine:
         prefill = bool((body.get("kv_transfer_params") or {}).get("do_remote_decode"))
         if self.behaviour == "status500":
             return web.json_response({"error": {"message": "boom"}}, status=500)
-        if self.behaviour == "hang":
+        pulls = "kv_transfer_params" in body
+        if self.behaviour == "hang" or (self.behaviour == "hang_on_pull" and pulls):
             await asyncio.sleep(3600)
         if self.behaviour == "drop":
             assert request.transport is not None
@@ -296,6 +298,41 @@ def test_decode_failure_is_an_openai_error(tokenizer_dir: Path, behaviour: str) 
                 assert (w.load.in_flight, w.load.pending_prefill_tokens) == (0, 0)
 
     _run(scenario())
+
+
+def test_a_prefill_worker_going_down_releases_its_legs(tokenizer_dir: Path) -> None:  # noqa: F811
+    """A prefill worker marked unhealthy (its probe failed) while a prefill leg waits on it, or
+    before the decode leg pulling its KV answers: each falls back to a local prefill on decode,
+    long before any timeout."""
+
+    async def scenario() -> None:
+        p, d = PdEngine("p", behaviour="hang"), PdEngine("d", behaviour="hang_on_pull")
+        pd = {"local_prefill_tokens": 0, "prefill_timeout_s": 300}
+        async with pd_router(tokenizer_dir, [p], [d], pd=pd) as (router, session, base):
+
+            async def down_soon() -> None:
+                await asyncio.sleep(0.3)
+                router.workers["p"].set_health(False)
+
+            for stream in (False, True):
+                router.workers["p"].set_health(True)
+                p.behaviour = "hang" if not stream else "ok"  # stream: the decode leg hangs
+                body = {"prompt": PROMPT, "stream": stream}
+                down = asyncio.ensure_future(down_soon())
+                async with session.post(base + "/v1/completions", json=body) as r:
+                    status, headers, text = r.status, r.headers, await r.text()
+                await down
+                assert status == 200 and headers["X-Warply-Mode"] == "local:prefill_failed"
+                assert ("data: [DONE]" in text) == stream
+                assert "kv_transfer_params" not in d.bodies[-1]
+            assert "kv_transfer_params" in d.bodies[-2], "the abandoned decode leg"
+            stats = await _stats(router)
+            assert stats.pd is not None
+            assert stats.pd.prefill_failures == {"worker_down": 1, "lost_before_decode": 1}
+            for w in router.workers.values():
+                assert (w.load.in_flight, w.load.pending_prefill_tokens) == (0, 0)
+
+    _run(scenario(), timeout_s=20)
 
 
 def test_a_refused_decode_is_retried_on_another_decode_worker(tokenizer_dir: Path) -> None:  # noqa: F811
