@@ -221,7 +221,8 @@ def test_second_turn_hits_prefill_and_moves_fewer_bytes(pd: dict[str, Any]) -> N
     url, prefill, decode, tok = pd["url"], pd["p"], pd["d"], pd["tok"]
     messages = [{"role": "system", "content": _text(1, 400)},
                 {"role": "user", "content": "What does the cache hold?"}]  # fmt: skip
-    before_hits = _stats(url)["workers"]["p"]["engine_prefix_hits"]
+    before = _stats(url)["workers"]
+    before_hits = before["p"]["engine_prefix_hits"]
     bytes0 = decode.metric(NIXL_BYTES)
     out1, h1 = _chat(url, messages)
     bytes1 = _nixl_bytes(decode, bytes0)
@@ -245,8 +246,14 @@ def test_second_turn_hits_prefill_and_moves_fewer_bytes(pd: dict[str, Any]) -> N
     assert int(h2["X-Warply-Predicted-Cached"]) == cached
     # ...its PrefixHit on the state stream, and the decode side's reuse in the router's stats
     _wait(lambda: _stats(url)["workers"]["p"]["engine_prefix_hits"] > before_hits, 10)
+    held = (prompt1 // BLOCK - 1) * BLOCK
+    _wait(
+        lambda: _stats(url)["workers"]["d"]["engine_prefix_hit_tokens"]
+        - before["d"]["engine_prefix_hit_tokens"] >= held,
+        10,
+    )  # the decode engine reused what it held (its PrefixHit): those blocks did not cross
     stats = _stats(url)
-    assert stats["workers"]["d"]["handoff_held_tokens"] >= (prompt1 // BLOCK - 1) * BLOCK
+    assert stats["workers"]["d"]["handoff_held_tokens"] >= held
     assert stats["roles"]["prefill"]["engine_cached_tokens"] >= cached
     _wait(lambda: _stats(url)["pd"]["transfers"].get("d", {}).get("bytes", 0) >= bytes2, 10)
     pd["conversation"] = messages + [
