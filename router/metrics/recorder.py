@@ -103,8 +103,8 @@ class RouterMetrics:
             self._computed(d.worker, prompt, d.predicted_cached, rec.cached)
         if rec.prefill_failure:
             s.prefill_failures.labels(rec.prefill_failure).inc()
+        self.stats.decided(d.mode, d.local_reason, rec.prefill_failure)
         if d.worker.role == "decode":
-            self.stats.decided(d.mode, d.local_reason, rec.prefill_failure)
             self.stats.phases(rec)
             for phase, value in (
                 ("queue", rec.overhead_s),

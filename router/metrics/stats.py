@@ -143,7 +143,7 @@ class Stats:
         w.handoff_held_tokens += held
 
     def decided(self, mode: str, reason: str, failure: str) -> None:
-        """A request placed on a decode worker: handed off, or prefilled there (and why)."""
+        """How a request was served: aggregated, handed off, or prefilled on decode (why)."""
         self.decisions[f"{mode}:{reason}" if mode == "local" else mode] += 1
         if failure:
             self.prefill_failures[failure] += 1
