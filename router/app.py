@@ -59,6 +59,7 @@ class Router:
             config.request_timeout_s,
             config.lora_adapters,
             config.pd.prefill_timeout_s,
+            config.pd.lost_after_s,
         )
         self.proxy.max_model_len = config.max_model_len
         self._health_task: asyncio.Task[None] | None = None

@@ -101,6 +101,10 @@ class PdConfig(_Strict):
     docs/router.md (local prefill vs the P/D round trip on vLLM CPU engines)."""
     prefill_timeout_s: float = Field(60.0, gt=0)
     """Longest wait for a prefill worker's answer; past it the decode worker prefills locally."""
+    lost_after_s: float = Field(10.0, ge=0)
+    """A prefill worker failing its health probe this long (or refusing connections at all) is
+    lost: legs waiting on it (its prefill, or a decode pulling its KV) turn into local prefills
+    on decode. Not 0: on a busy machine a live engine's probe can time out once."""
 
 
 class RouterConfig(_Strict):

@@ -18,14 +18,14 @@ NixlConnector:
    leaves it out): the tokens no engine computed, which is what a client bills on.
 
 Failures never leave a client waiting: a prefill leg that cannot connect, fails, times out
-(`pd.prefill_timeout_s`), answers an error or no `kv_transfer_params`, or whose worker turns
-unhealthy meanwhile, falls back to a local prefill on the decode worker (the client's body
-unchanged). So does a decode leg whose prefill worker turns unhealthy before the decode worker's
-first event (stream) or answer (JSON): its KV may never arrive, and a decode engine pulling from
-a dead one can stall. A refused connection (nothing was sent) raises `Retry`: the proxy places
-the request again without that worker. Any other upstream failure is an OpenAI-shaped error:
-502 / 504, or, once a stream has started, a final `data: {"error": ...}` event and
-`data: [DONE]`.
+(`pd.prefill_timeout_s`), answers an error or no `kv_transfer_params`, or whose worker is lost
+meanwhile (refusing connections, or failing its health probe for `pd.lost_after_s`), falls back
+to a local prefill on the decode worker (the client's body unchanged). So does a decode leg
+whose prefill worker is lost before the decode worker's first event (stream) or answer (JSON):
+its KV may never arrive, and a decode engine pulling from a dead one can stall. A refused
+connection (nothing was sent) raises `Retry`: the proxy places the request again without that
+worker. Any other upstream failure is an OpenAI-shaped error: 502 / 504, or, once a stream has
+started, a final `data: {"error": ...}` event and `data: [DONE]`.
 """
 
 from __future__ import annotations
@@ -132,17 +132,19 @@ class _PrefillLost(Exception):
     """The prefill worker went down before the leg it serves got its answer."""
 
 
-async def _unless_down(coro: Awaitable[_T], worker: Worker, started: asyncio.Event | None) -> _T:
-    """Await `coro`; cancel it and raise `_PrefillLost` if `worker` turns unhealthy before
-    `started` is set (None: before `coro` ends). The health probe and refused connections
-    mark workers unhealthy (`router.workers`)."""
+async def _unless_lost(
+    coro: Awaitable[_T], worker: Worker, grace_s: float, started: asyncio.Event | None
+) -> _T:
+    """Await `coro`; cancel it and raise `_PrefillLost` if `worker` is lost (`Worker.lost`:
+    refusing connections, or unhealthy for `grace_s`) before `started` is set (None: before
+    `coro` ends). The health probe and refused connections mark workers unhealthy."""
     task = asyncio.ensure_future(coro)
     try:
         while True:
             done, _ = await asyncio.wait({task}, timeout=WATCH_S)
             if done:
                 return task.result()
-            if not worker.healthy and (started is None or not started.is_set()):
+            if worker.lost(grace_s) and (started is None or not started.is_set()):
                 task.cancel()
                 await asyncio.wait({task})
                 if task.cancelled():
@@ -157,10 +159,14 @@ class Dispatcher:
     """Sends placed requests upstream over one pooled client session."""
 
     def __init__(
-        self, session: Callable[[], aiohttp.ClientSession], prefill_timeout_s: float
+        self,
+        session: Callable[[], aiohttp.ClientSession],
+        prefill_timeout_s: float,
+        lost_after_s: float,
     ) -> None:
         self._session = session
         self._prefill_timeout = aiohttp.ClientTimeout(total=prefill_timeout_s, sock_connect=5)
+        self._lost_after_s = lost_after_s
 
     @contextlib.asynccontextmanager
     async def _post(self, url: str, **kw: Any) -> AsyncIterator[aiohttp.ClientResponse]:
@@ -231,7 +237,7 @@ class Dispatcher:
 
         reason = ""
         try:
-            status, raw = await _unless_down(exchange(), leg.worker, None)
+            status, raw = await _unless_lost(exchange(), leg.worker, self._lost_after_s, None)
             if status != 200:
                 reason = f"status_{status}"
             else:
@@ -243,7 +249,7 @@ class Dispatcher:
                     return decode_params(params, usage)
                 reason = "no_kv_transfer_params"
         except aiohttp.ClientConnectorError:
-            leg.worker.set_health(False)  # the health loop brings it back
+            leg.worker.set_health(False, refused=True)  # the health loop brings it back
             reason = "connect"
         except _PrefillLost:
             reason = "worker_down"
@@ -270,7 +276,7 @@ class Dispatcher:
         params: dict[str, Any] | None,
     ) -> Answer:
         """The request to the answering worker, relayed to the client. A hand-off's decode leg
-        is abandoned if its prefill worker goes down before the first event (stream) or the
+        is abandoned if its prefill worker is lost before the first event (stream) or the
         answer (JSON): a decode engine pulling KV from a dead engine can stall (vLLM 0.32's
         NixlConnector on CPU waits as long as the request lives); it is then asked again, to
         prefill locally."""
@@ -284,7 +290,7 @@ class Dispatcher:
                 return await relay
             prefill = decision.prefill.worker
             try:
-                return await _unless_down(relay, prefill, started)
+                return await _unless_lost(relay, prefill, self._lost_after_s, started)
             except _PrefillLost:
                 _log.warning(
                     "prefill worker %s went down before %s answered; %s prefills locally",
@@ -296,7 +302,7 @@ class Dispatcher:
                     request, kind, prep, account.decision, account, headers, None
                 )
         except aiohttp.ClientConnectorError:
-            worker.set_health(False)  # the health loop brings it back
+            worker.set_health(False, refused=True)  # the health loop brings it back
             raise Retry(worker.name) from None
         except aiohttp.ClientError as exc:
             raise ApiError(502, f"upstream {worker.name} failed: {exc}") from None

@@ -78,6 +78,7 @@ class Proxy:
         timeout_s: float,
         adapters: Collection[str] = (),
         prefill_timeout_s: float = 60.0,
+        lost_after_s: float = 10.0,
     ) -> None:
         self.model = model
         self._served = {model, *adapters}
@@ -88,7 +89,7 @@ class Proxy:
         self._metrics = metrics
         self._timeout = aiohttp.ClientTimeout(total=timeout_s, sock_connect=5)
         self._session: aiohttp.ClientSession | None = None
-        self._dispatch = Dispatcher(lambda: self.session, prefill_timeout_s)
+        self._dispatch = Dispatcher(lambda: self.session, prefill_timeout_s, lost_after_s)
         # One thread: the chunk cache is not shared between threads, and a cold 8k-token prompt
         # (10-30 ms in `tokenizers`, which releases the GIL) must not stall the event loop.
         self._tokenize_pool = ThreadPoolExecutor(1, thread_name_prefix="warply-tokenize")

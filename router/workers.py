@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 
@@ -75,6 +76,10 @@ class Worker:
     """What placement may send it: its pool's role (`prefill`, `decode` or `both`)."""
     snapshot: LoadSnapshot | None = None
     """The engine's last load snapshot (its own queues and KV capacity)."""
+    unhealthy_since: float | None = None
+    """`time.monotonic()` when it last turned unhealthy (None while healthy)."""
+    refused: bool = False
+    """Its last failure was a refused connection."""
 
     @property
     def name(self) -> str:
@@ -84,10 +89,22 @@ class Worker:
     def available(self) -> bool:
         return self.healthy and self.enabled
 
-    def set_health(self, healthy: bool) -> None:
+    def set_health(self, healthy: bool, refused: bool = False) -> None:
+        """The last probe or request succeeded, or failed (`refused`: nothing listens on the
+        worker's port, as after a crash; otherwise it was slow, hung or answered an error)."""
         if healthy != self.healthy:
             _log.info("worker %s is %s", self.name, "healthy" if healthy else "unhealthy")
+            self.unhealthy_since = None if healthy else time.monotonic()
         self.healthy = healthy
+        self.refused = refused and not healthy
+
+    def lost(self, grace_s: float) -> bool:
+        """Down for sure: refusing connections, or unhealthy for `grace_s` (a slow probe on a
+        busy machine marks a live worker unhealthy for a moment)."""
+        if self.healthy:
+            return False
+        since = self.unhealthy_since
+        return self.refused or (since is not None and time.monotonic() - since >= grace_s)
 
     def book(self, prompt_tokens: int, prefill_tokens: int) -> Booking:
         """Count a request as in flight here, its uncached prompt as queued prefill."""
@@ -165,11 +182,14 @@ class Workers(Mapping[str, Worker]):
 
     @staticmethod
     async def _probe(session: aiohttp.ClientSession, worker: Worker) -> None:
+        refused = False
         try:
             async with session.get(
                 worker.config.url + "/health", timeout=_HEALTH_TIMEOUT
             ) as resp:
                 healthy = resp.status == 200
+        except aiohttp.ClientConnectorError:  # nothing listens there
+            healthy, refused = False, True
         except (aiohttp.ClientError, TimeoutError):
             healthy = False
-        worker.set_health(healthy)
+        worker.set_health(healthy, refused)

@@ -301,13 +301,13 @@ def test_decode_failure_is_an_openai_error(tokenizer_dir: Path, behaviour: str) 
 
 
 def test_a_prefill_worker_going_down_releases_its_legs(tokenizer_dir: Path) -> None:  # noqa: F811
-    """A prefill worker marked unhealthy (its probe failed) while a prefill leg waits on it, or
-    before the decode leg pulling its KV answers: each falls back to a local prefill on decode,
-    long before any timeout."""
+    """A prefill worker unhealthy for `pd.lost_after_s` (its probe failed) while a prefill leg
+    waits on it, or before the decode leg pulling its KV answers: each falls back to a local
+    prefill on decode, long before any timeout."""
 
     async def scenario() -> None:
         p, d = PdEngine("p", behaviour="hang"), PdEngine("d", behaviour="hang_on_pull")
-        pd = {"local_prefill_tokens": 0, "prefill_timeout_s": 300}
+        pd = {"local_prefill_tokens": 0, "prefill_timeout_s": 300, "lost_after_s": 0.5}
         async with pd_router(tokenizer_dir, [p], [d], pd=pd) as (router, session, base):
 
             async def down_soon() -> None:

@@ -151,3 +151,15 @@ def test_aggregated_workers_beside_a_pd_pair() -> None:
     assert (d.mode, d.worker.name) == ("remote", "d0")
     workers["d0"].enabled = workers["d1"].enabled = False
     assert completed(placement.choose(PD_TOKENS)).worker.name == "a"
+
+
+def test_a_worker_is_lost_when_it_refuses_or_stays_unhealthy() -> None:
+    _, _, workers = _placement()
+    a = workers["a"]
+    assert not a.lost(0)
+    a.set_health(False)  # a probe timed out: maybe only a busy machine
+    assert a.lost(0) and not a.lost(60)
+    a.set_health(False, refused=True)  # nothing listens on its port: gone
+    assert a.lost(60)
+    a.set_health(True)
+    assert not a.lost(0) and a.unhealthy_since is None and not a.refused

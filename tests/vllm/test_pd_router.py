@@ -13,8 +13,9 @@ path spins a core: times are noise on 2 cores):
     PrefixHit events) and the decode engine pulls fewer NIXL bytes than for the first turn;
   * a short follow-up is prefilled on the decode engine (below `pd.local_prefill_tokens`):
     nothing reaches the prefill engine, nothing crosses NIXL;
-  * with the prefill engine killed mid-run, every request ends within its bound with the
-    reference answer (local prefill on decode) or an OpenAI-shaped error.
+  * a prefill engine that stops answering with a prefill in flight, or dies with KV not yet
+    pulled: every request ends well within its bound with the reference answer (the decode
+    engine prefills locally).
 
 Skips when `nixl` is not importable. ~2.5 min on 2 cores.
 """
@@ -95,7 +96,7 @@ def pd(tiny_model: str, server_logs: Path) -> Iterator[dict[str, Any]]:
         "port": port,
         "health_interval_s": 0.5,
         "request_timeout_s": REQUEST_TIMEOUT_S,
-        "pd": {"local_prefill_tokens": THRESHOLD, "prefill_timeout_s": 30},
+        "pd": {"local_prefill_tokens": THRESHOLD, "prefill_timeout_s": 30, "lost_after_s": 5},
         "pools": [
             {"name": "prefill", "role": "prefill", "block_size": BLOCK, "workers": [workers["p"]]},
             {"name": "decode", "role": "decode", "block_size": BLOCK, "workers": [workers["d"]]},
@@ -286,12 +287,11 @@ def _workers(url: str) -> dict[str, dict[str, Any]]:
 
 
 def test_killing_the_prefill_engine_never_hangs(pd: dict[str, Any]) -> None:
-    """The prefill engine dies (SIGKILL) with one request whose KV it computed still waiting for
-    the decode engine to pull it, and one request in its own prefill; afterwards one more
-    request. Each ends well within its bound with the reference answer (the decode engine
-    prefills locally). The decode engine is paused (SIGSTOP) while the prefill engine dies, so
-    the first request's KV cannot have been pulled yet; the prefill engine is paused before it
-    dies, so the second request is inside its prefill."""
+    """The prefill engine stops answering (SIGSTOP) with a request inside its prefill; then,
+    running again, it dies (SIGKILL) with the KV of another request computed but not yet
+    pulled (the decode engine is paused meanwhile, so the pull cannot have happened); then one
+    more request. Each ends well within its bound with the reference answer (the decode engine
+    prefills locally, or pulled the KV after all)."""
     url, prefill, decode = pd["url"], pd["p"], pd["d"]
     results: dict[int, tuple[int, Any, str, float]] = {}
 
@@ -310,24 +310,34 @@ def test_killing_the_prefill_engine_never_hangs(pd: dict[str, Any]) -> None:
             status, out, mode = -1, repr(exc), ""
         results[n] = (status, (out, messages), mode, time.monotonic() - t0)
 
+    def healthy(name: str) -> bool:
+        return bool(_workers(url)[name]["healthy"])
+
+    # a prefill in flight on an engine that stopped answering (its probe times out)
+    os.killpg(prefill.pid, signal.SIGSTOP)
+    try:
+        in_prefill = threading.Thread(target=one, args=(2,))
+        in_prefill.start()
+        in_prefill.join(REQUEST_TIMEOUT_S + 10)
+    finally:
+        os.killpg(prefill.pid, signal.SIGCONT)
+    _wait(lambda: healthy("p"), 30)
+    # KV computed on the prefill engine, which dies before the decode engine pulls it
     served = prefill.metric("vllm:request_success_total")
     os.killpg(decode.pid, signal.SIGSTOP)
     try:
-        first = threading.Thread(target=one, args=(1,))
-        first.start()
+        waiting = threading.Thread(target=one, args=(1,))
+        waiting.start()
         _wait(lambda: prefill.metric("vllm:request_success_total") > served, 30)
-        os.killpg(prefill.pid, signal.SIGSTOP)
-        second = threading.Thread(target=one, args=(2,))
-        second.start()
-        _wait(lambda: not _workers(url)["p"]["healthy"], 30)  # its probe timed out
         os.killpg(prefill.pid, signal.SIGKILL)
+        _wait(lambda: not healthy("p"), 30)
     finally:
         os.killpg(decode.pid, signal.SIGCONT)
-    first.join(REQUEST_TIMEOUT_S + 10)
-    second.join(REQUEST_TIMEOUT_S + 10)
-    _wait(lambda: _workers(url)["d"]["healthy"], 30)  # its probe failed while it was paused
+    waiting.join(REQUEST_TIMEOUT_S + 10)
+    _wait(lambda: healthy("d"), 30)  # its probe failed while it was paused
     one(3)
-    print("\nafter the kill:", {n: (s, m, round(t, 1)) for n, (s, _, m, t) in results.items()})
+    print("\nprefill engine stopped / killed:",
+          {n: (s, m, round(t, 1)) for n, (s, _, m, t) in sorted(results.items())})  # fmt: skip
     for n, (status, (out, messages), mode, seconds) in sorted(results.items()):
         assert status == 200, f"request {n}: {status} after {seconds:.0f}s: {out}"
         if n == 2:
@@ -338,8 +348,12 @@ def test_killing_the_prefill_engine_never_hangs(pd: dict[str, Any]) -> None:
             text = out["choices"][0]["message"]["content"]
         assert text == _reference(decode, messages), (n, mode)
         assert seconds < 60, (n, seconds)
-    assert [results[n][2] for n in (1, 2, 3)] == [
-        "local:prefill_failed", "local:prefill_failed", "local:no_prefill_worker"
-    ]
+    # Request 1: the router abandons the decode leg once the prefill worker refuses connections
+    # (local prefill), unless the decode engine already read the KV: on one host NIXL's UCX
+    # can still read a dead process's registered memory, and the answer is the same.
+    assert results[1][2] in ("local:prefill_failed", "remote"), results[1][2]
+    assert (results[2][2], results[3][2]) == ("local:prefill_failed", "local:no_prefill_worker")
     failures = _stats(url)["pd"]["prefill_failures"]
-    assert failures.get("lost_before_decode") == 1 and failures.get("worker_down") == 1, failures
+    lost = 1 if results[1][2] != "remote" else 0
+    assert failures.get("worker_down") == 1, failures
+    assert failures.get("lost_before_decode", 0) == lost, failures
