@@ -197,14 +197,14 @@ class Router:
         return web.json_response(body, status=status)
 
     async def _metrics(self, _: web.Request) -> web.Response:
-        body = self.metrics.render(await self.index.stats())
+        body = self.metrics.render(await self.index.stats(), self.placement.strategy_state())
         return web.Response(body=body, content_type="text/plain", charset="utf-8")
 
     # -- admin API -------------------------------------------------------------------------------
 
     async def cache_stats(self) -> CacheStats:
         """What `/warply/cache_stats` serves."""
-        return self.metrics.cache_stats(await self.index.stats())
+        return self.metrics.cache_stats(await self.index.stats(), self.placement.strategy_state())
 
     def worker_list(self) -> WorkerList:
         """What `/warply/workers` serves."""

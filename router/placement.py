@@ -23,6 +23,7 @@ from router.index import PrefixIndex, WorkerMatch
 from router.strategies import NoCandidate, RequestView, Strategy, make_strategy
 from router.workers import Worker, Workers
 from warply.protocol import prefix_keys
+from warply.protocol.api import StrategyState
 
 Mode = Literal["aggregated", "remote", "local"]
 """How a request is served: by a `both` worker alone; prefilled on a prefill worker and decoded
@@ -87,6 +88,7 @@ def predicted_cached(matched_blocks: int, prompt_tokens: int, block_size: int) -
 
 @dataclass(frozen=True, slots=True)
 class _Pool:
+    name: str
     block_size: int
     workers: list[Worker]
     strategy: Strategy
@@ -108,8 +110,15 @@ class Placement:
         self._prefill: list[_Pool] = []
         for pool in workers.pools:
             strategy = make_strategy(pool.config.strategy or config.strategy)
-            entry = _Pool(pool.config.block_size, pool.workers, strategy)
+            entry = _Pool(pool.config.name, pool.config.block_size, pool.workers, strategy)
             (self._prefill if pool.role == "prefill" else self._answer).append(entry)
+
+    def strategy_state(self) -> dict[str, StrategyState]:
+        """Per pool, what its strategy measures of itself (for metrics)."""
+        return {
+            pool.name: StrategyState(pool.strategy.gauges(), pool.strategy.worker_gauges())
+            for pool in (*self._answer, *self._prefill)
+        }
 
     async def choose(
         self,

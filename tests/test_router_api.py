@@ -332,6 +332,30 @@ def test_lora_adapters_are_served_and_keyed_apart(tokenizer_dir: Path) -> None:
     _run(scenario())
 
 
+def test_the_strategys_own_state_is_exported(tokenizer_dir: Path) -> None:
+    async def scenario() -> None:
+        async with running(tokenizer_dir, [FakeEngine("a"), FakeEngine("b")]) as (
+            router,
+            call,
+            _s,
+            _b,
+        ):
+            assert router.config.strategy.name == "adaptive"  # the default
+            for i in range(5):
+                status, _ = await call("POST", "/v1/completions", {"prompt": f"question {i}"})
+                assert status == 200
+            stats = await router.cache_stats()
+            state = stats.strategy_state["p"]
+            assert state.gauges["placements"] == 5
+            assert 0 <= state.gauges["eviction_loss"] <= 1
+            assert set(state.workers["routed_share"]) <= {"a", "b"}
+            status, text = await call("GET", "/metrics")
+            assert 'warply_strategy_state{name="placements",pool="p"} 5.0' in text
+            assert "warply_strategy_worker_state{" in text
+
+    _run(scenario())
+
+
 def _document(seed: int, lines: int) -> str:
     words = "the cache holds a prefix of tokens".split()
     rng = random.Random(seed)

@@ -8,6 +8,7 @@ index of their own.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 from router.config import RouterConfig
@@ -18,7 +19,7 @@ from router.metrics.stats import Stats, bytes_by_pool_tier, index_view
 from router.placement import Decision
 from router.token_cache import ChunkStats
 from router.workers import Worker, Workers
-from warply.protocol.api import CacheStats, KvTransferStats
+from warply.protocol.api import CacheStats, KvTransferStats, StrategyState
 
 
 @dataclass(slots=True)
@@ -160,7 +161,7 @@ class RouterMetrics:
 
     # -- reading ---------------------------------------------------------------------------------
 
-    def render(self, index: IndexStats) -> bytes:
+    def render(self, index: IndexStats, strategies: Mapping[str, StrategyState]) -> bytes:
         """Prometheus text exposition of the router's registry."""
         by_pool_tier = bytes_by_pool_tier(index, self._workers)
         self.series.refresh(
@@ -170,10 +171,15 @@ class RouterMetrics:
             self._tokenizer_cache,
             self.alert,
             self.stats.transfers,
+            strategies,
         )
         return self.series.render()
 
-    def cache_stats(self, index: IndexStats, top: int = 20) -> CacheStats:
+    def cache_stats(
+        self, index: IndexStats, strategies: Mapping[str, StrategyState], top: int = 20
+    ) -> CacheStats:
         """The JSON view: hit rates, bytes, evictions, per-worker numbers, affinity, latencies."""
         view = index_view(index, bytes_by_pool_tier(index, self._workers), self._workers)
-        return self.stats.build(view, self._tokenizer_cache, self.alert, top)
+        stats = self.stats.build(view, self._tokenizer_cache, self.alert, top)
+        stats.strategy_state = dict(strategies)
+        return stats

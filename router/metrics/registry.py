@@ -17,7 +17,7 @@ from router.index import IndexStats
 from router.metrics.alerts import HitAlert
 from router.token_cache import ChunkStats
 from router.workers import Worker
-from warply.protocol.api import KvTransferStats
+from warply.protocol.api import KvTransferStats, StrategyState
 
 _OVERHEAD_BUCKETS = (5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 0.1)
 _TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
@@ -169,6 +169,19 @@ class Series:
         self.tok_bytes = Gauge(
             "warply_router_tokenizer_cache_bytes", "Bytes held by the tokenizer cache", registry=r
         )
+        self.strategy_state = Gauge(
+            "warply_strategy_state",
+            "A pool's strategy as it measures itself (adaptive: eviction_loss, queue_depth, "
+            "duplicate_price, spills, ...)",
+            ["pool", "name"],
+            registry=r,
+        )
+        self.strategy_worker_state = Gauge(
+            "warply_strategy_worker_state",
+            "A pool's strategy's per-worker state (adaptive: routed_share, 1 = fair share)",
+            ["pool", "worker", "name"],
+            registry=r,
+        )
 
     def refresh(
         self,
@@ -178,8 +191,15 @@ class Series:
         tokenizer_cache: ChunkStats | None,
         alert: HitAlert,
         transfers: Mapping[str, KvTransferStats],
+        strategies: Mapping[str, StrategyState],
     ) -> None:
         """Set the gauges from the current state."""
+        for pool, state in strategies.items():
+            for name, value in state.gauges.items():
+                self.strategy_state.labels(pool, name).set(value)
+            for name, per_worker in state.workers.items():
+                for worker, value in per_worker.items():
+                    self.strategy_worker_state.labels(pool, worker, name).set(value)
         for worker, t in transfers.items():
             self.kv_transfer_bytes.labels(worker).set(t.bytes)
             self.kv_transfer_seconds.labels(worker).set(t.seconds)

@@ -171,6 +171,15 @@ class AlertState(msgspec.Struct):
     firing: bool
 
 
+class StrategyState(msgspec.Struct):
+    """One pool's strategy, as it measures itself (e.g. the adaptive default's eviction loss,
+    queue depth and duplication price; empty for strategies that keep no state)."""
+
+    gauges: dict[str, float] = msgspec.field(default_factory=dict)
+    workers: dict[str, dict[str, float]] = msgspec.field(default_factory=dict)
+    """Name → worker → value (e.g. `routed_share`: 1 = the worker's fair share of work)."""
+
+
 class CacheStats(msgspec.Struct):
     """`GET /warply/cache_stats`."""
 
@@ -197,6 +206,8 @@ class CacheStats(msgspec.Struct):
     """The same numbers summed per role (`prefill`, `decode`, `both`)."""
     pd: PdStats | None = None
     """None unless some pool has role `prefill` or `decode`."""
+    strategy_state: dict[str, StrategyState] = msgspec.field(default_factory=dict)
+    """Per pool, its strategy's measured state (`Strategy.gauges` / `worker_gauges`)."""
 
 
 # -- /warply/workers ------------------------------------------------------------------------------
