@@ -34,7 +34,7 @@ TRACE = ROOT.parent / "shared" / "traces" / "mooncake" / "conversation_trace.jso
 MODEL_NAME = "tiny"
 BLOCK_SIZE = 32  # vLLM 0.32 CPU attention needs a multiple of 32
 TOKEN = "demo-admin"
-STRATEGIES = ("prefix_affinity", "round_robin")
+STRATEGIES = ("adaptive", "prefix_affinity", "round_robin")
 # Every trace request shares hash id 0 (a system prompt): a request whose cached prefix is under
 # 5 % of its blocks starts a conversation (spread evenly over the workers) instead of following
 # that one block; longer shared prefixes, such as a few ids common to two conversations, bind.
