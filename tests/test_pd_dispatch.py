@@ -22,7 +22,14 @@ from router.app import Router
 from router.config import RouterConfig
 from router.metrics import kv_transfer_stats
 from router.tokenize import RouterTokenizer
-from tests.test_router_api import BS, HOST, _refused_port, _serve, tokenizer_dir  # noqa: F401
+from tests.test_router_api import (  # noqa: F401
+    BS,
+    HOST,
+    FakeEngine,
+    _refused_port,
+    _serve,
+    tokenizer_dir,
+)
 from warply.protocol import BlockStored
 from warply.protocol.api import CacheStats
 
@@ -40,42 +47,16 @@ PROMPT = "the cache holds a prefix of tokens the cache holds a prefix of tokens"
 
 
 @dataclass
-class PdEngine:
+class PdEngine(FakeEngine):
     """A fake vLLM engine with a KV connector: a prefill request (`do_remote_decode`) answers
     one token and `kv_transfer_params`; any other request is served (streamed if asked)."""
 
-    name: str
-    cached_tokens: int = 0
     behaviour: str = "ok"
     """ok | down (refuses connections) | status500 | hang | drop (closes the connection) |
     no_params (answers a prefill without kv_transfer_params) | die_midstream |
     hang_on_pull (a decode engine whose KV never arrives: hangs on kv_transfer_params)"""
     params: dict[str, Any] = field(default_factory=lambda: dict(PARAMS))
-    bodies: list[dict[str, Any]] = field(default_factory=list)
-    metrics_text: str = ""
-    url: str = ""
-
-    def app(self) -> web.Application:
-        app = web.Application()
-        app.add_routes(
-            [
-                web.get("/health", self._health),
-                web.get("/v1/models", self._models),
-                web.get("/metrics", self._metrics),
-                web.post("/v1/completions", self._generate),
-                web.post("/v1/chat/completions", self._generate),
-            ]
-        )
-        return app
-
-    async def _health(self, _: web.Request) -> web.Response:
-        return web.json_response({})
-
-    async def _models(self, _: web.Request) -> web.Response:
-        return web.json_response({"data": [{"id": "m", "max_model_len": 4096}]})
-
-    async def _metrics(self, _: web.Request) -> web.Response:
-        return web.Response(text=self.metrics_text)
+    max_model_len: int = 4096
 
     async def _generate(self, request: web.Request) -> web.StreamResponse:
         body = await request.json()

@@ -75,6 +75,8 @@ class FakeEngine:
     max_model_len: int = 64
     bodies: list[dict[str, Any]] = field(default_factory=list)
     cancelled: asyncio.Event = field(default_factory=asyncio.Event)
+    metrics_text: str = ""
+    """What its /metrics answers (e.g. vLLM's KV-transfer counters)."""
     url: str = ""
 
     def app(self) -> web.Application:
@@ -83,6 +85,7 @@ class FakeEngine:
             [
                 web.get("/health", self._health),
                 web.get("/v1/models", self._models),
+                web.get("/metrics", self._metrics),
                 web.post("/v1/completions", self._generate),
                 web.post("/v1/chat/completions", self._generate),
             ]
@@ -94,6 +97,9 @@ class FakeEngine:
 
     async def _models(self, _: web.Request) -> web.Response:
         return web.json_response({"data": [{"id": "m", "max_model_len": self.max_model_len}]})
+
+    async def _metrics(self, _: web.Request) -> web.Response:
+        return web.Response(text=self.metrics_text)
 
     async def _generate(self, request: web.Request) -> web.StreamResponse:
         body = await request.json()
