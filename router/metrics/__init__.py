@@ -14,7 +14,8 @@ from their /metrics text (`engines.py`).
 
 from router.metrics.alerts import HitAlert, HitWindow, Sample
 from router.metrics.engines import kv_transfer_stats
-from router.metrics.recorder import RequestRecord, RouterMetrics
+from router.metrics.record import RequestRecord
+from router.metrics.recorder import RouterMetrics
 
 __all__ = [
     "HitAlert", "HitWindow", "RequestRecord", "RouterMetrics", "Sample", "kv_transfer_stats"

@@ -9,50 +9,16 @@ index of their own.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
 
 from router.config import RouterConfig
 from router.index import IndexStats
 from router.metrics.alerts import HitAlert
+from router.metrics.record import RequestRecord
 from router.metrics.registry import Series
 from router.metrics.stats import Stats, bytes_by_pool_tier, index_view
-from router.placement import Decision
 from router.token_cache import ChunkStats
 from router.workers import Worker, Workers
 from warply.protocol.api import CacheStats, KvTransferStats, StrategyState
-
-
-@dataclass(slots=True)
-class RequestRecord:
-    """One request as the metrics record it when it ends (`RequestAccount` fills it in)."""
-
-    decision: Decision | None = None
-    """The final placement (None: the request failed before one was made)."""
-    status: int = 0
-    latency_s: float = 0.0
-    prompt_tokens: int = 0
-    """Exact, also after an early placement."""
-    early: bool = False
-    overhead_s: float | None = None
-    """Receipt → placement done: the router's queue before the first upstream request."""
-    cached: int | None = None
-    """The answering engine's `usage.prompt_tokens_details.cached_tokens`."""
-    prefill_cached: int | None = None
-    """The prefill engine's cached tokens (hand-offs)."""
-    prefill_s: float | None = None
-    """Prefill request sent → answered (hand-offs)."""
-    prefill_failure: str = ""
-    decode_sent_s: float | None = None
-    """When (since receipt) the request to the answering worker went out."""
-    ttft_s: float | None = None
-    """When (since receipt) the stream's first event arrived."""
-
-    @property
-    def decode_first_token_s(self) -> float | None:
-        """Answer request sent → first event: KV transfer and first decode step (streams)."""
-        if self.ttft_s is None or self.decode_sent_s is None:
-            return None
-        return self.ttft_s - self.decode_sent_s
 
 
 class RouterMetrics:

@@ -11,12 +11,12 @@ from __future__ import annotations
 
 from collections import Counter, OrderedDict, deque
 from collections.abc import Iterable
-from typing import TYPE_CHECKING
 
 from msgspec.structs import replace as struct_replace
 
 from router.index import IndexStats
 from router.metrics.alerts import HitAlert, ratio
+from router.metrics.record import RequestRecord
 from router.token_cache import ChunkStats
 from router.workers import Workers
 from warply.protocol.api import (
@@ -33,9 +33,6 @@ from warply.protocol.api import (
     TtftBreakdown,
     WorkerStats,
 )
-
-if TYPE_CHECKING:
-    from router.metrics.recorder import RequestRecord
 
 _AFFINITY_CAP = 4096
 _QUANTILE_WINDOW = 2048
