@@ -26,8 +26,8 @@ from tests.test_router_api import (  # noqa: F401
     BS,
     HOST,
     FakeEngine,
-    _refused_port,
     _serve,
+    serve_engines,
     tokenizer_dir,
 )
 from warply.protocol import BlockStored
@@ -57,6 +57,9 @@ class PdEngine(FakeEngine):
     hang_on_pull (a decode engine whose KV never arrives: hangs on kv_transfer_params)"""
     params: dict[str, Any] = field(default_factory=lambda: dict(PARAMS))
     max_model_len: int = 4096
+
+    def __post_init__(self) -> None:
+        self.down = self.behaviour == "down"
 
     async def _generate(self, request: web.Request) -> web.StreamResponse:
         body = await request.json()
@@ -120,13 +123,7 @@ async def pd_router(
     both: list[PdEngine] = (),  # type: ignore[assignment]
     **overrides: Any,
 ) -> AsyncIterator[tuple[Router, aiohttp.ClientSession, str]]:
-    runners = []
-    for e in [*prefill, *decode, *both]:
-        if e.behaviour == "down":
-            e.url = f"http://{HOST}:{_refused_port()}"
-            continue
-        runner, e.url = await _serve(e.app())
-        runners.append(runner)
+    runners = await serve_engines([*prefill, *decode, *both])
     config = RouterConfig.model_validate(
         {
             "model": "m",

@@ -7,7 +7,7 @@ import asyncio
 import json
 import random
 import socket
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -147,6 +147,18 @@ def _refused_port() -> int:
     return port
 
 
+async def serve_engines(engines: Sequence[FakeEngine]) -> list[web.AppRunner]:
+    """Serve each engine on 127.0.0.1 and set its url; a `down` one gets a refusing port."""
+    runners = []
+    for e in engines:
+        if e.down:
+            e.url = f"http://{HOST}:{_refused_port()}"
+            continue
+        runner, e.url = await _serve(e.app())
+        runners.append(runner)
+    return runners
+
+
 Client = Callable[..., Awaitable[tuple[int, Any]]]
 
 
@@ -155,13 +167,7 @@ async def running(
     tokenizer_dir: Path, engines: list[FakeEngine], **overrides: Any
 ) -> AsyncIterator[tuple[Router, Client, aiohttp.ClientSession, str]]:
     """Fake engines + a router in this event loop; yields (router, call, session, base url)."""
-    runners = []
-    for e in engines:
-        if e.down:
-            e.url = f"http://{HOST}:{_refused_port()}"
-            continue
-        runner, e.url = await _serve(e.app())
-        runners.append(runner)
+    runners = await serve_engines(engines)
     config = RouterConfig.model_validate(
         {
             "model": "m",
