@@ -100,7 +100,9 @@ class Router:
     async def check_health(self) -> None:
         """Probe every worker's /health once (concurrently); then read the decode workers' KV
         transfer counters from their /metrics."""
-        await self.workers.check(self.proxy.session)
+        await self.workers.check(
+            self.proxy.session, self.config.health_timeout_s, self.config.unhealthy_after
+        )
         decode = [w for w in self.workers.values() if w.role == "decode" and w.healthy]
         if decode:
             await asyncio.gather(*(self._read_transfers(w) for w in decode))

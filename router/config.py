@@ -128,6 +128,12 @@ class RouterConfig(_Strict):
     """Longest prompt accepted (None: ask the workers' /v1/models at start-up)."""
     alerts: AlertConfig = AlertConfig()
     health_interval_s: float = Field(2.0, gt=0)
+    health_timeout_s: float = Field(2.0, gt=0)
+    """How long one `/health` probe may take."""
+    unhealthy_after: int = Field(2, ge=1)
+    """Failed probes in a row (slow, hung, or an error status) before a worker that still
+    accepts connections leaves placement; a refused connection takes it out at once. One slow
+    probe on a busy machine does not take a live engine out."""
     request_timeout_s: float = Field(600.0, gt=0)
     pd: PdConfig = PdConfig()
 

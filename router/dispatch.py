@@ -170,17 +170,22 @@ class Dispatcher:
 
     @contextlib.asynccontextmanager
     async def _post(self, url: str, **kw: Any) -> AsyncIterator[aiohttp.ClientResponse]:
-        """POST and yield the response once its headers arrived. A pooled connection the
-        engine closed meanwhile (its keep-alive ran out: the body cannot be written, or the
-        server disconnects before answering) is retried once on a new connection; a refused
-        connection is not (`ClientConnectorError`: the caller tries another worker)."""
+        """POST and yield the response once its headers arrived. Retried once when nothing
+        reached the engine: a pooled connection it closed meanwhile (its keep-alive ran out:
+        the body cannot be written, or the server disconnects before answering), or a
+        connection not made in time (a stalled machine). A refused connection is not retried
+        (`ClientConnectorError`: the caller tries another worker)."""
         for attempt in (0, 1):
             try:
                 resp = await self._session().post(url, **kw)
                 break
             except aiohttp.ClientConnectorError:
                 raise
-            except (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError):
+            except (
+                aiohttp.ServerDisconnectedError,
+                aiohttp.ClientOSError,
+                aiohttp.ConnectionTimeoutError,
+            ):
                 if attempt:
                     raise
         try:

@@ -22,9 +22,6 @@ from warply.protocol import LoadSnapshot
 from warply.protocol.api import Role, StreamStats, WorkerView
 
 _log = logging.getLogger("warply.router")
-_HEALTH_TIMEOUT = aiohttp.ClientTimeout(total=2)
-
-
 class Booking:
     """One request attempt's load on its worker, from placement until it ends."""
 
@@ -80,6 +77,8 @@ class Worker:
     """`time.monotonic()` when it last turned unhealthy (None while healthy)."""
     refused: bool = False
     """Its last failure was a refused connection."""
+    failed_probes: int = 0
+    """`/health` probes failed in a row (not counting refused connections)."""
 
     @property
     def name(self) -> str:
@@ -97,6 +96,13 @@ class Worker:
             self.unhealthy_since = None if healthy else time.monotonic()
         self.healthy = healthy
         self.refused = refused and not healthy
+
+    def probed(self, ok: bool, refused: bool, unhealthy_after: int) -> None:
+        """Apply one `/health` probe: a refused connection marks it unhealthy at once, other
+        failures once `unhealthy_after` of them came in a row."""
+        self.failed_probes = 0 if ok or refused else self.failed_probes + 1
+        if ok or refused or self.failed_probes >= unhealthy_after:
+            self.set_health(ok, refused)
 
     def lost(self, grace_s: float) -> bool:
         """Down for sure: refusing connections, or unhealthy for `grace_s` (a slow probe on a
@@ -133,6 +139,7 @@ class Worker:
             engine_running=snap.running if snap is not None else 0,
             kv_blocks_total=snap.kv_blocks_total if snap is not None else 0,
             role=self.role,
+            failed_probes=self.failed_probes,
         )
 
 
@@ -176,20 +183,28 @@ class Workers(Mapping[str, Worker]):
         if worker is not None:
             worker.engine_load(snapshot)
 
-    async def check(self, session: aiohttp.ClientSession) -> None:
-        """Probe every worker's /health once (concurrently)."""
-        await asyncio.gather(*(self._probe(session, w) for w in self._by_name.values()))
+    async def check(
+        self, session: aiohttp.ClientSession, timeout_s: float, unhealthy_after: int
+    ) -> None:
+        """Probe every worker's /health once (concurrently); see `Worker.probed`."""
+        timeout = aiohttp.ClientTimeout(total=timeout_s)
+        await asyncio.gather(
+            *(self._probe(session, w, timeout, unhealthy_after) for w in self._by_name.values())
+        )
 
     @staticmethod
-    async def _probe(session: aiohttp.ClientSession, worker: Worker) -> None:
+    async def _probe(
+        session: aiohttp.ClientSession,
+        worker: Worker,
+        timeout: aiohttp.ClientTimeout,
+        unhealthy_after: int,
+    ) -> None:
         refused = False
         try:
-            async with session.get(
-                worker.config.url + "/health", timeout=_HEALTH_TIMEOUT
-            ) as resp:
+            async with session.get(worker.config.url + "/health", timeout=timeout) as resp:
                 healthy = resp.status == 200
         except aiohttp.ClientConnectorError:  # nothing listens there
             healthy, refused = False, True
         except (aiohttp.ClientError, TimeoutError):
             healthy = False
-        worker.set_health(healthy, refused)
+        worker.probed(healthy, refused, unhealthy_after)

@@ -163,3 +163,19 @@ def test_a_worker_is_lost_when_it_refuses_or_stays_unhealthy() -> None:
     assert a.lost(60)
     a.set_health(True)
     assert not a.lost(0) and a.unhealthy_since is None and not a.refused
+
+
+def test_slow_probes_take_a_worker_out_only_in_a_row() -> None:
+    _, _, workers = _placement()
+    a = workers["a"]
+    a.probed(False, False, unhealthy_after=2)  # one slow probe: still placed
+    assert a.healthy and a.failed_probes == 1
+    a.probed(True, False, unhealthy_after=2)
+    a.probed(False, False, unhealthy_after=2)
+    assert a.healthy, "not in a row"
+    a.probed(False, False, unhealthy_after=2)
+    assert not a.healthy and not a.refused
+    a.probed(True, False, unhealthy_after=2)
+    assert a.healthy and a.failed_probes == 0
+    a.probed(False, True, unhealthy_after=2)  # nothing listens: out at once
+    assert not a.healthy and a.refused

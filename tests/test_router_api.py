@@ -561,6 +561,29 @@ def test_refused_connection_is_retried_on_another_worker(tokenizer_dir: Path) ->
     _run(scenario())
 
 
+def test_a_connection_not_made_in_time_is_tried_once_more(tokenizer_dir: Path) -> None:
+    """Nothing reached the engine (a stalled machine): the same worker is asked again."""
+
+    async def scenario() -> None:
+        async with running(tokenizer_dir, [FakeEngine("a")]) as (router, call, _s, _b):
+            real = router.proxy.session
+            calls = []
+
+            class _Stalled:
+                def post(self, url: str, **kw: Any) -> Any:
+                    calls.append(url)
+                    if len(calls) == 1:
+                        raise aiohttp.ConnectionTimeoutError(f"Connection timeout to host {url}")
+                    return real.post(url, **kw)
+
+            router.proxy._dispatch._session = _Stalled
+            status, body = await call("POST", "/v1/completions", {"prompt": "a prefix"})
+            assert status == 200 and body["choices"][0]["text"] == "a"
+            assert len(calls) == 2 and router.workers["a"].healthy
+
+    _run(scenario())
+
+
 def test_engine_load_and_prefix_hits_are_shown(tokenizer_dir: Path) -> None:
     """`LoadSnapshot` running / capacity on /warply/workers; `PrefixHit` (engine-confirmed reuse)
     per worker in cache_stats and on /metrics; both endpoints decode as their typed shapes."""

@@ -313,7 +313,9 @@ def test_killing_the_prefill_engine_never_hangs(pd: dict[str, Any]) -> None:
     def healthy(name: str) -> bool:
         return bool(_workers(url)[name]["healthy"])
 
-    # a prefill in flight on an engine that stopped answering (its probe times out)
+    # a prefill in flight on an engine that stopped answering (its probes time out); placed
+    # while the router still counts it healthy (a busy machine can fail one probe earlier)
+    _wait(lambda: healthy("p") and _workers(url)["p"]["failed_probes"] == 0, 30)
     os.killpg(prefill.pid, signal.SIGSTOP)
     try:
         in_prefill = threading.Thread(target=one, args=(2,))

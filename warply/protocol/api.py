@@ -246,6 +246,8 @@ class WorkerView(msgspec.Struct):
     kv_blocks_total: int = 0
     """The engine's KV capacity in blocks (0: not reported)."""
     role: Role = "both"
+    failed_probes: int = 0
+    """`/health` probes failed in a row (it leaves placement at `unhealthy_after`)."""
 
 
 class WorkerList(msgspec.Struct):
