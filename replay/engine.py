@@ -150,6 +150,13 @@ class SimEngine:
     def free_blocks(self) -> int:
         return self.cfg.num_blocks - len(self.holders) - self.private - len(self.lru)
 
+    @property
+    def prefill_tokens_per_s(self) -> float:
+        """Prefill speed of a full pass (`max_batched_tokens` uncached tokens): what a pool's
+        `prefill_tokens_per_s` states for strategies that estimate waits."""
+        full = self.cfg.max_batched_tokens
+        return full * 1000 / self.model.prefill_ms(full)
+
     def has_work(self) -> bool:
         return bool(self.running or self.waiting)
 

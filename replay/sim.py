@@ -56,6 +56,7 @@ def _load(engine: SimEngine) -> WorkerLoad:
         engine_waiting=len(engine.waiting),
         kv_usage=engine.used_blocks / engine.cfg.num_blocks,
         pending_prefill_tokens=engine.pending_prefill,
+        prefill_tokens_per_s=engine.prefill_tokens_per_s,
     )
 
 

@@ -76,6 +76,12 @@ class PoolConfig(_Strict):
     (`pd.local_prefill_tokens`)."""
     strategy: StrategyConfig | None = None
     """This pool's strategy (None: the router's `strategy`)."""
+    price_per_hour: float = Field(0.0, ge=0)
+    """What one of these workers costs per hour (any currency, the same for every pool; spot
+    or on-demand as you pay it): `cost_aware` trades it against cache affinity."""
+    prefill_tokens_per_s: float | None = Field(None, gt=0)
+    """These engines' prefill speed (prompt tokens per second, measured on your model), from
+    which `cost_aware` estimates the wait for a first token; required by that strategy."""
     workers: list[WorkerConfig] = Field(min_length=1)
 
 
@@ -170,6 +176,19 @@ class RouterConfig(_Strict):
                 f"pools: decode pool(s) {named('decode')} take prompts from a prefill pool, "
                 "but no pool has role 'prefill' (add one, or give them role 'both')"
             )
+        return self
+
+    @model_validator(mode="after")
+    def _prefill_speeds(self) -> RouterConfig:
+        """`cost_aware` estimates waits from each pool's prefill speed; it also compares the
+        pools' picks when it is the router's strategy."""
+        for i, pool in enumerate(self.pools):
+            uses = (pool.strategy or self.strategy).name == "cost_aware"
+            if (uses or self.strategy.name == "cost_aware") and pool.prefill_tokens_per_s is None:
+                raise ValueError(
+                    f"pools.{i}.prefill_tokens_per_s: pool {pool.name!r} needs it for the "
+                    "cost_aware strategy (its engines' prompt tokens per second)"
+                )
         return self
 
 

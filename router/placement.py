@@ -3,10 +3,11 @@ workers it chooses among (health, drain, load) live in `router.workers`, and the
 sent by `router.dispatch`.
 
 One strategy instance per pool (pools differ in block size, so their key chains differ). The
-pools that answer clients (roles `both` and `decode`) compete as before: each pool's strategy
-picks its worker and the pool whose pick holds the most cached tokens wins (ties: the lower
-load). When the winner is a `decode` worker, the request is handed off (`Decision.prefill`):
-the prefill pools pick their worker the same way (cached prefix, tier-aware), unless fewer than
+pools that answer clients (roles `both` and `decode`) compete: each pool's strategy picks its
+worker and the router's strategy compares the picks (`Strategy.prefer`: by default the most
+cached tokens wins, ties the lower load; `cost_aware` weighs price and wait). When the winner
+is a `decode` worker, the request is handed off (`Decision.prefill`): the prefill pools pick
+their worker the same way (cached prefix, tier-aware), unless fewer than
 `pd.local_prefill_tokens` prompt tokens are missing on the decode worker (conditional
 disaggregation) or no prefill worker is available; then the decode worker prefills locally.
 """
@@ -20,7 +21,7 @@ from typing import Literal
 
 from router.config import RouterConfig
 from router.index import PrefixIndex, WorkerMatch
-from router.strategies import NoCandidate, RequestView, Strategy, make_strategy
+from router.strategies import NO_MATCH, NoCandidate, Pick, RequestView, Strategy, make_strategy
 from router.workers import Worker, Workers
 from warply.protocol import prefix_keys
 from warply.protocol.api import StrategyState
@@ -106,6 +107,8 @@ class Placement:
         self.index = index
         self.workers = workers
         self.local_prefill_tokens = config.pd.local_prefill_tokens
+        self._ranker = make_strategy(config.strategy)
+        """The router's strategy compares the pools' picks (`Strategy.prefer`)."""
         self._answer: list[_Pool] = []
         self._prefill: list[_Pool] = []
         for pool in workers.pools:
@@ -182,7 +185,7 @@ class Placement:
         exclude: Collection[str],
         early: bool,
     ) -> Decision | None:
-        """Each pool's pick; the one holding the most cached tokens (then lower load) wins.
+        """Each pool's pick; the router's strategy prefers one (`Strategy.prefer`).
         None: no available worker. Raises `_GiveUp` when an early choice must see the whole
         prompt."""
         picks: list[tuple[_Pool, Sequence[int], dict[str, WorkerMatch], list[Worker]]] = []
@@ -195,18 +198,17 @@ class Placement:
             if early and any(m.blocks >= len(keys) for m in matches.values()):
                 raise _GiveUp
             picks.append((pool, keys, matches, candidates))
-        best: Decision | None = None
+        options: list[tuple[Decision, Pick]] = []
         for pool, chain, matches, candidates in picks:
             bs = pool.block_size
             view = RequestView(chain, prompt_tokens, bs, namespace, prefix_reuse)
             name = pool.strategy.choose(view, [w.load for w in candidates], matches)
             worker = self.workers[name]
-            blocks = matches.get(name, WorkerMatch(0, {})).blocks
-            predicted = predicted_cached(blocks, prompt_tokens, bs)
-            decision = Decision(worker, chain, blocks, predicted, prompt_tokens, namespace)
-            if best is None or (decision.predicted_cached, -worker.load.load) > (
-                best.predicted_cached,
-                -best.worker.load.load,
-            ):
-                best = decision
-        return best
+            match = matches.get(name, NO_MATCH)
+            predicted = predicted_cached(match.blocks, prompt_tokens, bs)
+            decision = Decision(worker, chain, match.blocks, predicted, prompt_tokens, namespace)
+            options.append((decision, Pick(view, worker.load, match, predicted)))
+        if len(options) <= 1:
+            return options[0][0] if options else None
+        winner = self._ranker.prefer([pick for _, pick in options])
+        return next(decision for decision, pick in options if pick is winner)

@@ -155,6 +155,14 @@ class Pool:
         return self.config.role
 
 
+def _load(worker: WorkerConfig, pool: PoolConfig) -> WorkerLoad:
+    return WorkerLoad(
+        worker.name,
+        price_per_hour=pool.price_per_hour,
+        prefill_tokens_per_s=pool.prefill_tokens_per_s or 0.0,
+    )
+
+
 class Workers(Mapping[str, Worker]):
     """Every configured worker by name (configuration order), and by pool."""
 
@@ -163,7 +171,7 @@ class Workers(Mapping[str, Worker]):
         self._by_name: dict[str, Worker] = {}
         for pool in pools:
             members = [
-                Worker(wc, pool, WorkerLoad(wc.name), role=pool.role) for wc in pool.workers
+                Worker(wc, pool, _load(wc, pool), role=pool.role) for wc in pool.workers
             ]
             self.pools.append(Pool(pool, members))
             self._by_name.update((w.name, w) for w in members)

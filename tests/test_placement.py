@@ -17,17 +17,21 @@ MODEL = "m"
 TOKENS = list(range(100, 140))  # 40 tokens: 10 blocks of 4, 5 of 8
 
 
-def _placement() -> tuple[Placement, PrefixIndex, Workers]:
-    """Two pools with different block sizes, one worker each: a (4 tokens), b (8 tokens)."""
+def _placement(**extra: object) -> tuple[Placement, PrefixIndex, Workers]:
+    """Two pools with different block sizes, one worker each: a (4 tokens), b (8 tokens);
+    `extra` sets fields of both pools (a's value, b's value) or of the router."""
+    pools = [
+        {"name": "p4", "block_size": 4, "workers": [{"name": "a", "url": "http://a"}]},
+        {"name": "p8", "block_size": 8, "workers": [{"name": "b", "url": "http://b"}]},
+    ]
+    top = {}
+    for key, value in extra.items():
+        if isinstance(value, tuple):
+            pools[0][key], pools[1][key] = value
+        else:
+            top[key] = value
     config = RouterConfig.model_validate(
-        {
-            "model": MODEL,
-            "tokenizer": "/unused",
-            "pools": [
-                {"name": "p4", "block_size": 4, "workers": [{"name": "a", "url": "http://a"}]},
-                {"name": "p8", "block_size": 8, "workers": [{"name": "b", "url": "http://b"}]},
-            ],
-        }
+        {"model": MODEL, "tokenizer": "/unused", "pools": pools, **top}
     )
     index = PrefixIndex(MODEL, MemoryStore())
     workers = Workers(config.pools)
@@ -52,6 +56,29 @@ def test_the_pool_whose_pick_holds_most_cached_tokens_wins() -> None:
     d = completed(placement.choose(TOKENS))
     assert (d.worker.name, d.matched_blocks, d.predicted_cached) == ("a", 6, 24)
     assert len(d.keys) == 10, "the key chain is the winning pool's (block size 4)"
+
+
+def test_cost_aware_prefers_the_cheap_pool_until_its_queue_or_a_dear_hit_outweighs() -> None:
+    """a costs 1/h, b 3/h, both prefill 1000 tokens/s; 40-token prompts."""
+    placement, index, workers = _placement(
+        strategy={"name": "cost_aware"}, price_per_hour=(1.0, 3.0),
+        prefill_tokens_per_s=(1000.0, 1000.0),
+    )  # fmt: skip
+    assert completed(placement.choose(TOKENS)).worker.name == "a"
+    workers["a"].load.pending_prefill_tokens = 200  # the cheap worker's queue: b is worth it
+    assert completed(placement.choose(TOKENS)).worker.name == "b"
+    workers["a"].load.pending_prefill_tokens = 0
+    _hold(index, "b", 8, 4, 100)  # b holds 32 of 40 tokens: little compute left there
+    d = completed(placement.choose(TOKENS))
+    assert (d.worker.name, d.predicted_cached) == ("b", 32)
+    assert completed(placement.choose(TOKENS, prefix_reuse=False)).worker.name == "a"
+
+
+def test_cost_aware_needs_each_pools_prefill_speed() -> None:
+    with pytest.raises(ValueError, match=r"pools.1.prefill_tokens_per_s: pool 'p8' needs it"):
+        _placement(strategy={"name": "cost_aware"}, prefill_tokens_per_s=(1000.0, None))
+    with pytest.raises(ValueError, match=r"pools.0.prefill_tokens_per_s"):  # a pool's own
+        _placement(strategy=({"name": "cost_aware"}, None), prefill_tokens_per_s=(None, 9.0))
 
 
 def test_equal_cached_tokens_go_to_the_lower_load() -> None:

@@ -9,9 +9,11 @@ from router.index import WorkerMatch
 from router.strategies import (
     BUILTIN,
     AdaptiveAffinity,
+    CostAware,
     KvReuse,
     LeastLoaded,
     NoCandidate,
+    Pick,
     PrefixAffinity,
     RequestView,
     RoundRobin,
@@ -107,7 +109,10 @@ def test_knobs_are_validated_with_the_field_named() -> None:
         "prefix_affinity",
         "kv-reuse",
         "tenant_isolated",
+        "cost_aware",
     }
+    with pytest.raises(pydantic.ValidationError, match="ttft_target_ms"):
+        CostAware.Knobs(ttft_target_ms=0)
 
 
 @pytest.mark.parametrize("name", ["least_loaded", "prefix_affinity", "kv-reuse", "adaptive"])
@@ -241,3 +246,52 @@ def test_adaptive_is_the_default() -> None:
     assert BUILTIN["adaptive"] is AdaptiveAffinity
     with pytest.raises(pydantic.ValidationError, match="eviction_gain"):
         AdaptiveAffinity.Knobs(eviction_gain=-1)
+
+
+def _priced(name: str, price: float, rate: float = 1000.0, queued: int = 0) -> WorkerLoad:
+    return WorkerLoad(name, pending_prefill_tokens=queued, price_per_hour=price,
+                      prefill_tokens_per_s=rate)  # fmt: skip
+
+
+def test_cost_aware_weighs_price_against_wait() -> None:
+    """cost(w) = price(w)·miss(w)/R(w) + latency_weight·p̄·wait(w), p̄ = mean price = 2 here.
+    REQ: 160 tokens, none cached. cheap: 1·0.16 + 2·(q + 160)/1000; dear: 3·0.16 + 2·0.16."""
+    s = CostAware()
+    idle = [_priced("cheap", 1), _priced("dear", 3)]
+    assert s.choose(REQ, idle, {}) == "cheap"  # 0.48 vs 0.80
+    # 200 tokens queued on the cheap worker: 0.16 + 0.72 = 0.88 > 0.80
+    assert s.choose(REQ, [_priced("cheap", 1, queued=200), _priced("dear", 3)], {}) == "dear"
+    # ...but 100 are not enough: 0.16 + 0.52 = 0.68 < 0.80
+    assert s.choose(REQ, [_priced("cheap", 1, queued=100), _priced("dear", 3)], {}) == "cheap"
+    # a cached prefix on the dear worker: 6 of 10 blocks → miss 64 tokens: 3·0.064 + 2·0.064
+    held = {"dear": WorkerMatch(6, {Tier.GPU: 6})}
+    assert s.choose(REQ, idle, held) == "dear"  # 0.32 < 0.48
+    # latency_weight 0: price alone (the cheapest compute wins whatever its queue)
+    s0 = CostAware(CostAware.Knobs(latency_weight=0))
+    assert s0.choose(REQ, [_priced("cheap", 1, queued=10**6), _priced("dear", 3)], {}) == "cheap"
+
+
+def test_cost_aware_ttft_guard() -> None:
+    s = CostAware(CostAware.Knobs(latency_weight=0, ttft_target_ms=500))
+    # the cheap worker would start in (400 + 160) / 1000 = 0.56 s > 0.5 s: the dear one
+    assert s.choose(REQ, [_priced("cheap", 1, queued=400), _priced("dear", 3)], {}) == "dear"
+    assert s.choose(REQ, [_priced("cheap", 1, queued=300), _priced("dear", 3)], {}) == "cheap"
+    # both miss: the shorter wait
+    late = [_priced("cheap", 1, queued=900), _priced("dear", 3, queued=1000)]
+    assert s.choose(REQ, late, {}) == "cheap"
+    late = [_priced("cheap", 1, queued=1000), _priced("dear", 3, queued=900)]
+    assert s.choose(REQ, late, {}) == "dear"
+    with pytest.raises(ValueError, match="prefill_tokens_per_s"):
+        s.choose(REQ, [WorkerLoad("unstated")], {})
+
+
+def test_prefer_compares_pools_picks() -> None:
+    """By default the most cached tokens, then the lower load; cost_aware by its cost."""
+    small = RequestView(keys=list(range(5)), prompt_tokens=160, block_size=32)
+    a = Pick(REQ, _priced("a", 1), WorkerMatch(0, {}), 0)
+    b = Pick(small, _priced("b", 3), WorkerMatch(3, {Tier.GPU: 3}), 96)
+    assert PrefixAffinity().prefer([a, b]) is b
+    # b: miss 160 − 96 = 64 → 3·0.064 + 2·0.064 = 0.32; a: 1·0.16 + 2·0.16 = 0.48
+    assert CostAware().prefer([a, b]) is b
+    b = Pick(small, _priced("b", 3), WorkerMatch(1, {Tier.GPU: 1}), 32)  # miss 128: 0.64
+    assert CostAware().prefer([a, b]) is a

@@ -11,6 +11,7 @@ from router.strategies.base import (
     NO_MATCH,
     Knobs,
     NoCandidate,
+    Pick,
     RequestView,
     Strategy,
     TierWeights,
@@ -25,16 +26,19 @@ from router.strategies.builtin import (
     RoundRobin,
     TenantIsolated,
 )
+from router.strategies.cost import CostAware
 from router.strategies.registry import known_names, make_strategy, strategy_class
 
 __all__ = [
     "AdaptiveAffinity",
     "BUILTIN",
+    "CostAware",
     "NO_MATCH",
     "Knobs",
     "KvReuse",
     "LeastLoaded",
     "NoCandidate",
+    "Pick",
     "PrefixAffinity",
     "RequestView",
     "RoundRobin",

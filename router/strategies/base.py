@@ -6,6 +6,8 @@ Notation (per candidate worker w, for one request of P full blocks):
   load(w)   router in-flight requests on w + the engine's waiting queue (last load snapshot)
   active(w) KV blocks held by w's in-flight requests (router-side, prompt + generated so far)
   queued(w) uncached prompt blocks routed to w that have no first token yet (prefill ahead)
+  price(w)  what w costs per hour (its pool's `price_per_hour`)
+  R(w)      w's prefill speed in tokens per second (its pool's `prefill_tokens_per_s`)
 """
 
 from __future__ import annotations
@@ -37,6 +39,10 @@ class WorkerLoad:
     """The engine's waiting queue from its last load snapshot."""
     kv_usage: float = 0.0
     """The engine's KV occupancy (0..1) from its last load snapshot."""
+    price_per_hour: float = 0.0
+    """Its pool's price (any currency, per worker-hour; 0: not priced)."""
+    prefill_tokens_per_s: float = 0.0
+    """Its pool's prefill speed (0: not stated)."""
 
     @property
     def load(self) -> int:
@@ -64,6 +70,19 @@ class RequestView:
 
 NO_MATCH = WorkerMatch(0, {})
 """The match of a worker that holds none of the request."""
+
+
+@dataclass(frozen=True, slots=True)
+class Pick:
+    """One pool's choice for a request, as the pools' picks are compared (`Strategy.prefer`)."""
+
+    request: RequestView
+    """The request in this pool's key chain and block size."""
+    load: WorkerLoad
+    """The chosen worker."""
+    match: WorkerMatch
+    cached_tokens: int
+    """Prompt tokens the worker would report cached (full blocks, never the last token)."""
 
 
 class Knobs(BaseModel):
@@ -114,6 +133,11 @@ class Strategy(abc.ABC):
     def _least_loaded(self, candidates: Sequence[WorkerLoad]) -> str:
         """argmin load(w), then fewer in-flight tokens, then in turn."""
         return self._best(candidates, lambda w: (w.load, w.in_flight_tokens))
+
+    def prefer(self, picks: Sequence[Pick]) -> Pick:
+        """The winner among several pools' picks for one request (never empty): by default the
+        one holding the most cached tokens, then the lower load."""
+        return max(picks, key=lambda p: (p.cached_tokens, -p.load.load))
 
     def gauges(self) -> dict[str, float]:
         """The strategy's own measured state, for metrics (name → value); none by default."""

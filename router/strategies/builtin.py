@@ -1,6 +1,7 @@
 """Warply's built-in strategies, each stated as a formula with its knobs (notation in
-`router.strategies.base`): two baselines, prefix affinity, kv-reuse cost, tenant isolation, and
-the default, `adaptive` (`router.strategies.adaptive`)."""
+`router.strategies.base`): two baselines, prefix affinity, kv-reuse cost, tenant isolation,
+price against affinity (`router.strategies.cost`), and the default, `adaptive`
+(`router.strategies.adaptive`)."""
 
 from __future__ import annotations
 
@@ -21,6 +22,7 @@ from router.strategies.base import (
     WorkerLoad,
     imbalanced,
 )
+from router.strategies.cost import CostAware
 from warply.protocol import namespace_salt
 
 
@@ -185,5 +187,13 @@ class TenantIsolated(PrefixAffinity):
 
 BUILTIN: dict[str, type[Strategy]] = {
     cls.name: cls
-    for cls in (AdaptiveAffinity, RoundRobin, LeastLoaded, PrefixAffinity, KvReuse, TenantIsolated)
+    for cls in (
+        AdaptiveAffinity,
+        RoundRobin,
+        LeastLoaded,
+        PrefixAffinity,
+        KvReuse,
+        TenantIsolated,
+        CostAware,
+    )
 }
