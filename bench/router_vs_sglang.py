@@ -7,7 +7,7 @@ Mooncake trace as text prompts), prefix caches reset before every row. Rows:
                         the two engines in order of first appearance; the client sends straight
                         to the engines (no router in the path)
   * warply round_robin  `python -m router`, the demo's config
-  * warply prefix_affinity, warply kv-reuse (the demo's knobs)
+  * warply STRATEGY    each `--strategy` (default: the router's default, adaptive)
   * sglang cache_aware  sglang-router 0.3.2 defaults (cache 0.3, balance abs 64, rel 1.5)
   * sglang cache_aware  with its balance thresholds tuned (`--sglang-tuned ABS,REL`, repeatable)
 
@@ -59,7 +59,6 @@ from warply.launch import HOST, EngineProcess, VllmServer, free_port, http_json 
 Engines = list[tuple[VllmServer, int, int]]
 ORACLE = "sticky oracle"
 RR = "warply round_robin"
-WARPLY = ("prefix_affinity", "kv-reuse")
 
 
 def _log(msg: str) -> None:
@@ -190,7 +189,7 @@ async def _main(args: argparse.Namespace, workdir: Path) -> int:
         return lambda: _sglang(args.sglang_router, engines, workdir, tag, extra)
 
     rows: dict[str, Callable[[], EngineProcess] | None] = {ORACLE: None, RR: warply("round_robin")}
-    for s in WARPLY:
+    for s in args.strategy:
         rows[f"warply {s}"] = warply(s)
     if args.sglang_router:
         rows["sglang cache_aware default"] = sgl("default", [])
@@ -326,7 +325,13 @@ def _print(args: argparse.Namespace, items: list[dict[str, Any]], prompt_tokens:
     oracle = agg.get(ORACLE)
     print("\ntarget checks")
     all_ok = True
-    for s in WARPLY:
+    if rr is not None and len(runs[RR]) > 1:
+        means = [r["mean"] for r in runs[RR]]
+        hits = [r["hit"] for r in runs[RR]]
+        print(f"round_robin's own spread over {len(means)} rounds: TTFT mean "
+              f"{min(means):.1f}-{max(means):.1f} ms ({max(means) / min(means) - 1:.1%} max/min), "
+              f"hit {min(hits):.3f}-{max(hits):.3f}")
+    for s in args.strategy:
         n = f"warply {s}"
         if n not in agg:
             print(f"  {n}: no result")
@@ -342,6 +347,10 @@ def _print(args: argparse.Namespace, items: list[dict[str, Any]], prompt_tokens:
         if rr is not None:
             checks.append((f"TTFT mean {r['mean']:.1f} <= 0.9 x round_robin "
                            f"{0.9 * rr['mean']:.1f} ms", r["mean"] <= 0.9 * rr["mean"]))
+            worst = max(x["mean"] for x in runs[n])
+            best_rr = min(x["mean"] for x in runs[RR])
+            checks.append((f"slowest round {worst:.1f} < round_robin's fastest {best_rr:.1f} ms",
+                           worst < best_rr))
         checks.append((f"busiest engine {r['max_share']:.0%} <= 60% of requests",
                        r["max_share"] <= 0.6))
         for text, ok in checks:
@@ -369,6 +378,8 @@ def main() -> int:
     ap.add_argument("--vllm", required=True, help="the vllm CLI of the engine venv")
     ap.add_argument("--model", required=True,
                     help="model folder: scripts/tiny_model.py --size tiny (default) or small")
+    ap.add_argument("--strategy", action="append",
+                    help="warply strategy row (repeatable; default: adaptive, the default)")
     ap.add_argument("--sglang-router", default="/tmp/sgr/bin/python",
                     help="python of the sglang-router 0.3.2 venv ('' skips its rows)")
     ap.add_argument("--sglang-tuned", action="append", metavar="ABS,REL",
@@ -392,6 +403,7 @@ def main() -> int:
     args = ap.parse_args()
     if args.sglang_tuned is None:
         args.sglang_tuned = ["1,1.2", "2,1.1"]
+    args.strategy = args.strategy or ["adaptive"]
     if not args.trace.is_file():
         ap.error(f"trace not found: {args.trace}")
     workdir = args.workdir or Path(tempfile.mkdtemp(prefix="warply-vs-sglang-"))
