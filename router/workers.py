@@ -140,6 +140,7 @@ class Worker:
             kv_blocks_total=snap.kv_blocks_total if snap is not None else 0,
             role=self.role,
             failed_probes=self.failed_probes,
+            kv_bytes_per_block=snap.kv_bytes_per_block if snap is not None else 0,
         )
 
 

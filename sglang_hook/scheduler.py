@@ -34,8 +34,25 @@ def _before_scheduler_init(*args: Any, **kwargs: Any) -> None:
     WarplyEventPublisher.settings = settings_of(server_args)
 
 
+def _bytes_per_token(tree_cache: Any) -> int:
+    """KV bytes per token on this rank's pool: SGLang 0.5.23's `get_kv_size_bytes()` (K and V
+    buffers of every layer) over the buffers' rows (`size + page_size`: one padding page). 0
+    for pools it cannot read (a cache without an allocator, a pool without that method)."""
+    allocator = getattr(tree_cache, "token_to_kv_pool_allocator", None)
+    if allocator is None:
+        return 0
+    pool = allocator.get_kvcache()
+    try:
+        k_bytes, v_bytes = pool.get_kv_size_bytes()
+        rows = int(pool.size) + int(pool.page_size)
+    except (AttributeError, TypeError, ValueError, AssertionError):
+        return 0
+    return (int(k_bytes) + int(v_bytes)) // rows if rows > 0 else 0
+
+
 def _load_probe(kv: Any) -> Callable[[], LoadSnapshot]:
     page = max(1, int(kv.tree_cache.page_size))
+    block_bytes = _bytes_per_token(kv.tree_cache) * page
 
     def probe() -> LoadSnapshot:
         stats = kv.get_stats()
@@ -44,6 +61,7 @@ def _load_probe(kv: Any) -> Callable[[], LoadSnapshot]:
             waiting=int(stats.num_queue_reqs.total),
             kv_usage=float(stats.token_usage),
             kv_blocks_total=int(kv.max_total_num_tokens) // page,
+            kv_bytes_per_block=block_bytes,
         )
 
     return probe

@@ -529,6 +529,17 @@ def test_bytes_cached_by_tier(tokenizer_dir: Path) -> None:
             assert status == 200
             assert stats["index"]["bytes_by_tier"] == {"gpu": 2 * BS * 100}
             assert stats["index"]["bytes_by_pool"] == {"p": 2 * BS * 100}
+            # a pool that states no bytes per token: the engine's own figure, once it reports
+            a = router.workers["a"]
+            a.pool = a.pool.model_copy(update={"kv_bytes_per_token": 0})
+            _, stats = await call("GET", "/warply/cache_stats")
+            assert stats["index"]["bytes_cached"] == 0
+            snap = LoadSnapshot(0, 0, 0.0, kv_blocks_total=10, kv_bytes_per_block=64 * BS)
+            router.workers.engine_load("a", snap)
+            _, stats = await call("GET", "/warply/cache_stats")
+            assert stats["index"]["bytes_by_tier"] == {"gpu": 2 * 64 * BS}
+            _, workers = await call("GET", "/warply/workers")
+            assert workers["workers"][0]["kv_bytes_per_block"] == 64 * BS
 
     _run(scenario())
 

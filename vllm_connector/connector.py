@@ -108,6 +108,22 @@ def _delegate_class(
     return cls, inner
 
 
+def _bytes_per_block(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -> int:
+    """KV bytes of one block across the engine, from its KV cache spec (vLLM 0.32): a group's
+    page bytes times its layers; the largest device group, since groups overlay one another (a
+    block id belongs to one group at a time); times the tensor-parallel ranks, each holding its
+    share of the heads."""
+    per_rank = max(
+        (
+            g.kv_cache_spec.page_size_bytes * len(g.layer_names)
+            for g in kv_cache_config.kv_cache_groups
+            if not g.host_resident
+        ),
+        default=0,
+    )
+    return per_rank * vllm_config.parallel_config.tensor_parallel_size
+
+
 class WarplyConnector(KVConnectorBase_V1):
     """Forwards to the delegate; exports device-tier cache state; applies directives."""
 
@@ -139,9 +155,11 @@ class WarplyConnector(KVConnectorBase_V1):
         self._exporter: StateExporter | None = None
         self._directives: DirectiveApplier | None = None
         if role is KVConnectorRole.SCHEDULER:
-            self._start_scheduler_side(vllm_config)
+            self._start_scheduler_side(vllm_config, kv_cache_config)
 
-    def _start_scheduler_side(self, vllm_config: VllmConfig) -> None:
+    def _start_scheduler_side(
+        self, vllm_config: VllmConfig, kv_cache_config: KVCacheConfig
+    ) -> None:
         w = self._config.warply
         if not (w.events_endpoint or w.control_endpoint):
             return  # nothing to export or serve: no tee, no threads
@@ -154,6 +172,7 @@ class WarplyConnector(KVConnectorBase_V1):
             worker=w.worker or str(ktc.engine_id),
             counters=self._counters,
             load=self._load,
+            bytes_per_block=_bytes_per_block(vllm_config, kv_cache_config),
         )
         if w.control_endpoint:
             wake = find_engine_wakeup()

@@ -68,6 +68,7 @@ class StateExporter:
         worker: str,
         counters: WarplyCounters,
         load: Callable[[], tuple[int, int]],
+        bytes_per_block: int = 0,
     ) -> None:
         self.publisher = (
             StatePublisher(
@@ -83,6 +84,7 @@ class StateExporter:
         self._model = model
         self._counters = counters
         self._load = load
+        self._bytes_per_block = bytes_per_block
         self._snapshot_every = settings.snapshot_interval_s
         self._last_snapshot = 0.0
         self._pool: BlockPool | None = None
@@ -170,6 +172,7 @@ class StateExporter:
                     waiting=waiting,
                     kv_usage=self._pool.get_usage(),
                     kv_blocks_total=self._pool.num_gpu_blocks - 1,
+                    kv_bytes_per_block=self._bytes_per_block,
                 )
             )
         if self._out:

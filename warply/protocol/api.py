@@ -248,6 +248,8 @@ class WorkerView(msgspec.Struct):
     role: Role = "both"
     failed_probes: int = 0
     """`/health` probes failed in a row (it leaves placement at `unhealthy_after`)."""
+    kv_bytes_per_block: int = 0
+    """KV bytes per block as the engine reports it (0: not reported)."""
 
 
 class WorkerList(msgspec.Struct):

@@ -72,6 +72,10 @@ class LoadSnapshot(_Event, tag="load"):
     waiting: int
     kv_usage: float
     kv_blocks_total: int = 0
+    kv_bytes_per_block: int = 0
+    """KV bytes one block takes on this engine, all layers and ranks (from its KV cache spec;
+    0: not reported). The router's bytes metrics use it unless the pool sets
+    `kv_bytes_per_token`."""
 
 
 class DirectiveAck(_Event, tag="ack"):
