@@ -1,11 +1,12 @@
 """Warply's main job on this machine: two real vLLM CPU engines behind `warply-router`.
 
 Starts two `vllm serve` processes (one per core, stock KV-event streams), then for each strategy
-(prefix_affinity, then round_robin) starts `warply-router` in front of them, clears both engines'
-prefix caches, and replays a multi-turn workload derived from the Mooncake conversation trace
-(../shared/traces/mooncake/conversation_trace.jsonl). Prompts are texts built from each
-request's `hash_ids` (one seeded line of words per id), so equal hash chains are equal token
-prefixes, as in the trace. Ends with the routers' /warply/cache_stats side by side.
+(adaptive, prefix_affinity, round_robin by default) starts `warply-router` in front of them,
+clears both engines' prefix caches, and replays a multi-turn workload derived from the Mooncake
+conversation trace (scripts/data/mooncake_conversations.jsonl, shipped here). Prompts are
+texts built from each request's `hash_ids` (one seeded line of words per id), so equal hash
+chains are equal token prefixes, as in the trace. Ends with the routers' /warply/cache_stats
+side by side.
 
     .venvs/core/bin/python scripts/demo.py --vllm .venvs/vllm/bin/vllm --model DIR
 """
@@ -30,7 +31,8 @@ import yaml
 from warply.launch import HOST, EngineProcess, VllmServer, free_port, http_json
 
 ROOT = Path(__file__).resolve().parents[1]
-TRACE = ROOT.parent / "shared" / "traces" / "mooncake" / "conversation_trace.jsonl"
+TRACE = ROOT / "scripts" / "data" / "mooncake_conversations.jsonl"
+"""The demo's workload: conversations from the Mooncake trace, shipped with the project."""
 MODEL_NAME = "tiny"
 BLOCK_SIZE = 32  # vLLM 0.32 CPU attention needs a multiple of 32
 TOKEN = "demo-admin"
@@ -279,8 +281,7 @@ def main() -> int:
     ap.add_argument("--workdir", type=Path, help="where logs go (default: a temp folder)")
     args = ap.parse_args()
     if not args.trace.is_file():
-        print(f"demo: trace not found: {args.trace} (shared/ must sit beside the repo)",
-              file=sys.stderr)
+        print(f"demo: trace not found: {args.trace}", file=sys.stderr)
         return 1
     workdir = args.workdir or Path(tempfile.mkdtemp(prefix="warply-demo-"))
     try:
