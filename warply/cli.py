@@ -27,7 +27,8 @@ def _watch(args: argparse.Namespace) -> int:
             kind = type(ev).__name__
             counts[kind] += 1
             line: dict[str, Any] = {"seq": batch.seq, "source": batch.source, "event": kind}
-            line.update(msgspec.to_builtins(ev))
+            # events are array-like structs on the wire: name their fields here
+            line.update({f: msgspec.to_builtins(getattr(ev, f)) for f in ev.__struct_fields__})
             if not args.tokens and "token_ids" in line:
                 line["token_ids"] = f"<{len(line['token_ids'])} tokens>"
             print(json.dumps(line), flush=True)
