@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import tomllib
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import yaml  # type: ignore[import-untyped]
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
@@ -41,6 +41,12 @@ class WorkerConfig(_Strict):
     """Bind the SUB socket (the engine connects to us) instead of connecting to the engine."""
     control: str | None = None
     """Directive endpoint of the Warply plugin (ZMQ ROUTER), if any."""
+    bootstrap_host: str | None = Field(None, min_length=1)
+    """SGLang prefill worker: the host its bootstrap server is reached at by decode workers
+    (None: the host of `url`)."""
+    bootstrap_port: int | None = Field(None, ge=1, le=65535)
+    """SGLang prefill worker: its `--disaggregation-bootstrap-port` (None: SGLang's default,
+    8998)."""
 
     @field_validator("url")
     @classmethod
@@ -51,6 +57,10 @@ class WorkerConfig(_Strict):
     @classmethod
     def _endpoint(cls, value: str | None) -> str | None:
         return None if value is None else check_endpoint(value)
+
+
+KvHandoff = Literal["vllm", "sglang"]
+"""A prefill / decode pair's hand-off protocol."""
 
 
 class StrategyConfig(_Strict):
@@ -72,8 +82,13 @@ class PoolConfig(_Strict):
     """`both`: the workers prefill and decode their own requests (aggregated serving).
     `prefill`: they compute prompts handed off to a `decode` pool (vLLM: a KV connector such as
     NixlConnector with `kv_role` kv_producer); `decode`: they pull a prompt's KV from the prefill
-    worker and generate (kv_consumer), or prefill locally when little of the prompt is missing
-    (`pd.local_prefill_tokens`)."""
+    worker and generate (kv_consumer), or (vLLM) prefill locally when little of the prompt is
+    missing (`pd.local_prefill_tokens`)."""
+    kv_handoff: KvHandoff = "vllm"
+    """How a prefill or decode pool's engines hand a prompt's KV over (docs/router.md):
+    `vllm`, prefill first, then decode with the `kv_transfer_params` prefill returned;
+    `sglang`, one body with `bootstrap_host` / `bootstrap_port` / `bootstrap_room` to both
+    workers at once (`--disaggregation-mode prefill|decode`). Not for role `both`."""
     strategy: StrategyConfig | None = None
     """This pool's strategy (None: the router's `strategy`)."""
     price_per_hour: float = Field(0.0, ge=0)
@@ -83,6 +98,32 @@ class PoolConfig(_Strict):
     """These engines' prefill speed (prompt tokens per second, measured on your model), from
     which `cost_aware` estimates the wait for a first token; required by that strategy."""
     workers: list[WorkerConfig] = Field(min_length=1)
+
+    @property
+    def local_prefill(self) -> bool:
+        """Its workers can prefill a prompt themselves: aggregated workers, and vLLM decode
+        workers (an SGLang 0.5.23 server in disaggregation mode refuses a request without
+        `bootstrap_room`: `Scheduler._handle_generate_request`, managers/scheduler.py)."""
+        return self.role != "decode" or self.kv_handoff == "vllm"
+
+    @model_validator(mode="after")
+    def _handoff_fields(self) -> PoolConfig:
+        if self.role == "both" and self.kv_handoff != "vllm":
+            raise ValueError(
+                f"kv_handoff {self.kv_handoff!r} is for pools with role 'prefill' or 'decode'; "
+                f"pool {self.name!r} has role 'both' (its workers hand nothing off)"
+            )
+        if self.role == "prefill" and self.kv_handoff == "sglang":
+            return self
+        for w in self.workers:
+            for field in ("bootstrap_host", "bootstrap_port"):
+                if getattr(w, field) is not None:
+                    raise ValueError(
+                        f"worker {w.name!r}: {field} is for prefill workers of a pool with "
+                        f"kv_handoff 'sglang'; pool {self.name!r} has role {self.role!r} and "
+                        f"kv_handoff {self.kv_handoff!r}"
+                    )
+        return self
 
 
 class AlertConfig(_Strict):
@@ -175,6 +216,15 @@ class RouterConfig(_Strict):
             raise ValueError(
                 f"pools: decode pool(s) {named('decode')} take prompts from a prefill pool, "
                 "but no pool has role 'prefill' (add one, or give them role 'both')"
+            )
+        handoffs = {p.kv_handoff for p in self.pools if p.role != "both"}
+        if len(handoffs) > 1:
+            pools = ", ".join(
+                f"{p.name!r}: {p.kv_handoff!r}" for p in self.pools if p.role != "both"
+            )
+            raise ValueError(
+                f"pools: prefill and decode pools must share one kv_handoff ({pools}); "
+                "an engine's decode workers take KV only from its own kind of prefill worker"
             )
         return self
 

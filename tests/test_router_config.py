@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from importlib.metadata import EntryPoint
@@ -12,7 +13,7 @@ import pytest
 
 import warply.common.loading as loading
 from router.__main__ import _parser, config_from_args
-from router.config import ConfigError, StrategyConfig, load_config
+from router.config import ConfigError, RouterConfig, StrategyConfig, load_config
 from router.strategies import LeastLoaded, PrefixAffinity, make_strategy, strategy_class
 from router.workers import Workers
 
@@ -155,3 +156,54 @@ def test_mixed_deployments_load(tmp_path: Path) -> None:
     assert cfg.pd.local_prefill_tokens > 0
     workers = Workers(cfg.pools)
     assert [w.role for w in workers.values()] == ["prefill", "prefill", "decode", "decode", "both"]
+
+
+def _handoff_config(prefill: str, decode: str, both: str | None = None) -> dict[str, Any]:
+    """A prefill, a decode and (`both` not None) an aggregated pool; each argument lists the
+    pool's extra fields as `key=value,...` (`bootstrap_*` go to its worker)."""
+
+    def pool(i: int, role: str, spec: str) -> dict[str, Any]:
+        fields = dict(kv.split("=") for kv in spec.split(",") if kv)
+        worker: dict[str, Any] = {"name": f"w{i}", "url": f"http://127.0.0.1:{8000 + i}"}
+        for key in ("bootstrap_port", "bootstrap_host"):
+            if key in fields:
+                worker[key] = fields.pop(key)
+        return {"name": f"p{i}", "role": role, "block_size": 16, "workers": [worker], **fields}
+
+    pools = [pool(0, "prefill", prefill), pool(1, "decode", decode)]
+    if both is not None:
+        pools.append(pool(2, "both", both))
+    return {"model": "m", "tokenizer": "/t", "pools": pools}
+
+
+@pytest.mark.parametrize(
+    ("prefill", "decode", "both", "error"),
+    [
+        ("kv_handoff=sglang", "", None, r"share one kv_handoff \('p0': 'sglang', 'p1': 'vllm'\)"),
+        ("kv_handoff=sglang", "kv_handoff=sglang", "kv_handoff=sglang",
+         "pools.2: Value error, kv_handoff 'sglang' is for pools with role 'prefill' or 'decode'"),
+        ("bootstrap_port=9000", "", None,
+         "worker 'w0': bootstrap_port is for prefill workers of a pool with kv_handoff 'sglang'"),
+        ("kv_handoff=sglang", "kv_handoff=sglang,bootstrap_host=h", None,
+         "worker 'w1': bootstrap_host is for prefill workers .* role 'decode'"),
+        ("kv_handoff=sglang,bootstrap_port=0", "kv_handoff=sglang", None,
+         "pools.0.workers.0.bootstrap_port: Input should be greater than or equal to 1"),
+        ("kv_handoff=mooncake", "", None, "pools.0.kv_handoff: Input should be 'vllm' or 'sglang'"),
+    ],
+)  # fmt: skip
+def test_kv_handoff_is_validated(
+    tmp_path: Path, prefill: str, decode: str, both: str | None, error: str
+) -> None:
+    path = _write(tmp_path, json.dumps(_handoff_config(prefill, decode, both)))  # JSON is YAML
+    with pytest.raises(ConfigError, match=error):
+        load_config(path)
+
+
+def test_sglang_pools_load() -> None:
+    cfg = RouterConfig.model_validate(
+        _handoff_config("kv_handoff=sglang,bootstrap_port=9000", "kv_handoff=sglang", "")
+    )
+    prefill, decode, both = cfg.pools
+    assert (prefill.kv_handoff, decode.kv_handoff, both.kv_handoff) == ("sglang",) * 2 + ("vllm",)
+    assert prefill.workers[0].bootstrap_port == 9000
+    assert (prefill.local_prefill, decode.local_prefill, both.local_prefill) == (True, False, True)
