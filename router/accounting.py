@@ -56,7 +56,6 @@ class RequestAccount:
         rec.early = not exact
         rec.prompt_tokens = decision.prompt_tokens
         rec.prefill_cached = rec.prefill_s = rec.decode_sent_s = None
-        rec.prefill_failure = ""
         self._answer = decision.worker.book(decision.prompt_tokens, decision.prefill_tokens)
         if (leg := decision.prefill) is not None:
             self._prefill = leg.worker.book(leg.prompt_tokens, leg.prefill_tokens)
@@ -73,11 +72,10 @@ class RequestAccount:
         self._release_prefill()
 
     def prefill_failed(self, reason: str) -> None:
-        """The prefill leg failed: the decode worker prefills the prompt itself."""
-        assert self.decision is not None
+        """The prefill leg failed (recorded also when a later attempt succeeds): its worker's
+        booking ends; the caller prefills locally (`relocate`) or places the request again."""
         self._record.prefill_failure = reason
         self._release_prefill()
-        self.relocate("prefill_failed")
 
     def relocate(self, reason: LocalReason) -> None:
         """The decode worker prefills locally after all: book its prefill work there."""

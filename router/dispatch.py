@@ -41,8 +41,10 @@ import aiohttp
 import msgspec
 from aiohttp import web
 
-from router.accounting import RequestAccount, cached_tokens
+from router.accounting import RequestAccount
 from router.errors import ApiError
+from router.handoff import sglang
+from router.handoff.vllm import decode_params, prefill_body
 from router.placement import Decision
 from router.tokenize import Prompt
 from router.workers import Worker
@@ -67,8 +69,8 @@ class Prepared(Protocol):
 
 
 class Retry(Exception):
-    """`worker` refused the connection before anything was sent: place the request again
-    without it."""
+    """Place the request again without `worker`: it refused the connection before anything was
+    sent, or (SGLang) it failed a prefill leg before the decode worker answered."""
 
     def __init__(self, worker: str) -> None:
         super().__init__(worker)
@@ -82,31 +84,6 @@ class Answer:
 
     response: web.StreamResponse
     status: int
-
-
-def prefill_body(body: Mapping[str, Any]) -> dict[str, Any]:
-    """The prefill leg's body: the client's, computing the prompt and one token, not streamed,
-    asking the engine to keep the KV for a remote decode."""
-    out = dict(body)
-    out["stream"] = False
-    out.pop("stream_options", None)
-    out.pop("min_tokens", None)
-    out["max_tokens"] = 1
-    if "max_completion_tokens" in out:
-        out["max_completion_tokens"] = 1
-    out["kv_transfer_params"] = {"do_remote_decode": True}
-    return out
-
-
-def decode_params(params: Mapping[str, Any], prefill_usage: Any) -> dict[str, Any]:
-    """The decode leg's `kv_transfer_params`: the prefill's, with the prefill engine's cache hit
-    as `remote_prefill_cached_tokens` when the engine left it out (vLLM then reports it as the
-    decode answer's cached tokens)."""
-    out = dict(params)
-    cached = cached_tokens(prefill_usage)
-    if "remote_prefill_cached_tokens" not in out and cached is not None:
-        out["remote_prefill_cached_tokens"] = cached
-    return out
 
 
 def placed_headers(decision: Decision) -> dict[str, str]:
@@ -153,6 +130,34 @@ async def _unless_lost(
     finally:
         if not task.done():  # the client went away: so does the upstream request
             task.cancel()
+
+
+def _prefill_outcome(
+    leg: asyncio.Future[tuple[int, bytes, str]],
+    worker: Worker,
+    account: RequestAccount,
+    sent_s: float,
+) -> tuple[str, web.Response | None]:
+    """An ended SGLang prefill leg: ("", None) when it answered (its usage recorded), else the
+    failure's reason, with the engine's own answer when it refused the request (4xx)."""
+    try:
+        status, raw, content_type = leg.result()
+    except aiohttp.ClientConnectorError:
+        worker.set_health(False, refused=True)  # the health loop brings it back
+        return "connect", None
+    except _PrefillLost:
+        return "worker_down", None
+    except TimeoutError:
+        return "timeout", None
+    except aiohttp.ClientError:
+        return "error", None
+    if status == 200:
+        account.prefill_answered(sglang.answer_usage(raw), sent_s)
+        return "", None
+    refusal = None
+    if 400 <= status < 500:
+        refusal = web.Response(body=raw, status=status, content_type=content_type)
+    return f"status_{status}", refusal
 
 
 class Dispatcher:
@@ -204,7 +209,7 @@ class Dispatcher:
     ) -> Answer:
         """Serve one placed request; raises `Retry` or `ApiError`."""
         params = None
-        if decision.prefill is not None:
+        if decision.prefill is not None and decision.worker.pool.kv_handoff == "vllm":
             if not prep.single:  # several prompts or choices: one hand-off cannot carry them
                 account.relocate("batch")
             else:
@@ -268,6 +273,7 @@ class Dispatcher:
             leg.worker.name, reason, decision.worker.name,
         )
         account.prefill_failed(reason)
+        account.relocate("prefill_failed")
         return None
 
     async def _answer(
@@ -280,17 +286,19 @@ class Dispatcher:
         headers: Mapping[str, str],
         params: dict[str, Any] | None,
     ) -> Answer:
-        """The request to the answering worker, relayed to the client. A hand-off's decode leg
-        is abandoned if its prefill worker is lost before the first event (stream) or the
+        """The request to the answering worker, relayed to the client. A vLLM hand-off's decode
+        leg is abandoned if its prefill worker is lost before the first event (stream) or the
         answer (JSON): a decode engine pulling KV from a dead engine can stall (vLLM 0.32's
         NixlConnector on CPU waits as long as the request lives); it is then asked again, to
-        prefill locally."""
+        prefill locally. An SGLang hand-off sends both legs at once (`_paired`)."""
         worker = decision.worker
-        body = prep.body if params is None else {**prep.body, "kv_transfer_params": params}
-        account.answer_sent()
-        started = asyncio.Event()
-        relay = self._relay(request, kind, prep, decision, account, headers, body, started)
         try:
+            if decision.prefill is not None and decision.worker.pool.kv_handoff == "sglang":
+                return await self._paired(request, kind, prep, decision, account, headers)
+            body = prep.body if params is None else {**prep.body, "kv_transfer_params": params}
+            account.answer_sent()
+            started = asyncio.Event()
+            relay = self._relay(request, kind, prep, decision, account, headers, body, started)
             if params is None or decision.prefill is None:
                 return await relay
             prefill = decision.prefill.worker
@@ -302,6 +310,7 @@ class Dispatcher:
                     prefill.name, worker.name, worker.name,
                 )
                 account.prefill_failed("lost_before_decode")
+                account.relocate("prefill_failed")
                 assert account.decision is not None
                 return await self._answer(
                     request, kind, prep, account.decision, account, headers, None
@@ -313,6 +322,70 @@ class Dispatcher:
             raise ApiError(502, f"upstream {worker.name} failed: {exc}") from None
         except TimeoutError:
             raise ApiError(504, f"upstream {worker.name} timed out") from None
+
+    async def _paired(
+        self,
+        request: web.Request,
+        kind: str,
+        prep: Prepared,
+        decision: Decision,
+        account: RequestAccount,
+        headers: Mapping[str, str],
+    ) -> Answer:
+        """SGLang's hand-off: the client's body with one bootstrap room to the prefill and the
+        decode worker at once (`router.handoff.sglang`); decode's answer is relayed, prefill's
+        read for its usage. A prefill leg that fails before decode's first event (stream) or
+        answer (JSON) ends the decode leg, which waits for KV that will not come, and the
+        request is placed again without that prefill worker (`Retry`): an SGLang decode server
+        cannot prefill alone. A prefill's 4xx (the engine refused the request) is the answer."""
+        leg = decision.prefill
+        assert leg is not None
+        prefill = leg.worker
+        body = {**prep.body, **sglang.bootstrap_fields(prefill.config)}
+        sent_s = account.elapsed()
+
+        async def exchange() -> tuple[int, bytes, str]:
+            async with self._post(
+                prefill.config.url + PATHS[kind],
+                json=body,
+                headers=headers,
+                timeout=self._prefill_timeout,
+            ) as up:
+                return up.status, await up.read(), up.content_type
+
+        started = asyncio.Event()
+        prefill_leg = asyncio.ensure_future(
+            _unless_lost(exchange(), prefill, self._lost_after_s, started)
+        )
+        account.answer_sent()
+        decode_leg = asyncio.ensure_future(
+            self._relay(request, kind, prep, decision, account, headers, body, started)
+        )
+        try:
+            pending: set[asyncio.Future[Any]] = {prefill_leg, decode_leg}
+            while decode_leg in pending:
+                done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+                if prefill_leg not in done:
+                    continue
+                reason, refusal = _prefill_outcome(prefill_leg, prefill, account, sent_s)
+                if not reason or started.is_set():
+                    continue  # decode has its KV (SGLang's own balancer ignores prefill)
+                _log.warning(
+                    "prefill on %s failed (%s) before %s answered",
+                    prefill.name, reason, decision.worker.name,
+                )
+                account.prefill_failed(reason)
+                if refusal is None:
+                    raise Retry(prefill.name)
+                refusal.headers.update(placed_headers(decision))
+                return Answer(refusal, refusal.status)
+            return decode_leg.result()
+        finally:
+            legs = [leg for leg in (prefill_leg, decode_leg) if not leg.done()]
+            for unfinished in legs:  # closing its connection makes SGLang abort the request
+                unfinished.cancel()
+            if legs:
+                await asyncio.wait(legs)
 
     async def _relay(
         self,

@@ -10,6 +10,8 @@ is a `decode` worker, the request is handed off (`Decision.prefill`): the prefil
 their worker the same way (cached prefix, tier-aware), unless fewer than
 `pd.local_prefill_tokens` prompt tokens are missing on the decode worker (conditional
 disaggregation) or no prefill worker is available; then the decode worker prefills locally.
+SGLang decode workers cannot prefill alone (`PoolConfig.local_prefill`): they always get a
+prefill worker, and compete only while one is available.
 """
 
 from __future__ import annotations
@@ -93,6 +95,8 @@ class _Pool:
     block_size: int
     workers: list[Worker]
     strategy: Strategy
+    local_prefill: bool
+    """Its workers can prefill a prompt themselves (`PoolConfig.local_prefill`)."""
 
 
 class _GiveUp(Exception):
@@ -113,7 +117,8 @@ class Placement:
         self._prefill: list[_Pool] = []
         for pool in workers.pools:
             strategy = make_strategy(pool.config.strategy or config.strategy)
-            entry = _Pool(pool.config.name, pool.config.block_size, pool.workers, strategy)
+            cfg = pool.config
+            entry = _Pool(cfg.name, cfg.block_size, pool.workers, strategy, cfg.local_prefill)
             (self._prefill if pool.role == "prefill" else self._answer).append(entry)
 
     def strategy_state(self) -> dict[str, StrategyState]:
@@ -160,13 +165,22 @@ class Placement:
         early: bool,
     ) -> Decision | None:
         args = (tokens, prompt_tokens, namespace, prefix_reuse, exclude, early)
+        answer = self._answer
+        if not any(w.available and w.name not in exclude for p in self._prefill for w in p.workers):
+            answer = [pool for pool in answer if pool.local_prefill]
         try:
-            best = await self._best(self._answer, *args)
+            best = await self._best(answer, *args)
             if best is None:
+                if answer is not self._answer:
+                    raise NoCandidate(
+                        "no prefill worker is available, and the decode workers cannot prefill "
+                        "alone (SGLang disaggregation mode)"
+                    )
                 raise NoCandidate("no healthy worker is available")
             if best.worker.role != "decode":
                 return best
-            if best.missing_tokens < self.local_prefill_tokens:
+            local = best.worker.pool.local_prefill
+            if local and best.missing_tokens < self.local_prefill_tokens:
                 return best.local("below_threshold")
             leg = await self._best(self._prefill, *args)
         except _GiveUp:

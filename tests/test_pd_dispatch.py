@@ -57,6 +57,8 @@ class PdEngine(FakeEngine):
     hang_on_pull (a decode engine whose KV never arrives: hangs on kv_transfer_params)"""
     params: dict[str, Any] = field(default_factory=lambda: dict(PARAMS))
     max_model_len: int = 4096
+    worker: dict[str, Any] = field(default_factory=dict)
+    """Extra fields of its worker in the router's config."""
 
     def __post_init__(self) -> None:
         self.down = self.behaviour == "down"
@@ -106,12 +108,17 @@ class PdEngine(FakeEngine):
         return resp
 
 
-def _pools(prefill: list[PdEngine], decode: list[PdEngine], both: list[PdEngine] = ()) -> list:  # type: ignore[assignment,type-arg]
-    pools = []
+def _pools(
+    prefill: list[PdEngine], decode: list[PdEngine], both: list[PdEngine], kv_handoff: str
+) -> list[dict[str, Any]]:
+    pools: list[dict[str, Any]] = []
     for role, engines in (("prefill", prefill), ("decode", decode), ("both", both)):
         if engines:
-            workers = [{"name": e.name, "url": e.url} for e in engines]
-            pools.append({"name": role, "role": role, "block_size": BS, "workers": workers})
+            workers = [{"name": e.name, "url": e.url, **e.worker} for e in engines]
+            pool = {"name": role, "role": role, "block_size": BS, "workers": workers}
+            if role != "both":
+                pool["kv_handoff"] = kv_handoff
+            pools.append(pool)
     return pools
 
 
@@ -121,6 +128,7 @@ async def pd_router(
     prefill: list[PdEngine],
     decode: list[PdEngine],
     both: list[PdEngine] = (),  # type: ignore[assignment]
+    kv_handoff: str = "vllm",
     **overrides: Any,
 ) -> AsyncIterator[tuple[Router, aiohttp.ClientSession, str]]:
     runners = await serve_engines([*prefill, *decode, *both])
@@ -128,7 +136,7 @@ async def pd_router(
         {
             "model": "m",
             "tokenizer": tokenizer_dir,
-            "pools": _pools(prefill, decode, list(both)),
+            "pools": _pools(prefill, decode, list(both), kv_handoff),
             "health_interval_s": 60,
             "pd": overrides.pop("pd", {"local_prefill_tokens": 0}),
             **overrides,
