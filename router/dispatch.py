@@ -341,7 +341,7 @@ class Dispatcher:
         leg = decision.prefill
         assert leg is not None
         prefill = leg.worker
-        body = {**prep.body, **sglang.bootstrap_fields(prefill.config)}
+        body = sglang.leg_body(prep.body, prefill.config)
         sent_s = account.elapsed()
 
         async def exchange() -> tuple[int, bytes, str]:

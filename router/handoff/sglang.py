@@ -9,6 +9,7 @@ fields are SGLang's `PDRoutingFields` (srt/entrypoints/openai/protocol.py) and
 from __future__ import annotations
 
 import secrets
+from collections.abc import Mapping
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -25,12 +26,16 @@ _ROOMS = 2**63 - 2**20
 room + i (`GenerateReqInput._normalize_bootstrap_params`), which must stay int64."""
 
 
-def bootstrap_fields(prefill: WorkerConfig) -> dict[str, Any]:
-    """The fields both legs carry for `prefill`'s worker, with a new room."""
-    host = prefill.bootstrap_host or urlsplit(prefill.url).hostname
-    port = prefill.bootstrap_port or BOOTSTRAP_PORT
-    room = secrets.randbelow(_ROOMS)
-    return {"bootstrap_host": host, "bootstrap_port": port, "bootstrap_room": room}
+def leg_body(body: Mapping[str, Any], prefill: WorkerConfig) -> dict[str, Any]:
+    """The body both legs get: the client's (as the proxy rewrote it) with the bootstrap host
+    and port of `prefill`'s worker and a new room (scalars, as the mini LB sends on the OpenAI
+    routes; SGLang spreads them over a batch's or `n` > 1's sequences itself)."""
+    return {
+        **body,
+        "bootstrap_host": prefill.bootstrap_host or urlsplit(prefill.url).hostname,
+        "bootstrap_port": prefill.bootstrap_port or BOOTSTRAP_PORT,
+        "bootstrap_room": secrets.randbelow(_ROOMS),
+    }
 
 
 def answer_usage(raw: bytes) -> dict[str, Any] | None:
