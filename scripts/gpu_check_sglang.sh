@@ -1,23 +1,65 @@
 #!/usr/bin/env bash
-# GPU check for the SGLang plugin (needs one CUDA GPU; cannot run on the CPU-only dev machine).
-# Starts `python -m sglang.launch_server --enable-warply` on a small local model (127.0.0.1),
-# a Warply state collector, sends one prompt twice, prints the exported events and the hit.
-# Budget: under 8 minutes. Usage: bash scripts/gpu_check_sglang.sh [MODEL_DIR]
+# GPU check for SGLang (needs one CUDA GPU; cannot run on the CPU-only dev machine), 8 minutes at
+# most (the script stops itself), all servers on 127.0.0.1, stopped by PID (process group).
+#  1. `python -m sglang.launch_server --enable-warply` on a small local model, a Warply state
+#     collector: one prompt twice, the exported events, the index prediction, the engine's
+#     cached_tokens and a pin ack; then greedy reference answers (scripts/gpu_pd_check.py record).
+#  2. A P/D pair on the same GPU, both with --enable-warply: a prefill server
+#     (--disaggregation-mode prefill, bootstrap port 8998) and a decode server
+#     (--disaggregation-mode decode, decode radix cache on), KV over $TRANSFER (default nixl:
+#     `pip install nixl` in .venvs/sglang; mooncake needs mooncake-transfer-engine), behind
+#     warply-router (.venvs/core) with `kv_handoff: sglang` pools; every answer must equal
+#     phase 1's and be handed off (scripts/gpu_pd_check.py check).
+# Usage: [TRANSFER=nixl|mooncake] bash scripts/gpu_check_sglang.sh [MODEL_DIR]
 set -euo pipefail
+if [[ -z "${WARPLY_GPU_CHECK_TIMED:-}" ]]; then
+  WARPLY_GPU_CHECK_TIMED=1 exec timeout 480 bash "$0" "$@"
+fi
 ROOT="$(cd "$(dirname "$0")/.." && pwd)"
 PY="$ROOT/.venvs/sglang/bin/python"
+CORE="$ROOT/.venvs/core/bin/python"
 MODEL="${1:-$ROOT/.cache/tiny-small}"
+TRANSFER="${TRANSFER:-nixl}"
 PORT=30123 ROUTER=5591 CONTROL=5592
+P_PORT=30124 D_PORT=30125 R_PORT=30126 BOOTSTRAP=8998
+P_EVENTS=5593 D_EVENTS=5594 P_CONTROL=5595 D_CONTROL=5596
+export PYTHONPATH="$ROOT"
+case "$TRANSFER" in
+  nixl) "$PY" -c "import nixl" ;;
+  mooncake) "$PY" -c "import mooncake.engine" ;;
+  *) echo "TRANSFER must be nixl or mooncake, not $TRANSFER" >&2; exit 2 ;;
+esac || { echo "the $TRANSFER transfer backend does not import in .venvs/sglang" >&2; exit 1; }
 [[ -d "$MODEL" ]] || "$PY" "$ROOT/scripts/tiny_model.py" --size small --out "$MODEL"
-LOG="$(mktemp)"
-SGLANG_PLUGINS=warply timeout 480 "$PY" -m sglang.launch_server --model-path "$MODEL" \
-  --host 127.0.0.1 --port "$PORT" --mem-fraction-static 0.3 --page-size 16 \
-  --enable-warply --warply-router "tcp://127.0.0.1:$ROUTER" \
-  --warply-control "tcp://127.0.0.1:$CONTROL" --warply-worker gpu0 --warply-model tiny \
-  >"$LOG" 2>&1 &
+LOGS="$(mktemp -d)"
+PIDS=()
+stop() {  # each server runs in its own process group (setsid): stop the group by its PID
+  for pid in "$@"; do kill -- "-$pid" 2>/dev/null || true; done
+  for pid in "$@"; do wait "$pid" 2>/dev/null || true; done
+}
+trap 'stop "${PIDS[@]}"; echo "logs in $LOGS"' EXIT
+trap 'exit 143' TERM INT
+healthy() {  # healthy URL PID: wait for URL/health while PID lives
+  for _ in $(seq 300); do
+    "$CORE" -c 'import sys, urllib.request; urllib.request.urlopen(sys.argv[1], timeout=2)' \
+      "$1/health" 2>/dev/null && return 0
+    kill -0 "$2" 2>/dev/null || { echo "server for $1 exited; log:" >&2; return 1; }
+    sleep 1
+  done
+  echo "$1 not healthy in time" >&2; return 1
+}
+sglang() {  # sglang LOG ARGS...: start a server in its own process group, PID in $!
+  local log="$1"; shift
+  SGLANG_PLUGINS=warply setsid "$PY" -m sglang.launch_server --model-path "$MODEL" \
+    --served-model-name tiny --host 127.0.0.1 --page-size 16 --enable-warply "$@" >"$log" 2>&1 &
+}
+
+echo "== phase 1: one server with --enable-warply"
+sglang "$LOGS/aggregated.log" --port "$PORT" --mem-fraction-static 0.3 \
+  --warply-router "tcp://127.0.0.1:$ROUTER" --warply-control "tcp://127.0.0.1:$CONTROL" \
+  --warply-worker gpu0 --warply-model tiny
 SERVER=$!
-trap 'kill "$SERVER" 2>/dev/null || true; wait "$SERVER" 2>/dev/null || true' EXIT
-timeout 420 "$PY" - "$PORT" "$ROUTER" "$CONTROL" "$MODEL" <<'PY'
+PIDS+=("$SERVER")
+"$PY" - "$PORT" "$ROUTER" "$CONTROL" "$MODEL" <<'PY'
 import json, sys, time, urllib.request
 import zmq
 from transformers import AutoTokenizer
@@ -27,7 +69,7 @@ port, router, control, model = sys.argv[1], sys.argv[2], sys.argv[3], sys.argv[4
 sub = zmq.Context.instance().socket(zmq.SUB); sub.setsockopt(zmq.SUBSCRIBE, b"")
 sub.bind(f"tcp://127.0.0.1:{router}")
 base = f"http://127.0.0.1:{port}"
-for _ in range(360):
+for _ in range(200):
     try:
         urllib.request.urlopen(base + "/health", timeout=1); break
     except OSError:
@@ -56,4 +98,52 @@ d = zmq.Context.instance().socket(zmq.DEALER); d.connect(f"tcp://127.0.0.1:{cont
 d.send(encode_directive(Directive("pin1", DirectiveKind.PIN, token_ids=ids, ttl_s=30)))
 print("pin ack", d.recv() if d.poll(5000) else "no reply")
 PY
-echo "server log tail:"; tail -5 "$LOG"
+"$CORE" "$ROOT/scripts/gpu_pd_check.py" record "http://127.0.0.1:$PORT" "$LOGS/reference.json" tiny
+stop "$SERVER"
+
+echo "== phase 2: prefill + decode ($TRANSFER) behind warply-router"
+sglang "$LOGS/prefill.log" --port "$P_PORT" --mem-fraction-static 0.3 \
+  --disaggregation-mode prefill --disaggregation-transfer-backend "$TRANSFER" \
+  --disaggregation-bootstrap-port "$BOOTSTRAP" \
+  --warply-router "tcp://127.0.0.1:$P_EVENTS" --warply-control "tcp://127.0.0.1:$P_CONTROL" \
+  --warply-worker p --warply-model tiny
+PIDS+=("$!")
+sglang "$LOGS/decode.log" --port "$D_PORT" --mem-fraction-static 0.3 \
+  --disaggregation-mode decode --disaggregation-transfer-backend "$TRANSFER" \
+  --disaggregation-decode-enable-radix-cache \
+  --warply-router "tcp://127.0.0.1:$D_EVENTS" --warply-control "tcp://127.0.0.1:$D_CONTROL" \
+  --warply-worker d --warply-model tiny
+PIDS+=("$!")
+cat >"$LOGS/router.yaml" <<YAML
+model: tiny
+tokenizer: $MODEL
+host: 127.0.0.1
+port: $R_PORT
+pd: {prefill_timeout_s: 60}
+pools:
+  - name: prefill
+    role: prefill
+    kv_handoff: sglang
+    block_size: 16
+    workers:
+      - {name: p, url: "http://127.0.0.1:$P_PORT", bootstrap_port: $BOOTSTRAP,
+         events: "tcp://127.0.0.1:$P_EVENTS", bind: true, control: "tcp://127.0.0.1:$P_CONTROL"}
+  - name: decode
+    role: decode
+    kv_handoff: sglang
+    block_size: 16
+    workers:
+      - {name: d, url: "http://127.0.0.1:$D_PORT",
+         events: "tcp://127.0.0.1:$D_EVENTS", bind: true, control: "tcp://127.0.0.1:$D_CONTROL"}
+YAML
+setsid "$CORE" -m router --config "$LOGS/router.yaml" >"$LOGS/router.log" 2>&1 &
+PIDS+=("$!")
+healthy "http://127.0.0.1:$P_PORT" "${PIDS[1]}" || { tail -20 "$LOGS/prefill.log"; exit 1; }
+healthy "http://127.0.0.1:$D_PORT" "${PIDS[2]}" || { tail -20 "$LOGS/decode.log"; exit 1; }
+healthy "http://127.0.0.1:$R_PORT" "${PIDS[3]}" || { tail -20 "$LOGS/router.log"; exit 1; }
+sleep 3  # the router's first health probe marks the workers healthy
+"$CORE" "$ROOT/scripts/gpu_pd_check.py" check "http://127.0.0.1:$R_PORT" "$LOGS/reference.json" tiny
+"$CORE" -c 'import json, sys, urllib.request
+s = json.load(urllib.request.urlopen(sys.argv[1]))
+print("router pd stats:", json.dumps(s.get("pd"))[:400])' "http://127.0.0.1:$R_PORT/warply/cache_stats"
+echo "SGLang GPU check passed"
