@@ -1,4 +1,5 @@
-"""Sending a placed request: straight to one worker, or prefill → decode (vLLM P/D hand-off).
+"""Sending a placed request: straight to one worker, or handed off prefill → decode (vLLM's
+two-step flow, or SGLang's bootstrap room sent to both at once; wire shapes in `router.handoff`).
 
 Direct: the client's body goes to the chosen worker (aggregated, or a decode worker that
 prefills locally); its answer (JSON or SSE) is relayed.
@@ -26,6 +27,14 @@ its KV may never arrive, and a decode engine pulling from a dead one can stall. 
 connection (nothing was sent) raises `Retry`: the proxy places the request again without that
 worker. Any other upstream failure is an OpenAI-shaped error: 502 / 504, or, once a stream has
 started, a final `data: {"error": ...}` event and `data: [DONE]`.
+
+SGLang hand-off (a decode pool with `kv_handoff: sglang`): the same body with the prefill
+worker's `bootstrap_host` / `bootstrap_port` and a new `bootstrap_room` goes to both workers at
+once; decode's answer is relayed. An SGLang 0.5.23 server in disaggregation mode refuses a
+request without `bootstrap_room` (400), so nothing falls back to a local prefill: a prefill leg
+failing before decode's first event or answer ends the decode leg and raises `Retry` for the
+prefill worker (placement then picks another one, or answers 503 when none is left); a
+prefill's 4xx is the client's answer. Decode failures are handled as above.
 """
 
 from __future__ import annotations
