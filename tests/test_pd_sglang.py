@@ -43,12 +43,15 @@ class SglangEngine(PdEngine):
     behaviour: ok | down | status500 | status400 | hang | drop | die_midstream"""
 
     mode: str = "decode"
+    """prefill | decode | both (aggregated: serves plain requests)"""
     rooms: dict[int, _Room] = field(default_factory=dict)
     """Shared by a deployment's engines (the fake transfer)."""
 
     async def _generate(self, request: web.Request) -> web.StreamResponse:
         body = await request.json()
         self.bodies.append(body)
+        if self.mode == "both":  # an aggregated server
+            return await self._answer(request, body)
         if body.get("bootstrap_room") is None:  # srt/managers/scheduler.py, 0.5.23
             message = "Invalid request: Disaggregated request received without bootstrap room id."
             return web.json_response({"error": {"message": message}}, status=400)
@@ -295,5 +298,25 @@ def test_decode_failure_is_an_openai_error(tokenizer_dir: Path, behaviour: str) 
                 assert _is_error(body) and (status, body["error"]["code"]) == want
             assert len(p.bodies) == 1, "the prefill leg ran once"
             _no_load(router)
+
+    _run(scenario())
+
+
+def test_without_a_prefill_worker_an_aggregated_pool_answers(tokenizer_dir: Path) -> None:  # noqa: F811
+    """An SGLang decode pool competes only while a prefill worker is available."""
+
+    async def scenario() -> None:
+        (p,), d = _pair([("p", "ok")])
+        a = SglangEngine("a", mode="both")
+        async with pd_router(tokenizer_dir, [p], [d], [a], kv_handoff="sglang") as (
+            router,
+            session,
+            base,
+        ):
+            router.workers["p"].set_health(False)
+            status, out, headers = await _post(session, base, {"prompt": PROMPT})
+            assert status == 200 and out["choices"][0]["text"] == "a" and not d.bodies
+            assert headers["X-Warply-Mode"] == "aggregated"
+            assert "bootstrap_room" not in a.bodies[-1]
 
     _run(scenario())
