@@ -2,8 +2,7 @@
 (`router.handoff.sglang.leg_body`, what `router.dispatch` sends) parsed by SGLang 0.5.23's own
 request classes (OpenAI `CompletionRequest` / `ChatCompletionRequest`, and `GenerateReqInput`'s
 spreading of the room over a batch's sequences), and compared with what SGLang's mini load
-balancer sends (sglang-router 0.3.2, run in-process against fake servers on 127.0.0.1 when
-`sglang_router` and FastAPI are importable)."""
+balancer sends (sglang-router 0.3.2, run in-process against fake servers on 127.0.0.1)."""
 
 from __future__ import annotations
 
@@ -14,6 +13,7 @@ import pytest
 from aiohttp import web
 from sglang.srt.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest
 from sglang.srt.managers.io_struct import GenerateReqInput
+from sglang_router import mini_lb, router_args
 
 from router.config import WorkerConfig
 from router.handoff.sglang import BOOTSTRAP_PORT, leg_body
@@ -84,8 +84,6 @@ async def _capture(bodies: list[dict[str, Any]]) -> tuple[web.AppRunner, str]:
 def test_the_router_sends_what_sglangs_mini_lb_sends(kind: str, client: dict[str, Any]) -> None:
     """SGLang's mini LB, given the client's body, sends prefill and decode the same body with
     scalar bootstrap fields; the router's legs have the same fields, types and rest."""
-    mini_lb = pytest.importorskip("sglang_router.mini_lb")
-    router_args = pytest.importorskip("sglang_router.router_args")
 
     async def scenario() -> None:
         prefill: list[dict[str, Any]] = []
