@@ -11,6 +11,7 @@ What SGLang 0.5.23 can do, through the cache's own API:
 - prefetch (host → device, `load_back`) and offload (device → host backup, host → L3
   `write_backup_storage`) need HiCache's host tier (`cache_controller`); without it they are
   rejected with the reason.
+- quota: rejected; neither the radix cache nor HiCache caps a namespace's bytes.
 
 Prefixes are given by `token_ids` (truncated to whole pages, as SGLang caches only whole pages)
 and `namespace` (the request's `cache_salt`); canonical `keys` cannot be mapped back to tokens here.
@@ -55,6 +56,12 @@ class DirectiveApplier:
     def apply(self, d: Directive) -> DirectiveAck:
         """Apply one directive and say how it went; never raises for a bad prefix."""
         self.expire()
+        if d.kind is DirectiveKind.QUOTA:
+            return DirectiveAck(
+                d.id,
+                False,
+                "quota: SGLang 0.5.23's radix cache and HiCache have no per-namespace quota",
+            )
         if not d.token_ids:
             return DirectiveAck(
                 d.id, False, "SGLang hook needs token_ids (keys cannot be resolved)"

@@ -10,6 +10,7 @@ can really do on its device tier:
   the LRU never reuses them; capped by `max_pinned_fraction`, optional TTL.
 - prefetch / offload, or any tier other than the device: rejected; vLLM has no API to move a
   cached block between tiers, and connectors expose none either.
+- quota: rejected; the block pool has no per-namespace quota.
 
 Every directive gets a `DirectiveAck`, as the reply on the control socket and on the state stream.
 """
@@ -107,6 +108,13 @@ class DirectiveApplier:
         self._pins.clear()
 
     def _apply(self, d: Directive) -> DirectiveAck:
+        if d.kind is DirectiveKind.QUOTA:
+            via = f"; delegate {self._delegate_name} exposes none" if self._delegate_name else ""
+            return DirectiveAck(
+                d.id,
+                False,
+                f"quota: vLLM 0.32's block pool has no per-namespace (cache_salt) quota{via}",
+            )
         if self._pool is None:
             return DirectiveAck(d.id, False, "the block pool is not bound yet")
         if d.kind in (DirectiveKind.PREFETCH, DirectiveKind.OFFLOAD):

@@ -19,7 +19,7 @@ from pydantic import ValidationError
 from router.config import ConfigError, StrategyConfig
 from router.strategies.base import Strategy
 from router.strategies.builtin import BUILTIN
-from warply.common.loading import LoadError, entry_point_names, load_entry_point, load_path
+from warply.common.loading import LoadError, entry_point_names, load_class
 
 GROUP = "warply.strategies"
 
@@ -36,19 +36,9 @@ def strategy_class(name: str, extra: Extra | None = None) -> type[Strategy]:
     """The class for `name`; raises `ConfigError` saying what was tried."""
     known = {**BUILTIN, **(extra or {})}
     try:
-        if name in known:
-            return known[name]
-        found = load_path(name) if ":" in name else load_entry_point(GROUP, name)
+        return load_class(name, GROUP, known, Strategy, "strategy", "router.strategies.Strategy")
     except LoadError as exc:
         raise ConfigError(f"strategy.name: {exc}") from None
-    if found is None:
-        raise ConfigError(
-            f"strategy.name: unknown strategy {name!r} (known: {', '.join(known_names(extra))}; "
-            "or give a `module:Class` path)"
-        )
-    if not (isinstance(found, type) and issubclass(found, Strategy)):
-        raise ConfigError(f"strategy.name: {name!r} is not a router.strategies.Strategy subclass")
-    return found
 
 
 def make_strategy(config: StrategyConfig, extra: Extra | None = None) -> Strategy:

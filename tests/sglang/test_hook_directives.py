@@ -126,3 +126,10 @@ def test_control_socket_round_trip() -> None:
         client.close()
         server.close()
         applier.release_all()
+
+
+def test_quota_is_rejected_with_a_reason() -> None:
+    _, applier = _cache("python", 16)
+    quota = Directive("q1", DirectiveKind.QUOTA, namespace="tenant-a", quota_bytes=1 << 20)
+    ack = applier.apply(quota)
+    assert not ack.applied and "no per-namespace quota" in ack.reason

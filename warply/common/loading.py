@@ -1,14 +1,18 @@
 """Loading user objects by `module:attr` path or from an entry-point group.
 
-Strategies (`warply.strategies`), alert callbacks and the replayer's cost models are all found
-this way. This module only finds and loads objects; each caller checks what it got (e.g. that a
-strategy is a `router.strategies.Strategy` subclass).
+Strategies (`warply.strategies`), tier policies (`warply.tier_policies`), alert callbacks and
+the replayer's cost models are all found this way. `load_class` is the one lookup order for
+named classes: built-in, then entry point, then `module:Class`, checked against a base class.
 """
 
 from __future__ import annotations
 
 import importlib
+from collections.abc import Mapping
 from importlib.metadata import entry_points
+from typing import TypeVar, cast
+
+_T = TypeVar("_T")
 
 
 class LoadError(LookupError):
@@ -44,3 +48,27 @@ def load_path(spec: str) -> object:
         return getattr(module, attr)
     except AttributeError:
         raise LoadError(f"module {module_name!r} has no attribute {attr!r}") from None
+
+
+def load_class(
+    name: str,
+    group: str,
+    builtin: Mapping[str, type[_T]],
+    base: type,
+    what: str,
+    base_name: str,
+) -> type[_T]:
+    """The class `name` stands for: a `builtin` name, an entry point of `group`, or a
+    `module:Class` path; it must subclass `base` (which may be abstract; `base_name` in errors).
+    Raises `LoadError` saying what was tried, in terms of `what` (e.g. "strategy")."""
+    if name in builtin:
+        return builtin[name]
+    found = load_path(name) if ":" in name else load_entry_point(group, name)
+    if found is None:
+        known = sorted({*builtin, *entry_point_names(group)})
+        raise LoadError(
+            f"unknown {what} {name!r} (known: {', '.join(known)}; or give a `module:Class` path)"
+        )
+    if not (isinstance(found, type) and issubclass(found, base)):
+        raise LoadError(f"{name!r} is not a {base_name} subclass")
+    return cast("type[_T]", found)
