@@ -27,6 +27,7 @@ from router.index import MemoryStore, PrefixIndex
 from router.metrics import RouterMetrics, kv_transfer_stats
 from router.placement import Placement
 from router.proxy import Proxy
+from router.tiering import TierRunner
 from router.tokenize import RouterTokenizer
 from router.workers import Worker, Workers
 from warply.protocol import Directive
@@ -62,6 +63,10 @@ class Router:
             config.pd.lost_after_s,
         )
         self.proxy.max_model_len = config.max_model_len
+        self.tiering: TierRunner | None = None
+        if config.tiering is not None:
+            self.tiering = TierRunner(config.tiering, self.index, self.workers, self.metrics.series)
+            self.metrics.on_request.append(self.tiering.observe)
         self._health_task: asyncio.Task[None] | None = None
         self.app = web.Application(middlewares=[self._errors, self._auth])
         self.app.add_routes(
@@ -88,8 +93,12 @@ class Router:
         if self.proxy.max_model_len is None:
             self.proxy.max_model_len = await self._discover_max_model_len()
         self._health_task = asyncio.create_task(self._health_loop(), name="health")
+        if self.tiering is not None:
+            self.tiering.start()
 
     async def _cleanup(self, _: web.Application) -> None:
+        if self.tiering is not None:
+            await self.tiering.stop()
         if self._health_task is not None:
             self._health_task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
@@ -206,7 +215,10 @@ class Router:
 
     async def cache_stats(self) -> CacheStats:
         """What `/warply/cache_stats` serves."""
-        return self.metrics.cache_stats(await self.index.stats(), self.placement.strategy_state())
+        stats = self.metrics.cache_stats(await self.index.stats(), self.placement.strategy_state())
+        if self.tiering is not None:
+            stats.tiering = self.tiering.stats()
+        return stats
 
     def worker_list(self) -> WorkerList:
         """What `/warply/workers` serves."""

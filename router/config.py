@@ -154,6 +154,29 @@ class PdConfig(_Strict):
     on decode. Not 0: on a busy machine a live engine's probe can time out once."""
 
 
+class TierPolicyConfig(_Strict):
+    """A tier policy by name (builtin, `warply.tier_policies` entry point, or `module:Class`)."""
+
+    name: str = "lru_by_tier"
+    knobs: dict[str, Any] = Field(default_factory=dict)
+
+
+class TieringConfig(_Strict):
+    """The tier policy the router runs, and how often (docs/tiering.md)."""
+
+    policy: TierPolicyConfig = TierPolicyConfig()
+    interval_s: float = Field(5.0, gt=0)
+    """Seconds between policy rounds."""
+    directive_timeout_s: float = Field(2.0, gt=0)
+    """Longest wait for a plugin's ack; past it the directive counts as `timeout`."""
+    max_directives: int = Field(64, gt=0)
+    """Directives sent per round at most (the rest are counted as `dropped`)."""
+    max_prefixes: int = Field(1024, gt=0)
+    """Prefixes tracked for policies (least recently used dropped first)."""
+    max_prefix_blocks: int = Field(64, gt=0)
+    """Blocks kept per tracked prefix."""
+
+
 class RouterConfig(_Strict):
     """Everything `warply-router` needs."""
 
@@ -183,6 +206,8 @@ class RouterConfig(_Strict):
     probe on a busy machine does not take a live engine out."""
     request_timeout_s: float = Field(600.0, gt=0)
     pd: PdConfig = PdConfig()
+    tiering: TieringConfig | None = None
+    """None: no tier policy runs."""
 
     @field_validator("lora_adapters")
     @classmethod

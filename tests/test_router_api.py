@@ -21,6 +21,7 @@ from tokenizers import Tokenizer, models, pre_tokenizers, processors, trainers
 
 from router.app import Router
 from router.config import RouterConfig
+from router.tiering import Action, TierPolicy, TierState
 from router.tokenize import RouterTokenizer
 from warply.protocol import (
     BlockStored,
@@ -627,5 +628,35 @@ def test_engine_load_and_prefix_hits_are_shown(tokenizer_dir: Path) -> None:
             assert stats.workers["b"].engine_prefix_hits == 0
             _, text = await call("GET", "/metrics")
             assert 'warply_engine_prefix_hit_tokens_total{worker="a"} 12.0' in text
+
+    _run(scenario())
+
+
+class FailingTierPolicy(TierPolicy):
+    """A user tier policy with a bug: every round raises."""
+
+    name = "failing"
+
+    def decide(self, state: TierState) -> Sequence[Action]:
+        raise ValueError(f"bug after {len(state.prefixes)} prefixes")
+
+
+def test_a_failing_tier_policy_is_counted_and_routing_goes_on(tokenizer_dir: Path) -> None:
+    tiering = {"policy": {"name": f"{__name__}:FailingTierPolicy"}, "interval_s": 0.05}
+
+    async def scenario() -> None:
+        engine = FakeEngine("a")
+        async with running(tokenizer_dir, [engine], tiering=tiering) as (router, call, _s, _b):
+            req = {"model": "m", "prompt": "the cache holds a prefix", "max_tokens": 2}
+            for _ in range(3):
+                status, _body = await call("POST", "/v1/completions", req)
+                assert status == 200
+                await asyncio.sleep(0.06)
+            stats = await router.cache_stats()
+            assert stats.tiering is not None and stats.tiering.policy == "failing"
+            assert stats.tiering.policy_failures >= 2
+            assert stats.tiering.last_error.startswith("ValueError: bug after 1 prefixes")
+            _, text = await call("GET", "/metrics")
+            assert "warply_tiering_policy_failures_total" in text
 
     _run(scenario())

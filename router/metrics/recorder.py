@@ -8,7 +8,7 @@ index of their own.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 
 from router.config import RouterConfig
 from router.index import IndexStats
@@ -35,6 +35,9 @@ class RouterMetrics:
         self.series = Series()
         self.alert = HitAlert(config.alerts)
         self.stats = Stats(config.strategy.name, workers, config.pd.local_prefill_tokens)
+        self.on_request: list[Callable[[RequestRecord], None]] = []
+        """Called with each ended request's record after it is counted (e.g. the tier
+        policy's prefix tracker)."""
 
     @property
     def alert_firing(self) -> bool:
@@ -48,6 +51,8 @@ class RouterMetrics:
         s = self.series
         self.series.requests.labels(d.worker.name if d else "", str(rec.status)).inc()
         s.latency.observe(rec.latency_s)
+        for observe in self.on_request:
+            observe(rec)
         if d is None:
             return
         if rec.overhead_s is not None:

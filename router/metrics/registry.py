@@ -183,6 +183,22 @@ class Series:
             registry=r,
         )
 
+        self.tiering_rounds = PromCounter(
+            "warply_tiering_rounds", "Tier-policy rounds run", registry=r
+        )
+        self.tiering_failures = PromCounter(
+            "warply_tiering_policy_failures",
+            "Tier-policy rounds whose decide() raised (logged; routing went on)",
+            registry=r,
+        )
+        self.tiering_directives = PromCounter(
+            "warply_tiering_directives",
+            "Tier-policy directives by kind and outcome (applied, rejected, timeout, error, "
+            "no_control, dropped)",
+            ["kind", "outcome"],
+            registry=r,
+        )
+
     def refresh(
         self,
         index: IndexStats,

@@ -54,11 +54,13 @@ def bytes_by_pool_tier(index: IndexStats, workers: Workers) -> Counter[tuple[str
     for (worker, tier), n in index.entries_by_worker_tier.items():
         w = workers.get(worker)
         if w is not None:
-            out[(w.pool.name, tier.value)] += n * _block_bytes(w)
+            out[(w.pool.name, tier.value)] += n * block_bytes(w)
     return out
 
 
-def _block_bytes(worker: Worker) -> int:
+def block_bytes(worker: Worker) -> int:
+    """KV bytes one block takes on `worker` (the pool's statement, else the engine's report;
+    0: neither)."""
     stated = worker.pool.block_size * worker.pool.kv_bytes_per_token
     if stated or worker.snapshot is None:
         return stated

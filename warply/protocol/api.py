@@ -180,6 +180,24 @@ class StrategyState(msgspec.Struct):
     """Name → worker → value (e.g. `routed_share`: 1 = the worker's fair share of work)."""
 
 
+class TieringStats(msgspec.Struct):
+    """The tier policy the router runs, and what became of its directives."""
+
+    policy: str
+    rounds: int = 0
+    policy_failures: int = 0
+    """Rounds whose `decide` raised (logged; routing went on)."""
+    last_error: str = ""
+    directives: dict[str, dict[str, int]] = msgspec.field(default_factory=dict)
+    """Kind → outcome → count; outcomes: applied, rejected (the plugin's ack said no), timeout,
+    error (unreachable), no_control (worker has no control endpoint), dropped (over the
+    per-round cap)."""
+    last_rejection: str = ""
+    """The reason of the latest rejection, as the plugin gave it."""
+    tracked_prefixes: int = 0
+    pinned_prefixes: int = 0
+
+
 class CacheStats(msgspec.Struct):
     """`GET /warply/cache_stats`."""
 
@@ -208,6 +226,8 @@ class CacheStats(msgspec.Struct):
     """None unless some pool has role `prefill` or `decode`."""
     strategy_state: dict[str, StrategyState] = msgspec.field(default_factory=dict)
     """Per pool, its strategy's measured state (`Strategy.gauges` / `worker_gauges`)."""
+    tiering: TieringStats | None = None
+    """None unless a tier policy runs (`tiering` in the router config)."""
 
 
 # -- /warply/workers ------------------------------------------------------------------------------

@@ -1,0 +1,150 @@
+"""What a tier policy sees: a typed snapshot of the cached prefixes the router has seen used,
+per (namespace, prefix head, worker), and the bounded tracker that feeds it.
+
+A tracked *prefix* is the part of the key chain that every request starting with the same first
+block (the *head*) on one worker shared: the longest common run of their chains, capped at
+`max_blocks`. The tracker learns it from the router's own request records (placement decision:
+namespace, key chain, worker, matched blocks), so it needs no engine support; the runner adds
+where the index holds those blocks (tiers, bytes) and what its own directives did (pins, copies).
+"""
+
+from __future__ import annotations
+
+from collections import Counter, OrderedDict, deque
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+
+from warply.protocol import Tier
+
+PrefixId = tuple[str, int, str]
+"""(namespace, head key, worker)."""
+
+
+@dataclass(frozen=True, slots=True)
+class PrefixState:
+    """One tracked prefix on one worker, as the policy sees it."""
+
+    namespace: str
+    head: int
+    """Canonical key of the prefix's first block."""
+    worker: str
+    keys: tuple[int, ...]
+    """The prefix's canonical key chain (what directives name)."""
+    requests: int
+    """Requests routed to the worker that started with this prefix (lifetime)."""
+    hit_times: tuple[float, ...]
+    """When those requests found the prefix cached there (index view), oldest first; bounded."""
+    last_use: float
+    blocks_by_tier: Mapping[Tier, int]
+    """Leading blocks of `keys` the index holds on the worker, under their fastest tier."""
+    block_bytes: int
+    """KV bytes per block on the worker (0: not known)."""
+    pinned: bool = False
+    """A pin the runner sent was applied and not unpinned since."""
+    copies: frozenset[Tier] = frozenset()
+    """Tiers an applied offload of the runner's copied it to (the index counts a block under
+    its fastest tier only, so a slower copy is known from the acks)."""
+
+    @property
+    def id(self) -> PrefixId:
+        return (self.namespace, self.head, self.worker)
+
+    @property
+    def blocks(self) -> int:
+        return sum(self.blocks_by_tier.values())
+
+    @property
+    def fastest_tier(self) -> Tier | None:
+        return min(self.blocks_by_tier, key=tuple(Tier).index, default=None)
+
+    def bytes_on(self, tier: Tier) -> int:
+        return self.blocks_by_tier.get(tier, 0) * self.block_bytes
+
+    def hits_within(self, window_s: float, now: float) -> int:
+        """Hits in the last `window_s` seconds before `now`."""
+        return sum(1 for t in self.hit_times if t >= now - window_s)
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerState:
+    """One worker as tier policies see it."""
+
+    name: str
+    pool: str
+    kv_usage: float
+    """The engine's KV occupancy (0..1) from its last load snapshot."""
+    block_bytes: int
+    bytes_by_tier: Mapping[Tier, int]
+    """Everything the index holds for the worker, as KV bytes per (fastest) tier."""
+    controllable: bool
+    """It has a plugin control endpoint (directives can reach it)."""
+
+
+@dataclass(frozen=True, slots=True)
+class TierState:
+    """The snapshot `TierPolicy.decide` gets each round."""
+
+    now: float
+    """Wall-clock seconds (`time.time()`), the clock of `hit_times` and `last_use`."""
+    prefixes: Sequence[PrefixState]
+    workers: Mapping[str, WorkerState] = field(default_factory=dict)
+
+    def namespace_bytes(self) -> Counter[tuple[str, Tier]]:
+        """KV bytes of the tracked prefixes per (namespace, tier), all workers together."""
+        out: Counter[tuple[str, Tier]] = Counter()
+        for p in self.prefixes:
+            for tier in p.blocks_by_tier:
+                out[(p.namespace, tier)] += p.bytes_on(tier)
+        return out
+
+
+@dataclass(slots=True)
+class _Tracked:
+    keys: list[int]
+    hit_times: deque[float]
+    requests: int = 0
+    last_use: float = 0.0
+
+
+class PrefixTracker:
+    """The prefixes requests used, per (namespace, head, worker); LRU-bounded to `max_prefixes`
+    entries of at most `max_blocks` keys and `max_hits` hit times each."""
+
+    def __init__(self, max_prefixes: int = 1024, max_blocks: int = 64, max_hits: int = 256):
+        self.max_prefixes = max_prefixes
+        self.max_blocks = max_blocks
+        self._max_hits = max_hits
+        self._entries: OrderedDict[PrefixId, _Tracked] = OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def record(
+        self, namespace: str, keys: Sequence[int], worker: str, hit: bool, now: float
+    ) -> None:
+        """One request routed to `worker` with key chain `keys` (hit: it held some of it)."""
+        if not keys:
+            return
+        pid = (namespace, keys[0], worker)
+        entry = self._entries.get(pid)
+        if entry is None:
+            entry = _Tracked(list(keys[: self.max_blocks]), deque(maxlen=self._max_hits))
+            self._entries[pid] = entry
+            while len(self._entries) > self.max_prefixes:
+                self._entries.popitem(last=False)
+        else:
+            self._entries.move_to_end(pid)
+            common = 0
+            for a, b in zip(entry.keys, keys, strict=False):
+                if a != b:
+                    break
+                common += 1
+            del entry.keys[common:]
+        entry.requests += 1
+        entry.last_use = now
+        if hit:
+            entry.hit_times.append(now)
+
+    def items(self) -> list[tuple[PrefixId, _Tracked]]:
+        """Every tracked prefix, least recently used first."""
+        return list(self._entries.items())
