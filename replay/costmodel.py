@@ -57,3 +57,20 @@ class ReferenceModel:
         p = np.minimum(utilisation, 1.0)
         out: F64 = np.maximum(self.decode_floor_ms, (a * p + b) * p + c)
         return out
+
+
+class Scaled:
+    """Another model's pass times divided by `speed` (a pool of faster or slower engines)."""
+
+    def __init__(self, model: CostModel, speed: float) -> None:
+        if speed <= 0:
+            raise ValueError("speed must be positive")
+        self.model = model
+        self.speed = speed
+
+    def prefill_ms(self, tokens: int) -> float:
+        return self.model.prefill_ms(tokens) / self.speed
+
+    def decode_ms(self, utilisation: F64) -> F64:
+        out: F64 = self.model.decode_ms(utilisation) / self.speed
+        return out

@@ -82,6 +82,10 @@ class SimRequest:
     host_tokens: int = 0
     queued_prefill: int = -1
     """Prefill tokens the router expects (prompt minus its predicted prefix hit; -1: prompt)."""
+    pulled: bool = False
+    """The prompt's KV arrives with the request (a P/D hand-off): its first admission computes
+    only the last prompt token and caches every full prompt block (a later preemption
+    recomputes). Its `cached_tokens` is set by the caller: the prefill engine's reuse."""
     first_token: float = -1.0
     finished: float = -1.0
 
@@ -102,6 +106,7 @@ class EngineStats:
     host_evictions: int = 0
     preemptions: int = 0
     busy_ms: float = 0.0
+    """Time spent in scheduler passes (simulated ms): what the engine's GPU time costs."""
     finished: list[SimRequest] = field(default_factory=list)
 
 
@@ -164,16 +169,25 @@ class SimEngine:
         """Every key this engine would report as cached on the GPU tier."""
         return self.holders.keys() | self.lru.keys()
 
+    def cached_prefix(self, keys: list[int], limit: int) -> int:
+        """Leading blocks of `keys` (at most `limit`) cached on the GPU tier."""
+        holders, lru = self.holders, self.lru
+        n = 0
+        while n < limit and (keys[n] in holders or keys[n] in lru):
+            n += 1
+        return n
+
     def fits(self, prompt: int, output: int) -> bool:
         """Whether a lone request of this size can ever run on this engine."""
         need = -(-(prompt + output) // self.cfg.block_size)
         return need <= self.cfg.num_blocks - self._watermark
 
     # ---- driving -------------------------------------------------------------------------
-    def enqueue(self, req: SimRequest) -> None:
-        """A request arrives (at `req.arrival`, not before the engine's current time)."""
+    def enqueue(self, req: SimRequest, at: float | None = None) -> None:
+        """A request arrives at `at` (default `req.arrival`; not before the engine's current
+        time: one arriving during a pass waits for the next)."""
         if not self.has_work():
-            self.now = max(self.now, req.arrival)
+            self.now = max(self.now, req.arrival if at is None else at)
         self.waiting.append(req)
         self.pending_prefill += req.queued_prefill
         self.live_prompt += req.prompt
@@ -290,11 +304,9 @@ class SimEngine:
 
     def _prefix_hit(self, req: SimRequest) -> tuple[int, int]:
         """Reusable leading blocks (GPU, then host), keeping the last prompt block uncached."""
-        keys, holders, lru, host = req.keys, self.holders, self.lru, self.host
+        keys, host = req.keys, self.host
         cap = min(len(keys), (req.target - 1) // self.cfg.block_size)
-        gpu = 0
-        while gpu < cap and (keys[gpu] in holders or keys[gpu] in lru):
-            gpu += 1
+        gpu = self.cached_prefix(keys, cap)
         end = gpu
         while end < cap and keys[end] in host:
             end += 1
@@ -316,13 +328,14 @@ class SimEngine:
     def _admit(self, budget: int) -> tuple[SimRequest, int, int] | None:
         """Admit the first waiting request with one chunk; (request, chunk, host tokens)."""
         req = self.waiting[0]
-        gpu, host = self._prefix_hit(req)
+        gpu, host = (0, 0) if req.pulled else self._prefix_hit(req)
         bs = self.cfg.block_size
-        start = (gpu + host) * bs
+        start = req.target - 1 if req.pulled else (gpu + host) * bs
         chunk = min(req.target - start, budget)
         if not self._extend(req, start + chunk, self._blocks_for(start + chunk), self._watermark):
             return None
         del self.waiting[0]
+        req.pulled = False
         if req.cached_tokens < 0:
             req.cached_tokens, req.host_tokens = start, host * bs
         self.running.append(req)

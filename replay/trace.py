@@ -23,7 +23,6 @@ import numpy.typing as npt
 from warply.protocol import chain_keys, root_seed
 
 U32 = npt.NDArray[np.uint32]
-_MASK = np.uint64(0xFFFFFFFFFFFFFFFF)
 
 
 class TraceError(ValueError):
@@ -41,12 +40,16 @@ class TraceRequest:
 
 
 def _splitmix64(x: npt.NDArray[np.uint64]) -> npt.NDArray[np.uint64]:
-    """splitmix64 finaliser (vectorised): a cheap bijective mix of 64-bit words."""
+    """splitmix64 finaliser (vectorised): a cheap bijective mix of 64-bit words (uint64
+    arithmetic wraps mod 2^64; in place after the first step: the replay's hot path)."""
     with np.errstate(over="ignore"):
-        x = (x + np.uint64(0x9E3779B97F4A7C15)) & _MASK
-        x = ((x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)) & _MASK
-        x = ((x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)) & _MASK
-        return x ^ (x >> np.uint64(31))
+        x = x + np.uint64(0x9E3779B97F4A7C15)
+        x ^= x >> np.uint64(30)
+        x *= np.uint64(0xBF58476D1CE4E5B9)
+        x ^= x >> np.uint64(27)
+        x *= np.uint64(0x94D049BB133111EB)
+        x ^= x >> np.uint64(31)
+        return x
 
 
 def _parse_line(line: str, where: str) -> TraceRequest:

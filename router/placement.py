@@ -17,7 +17,7 @@ prefill worker, and compete only while one is available.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Collection, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
@@ -106,7 +106,15 @@ class _GiveUp(Exception):
 class Placement:
     """Chooses a worker (or a prefill / decode pair) per request among the available workers."""
 
-    def __init__(self, config: RouterConfig, index: PrefixIndex, workers: Workers) -> None:
+    def __init__(
+        self,
+        config: RouterConfig,
+        index: PrefixIndex,
+        workers: Workers,
+        strategies: Mapping[str, Strategy] | None = None,
+    ) -> None:
+        """`strategies`: pool name → the strategy instance to use instead of one built from the
+        config (the trace replayer passes its own, baselines included)."""
         self.model = config.model
         self.index = index
         self.workers = workers
@@ -116,7 +124,9 @@ class Placement:
         self._answer: list[_Pool] = []
         self._prefill: list[_Pool] = []
         for pool in workers.pools:
-            strategy = make_strategy(pool.config.strategy or config.strategy)
+            strategy = (strategies or {}).get(pool.config.name)
+            if strategy is None:
+                strategy = make_strategy(pool.config.strategy or config.strategy)
             cfg = pool.config
             entry = _Pool(cfg.name, cfg.block_size, pool.workers, strategy, cfg.local_prefill)
             (self._prefill if pool.role == "prefill" else self._answer).append(entry)
