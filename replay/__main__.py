@@ -19,11 +19,12 @@ from pydantic import BaseModel, ValidationError
 from replay.baselines import BASELINES
 from replay.costmodel import CostModel
 from replay.engine import EngineConfig
+from replay.pd import REFERENCE_KV_BYTES_PER_TOKEN, PdSettings
 from replay.references import INFINITE, infinite_reuse, lru_reuse, pooled_lru_label
 from replay.report import plot, summarize, table, write_json
-from replay.sim import simulate
+from replay.sim import SimPool, simulate_pools
 from replay.trace import ExpandedTrace, TraceError, read_trace
-from router.config import ConfigError
+from router.config import ConfigError, PdConfig
 from router.strategies import Strategy, known_names, strategy_class
 from warply.common.argtypes import positive
 from warply.common.loading import LoadError, load_path
@@ -102,40 +103,105 @@ def _engine_block(block_size: int | None, trace_block: int) -> int:
     return 64 if trace_block % 64 == 0 else trace_block
 
 
-def _workers(text: str) -> list[int]:
+def _ints(flag: str, text: str, example: str, least: int = 1) -> list[int]:
+    """Comma-separated integers ≥ `least` for `flag`."""
     try:
         values = [int(v) for v in text.split(",")]
     except ValueError:
-        raise UsageError(f"--workers wants integers like 4 or 4,8; got {text!r}") from None
-    if not values or min(values) <= 0:
-        raise UsageError("--workers must be positive")
+        raise UsageError(f"{flag} wants integers like {example}; got {text!r}") from None
+    if min(values) < least:
+        raise UsageError(f"{flag} must be {'positive' if least else 'non-negative'}; got {text!r}")
     return values
+
+
+@dataclass(frozen=True)
+class Deployment:
+    """Simulated workers to replay: N aggregated, or P prefill + D decode at one threshold."""
+
+    workers: int = 0
+    prefill: int = 0
+    decode: int = 0
+    threshold: int | None = None
+    """`pd.local_prefill_tokens` (None: the router's default)."""
+
+    @property
+    def total(self) -> int:
+        return self.workers or self.prefill + self.decode
+
+    def pools(self, spec: StrategySpec, prefill: StrategySpec | None) -> list[SimPool]:
+        """The pools, each with its own strategy instance (strategies keep state)."""
+        if self.workers:
+            return [SimPool("w", "both", self.workers, spec.build())]
+        return [
+            SimPool("p", "prefill", self.prefill, (prefill or spec).build()),
+            SimPool("d", "decode", self.decode, spec.build()),
+        ]
+
+    def label(self, spec: StrategySpec, prefill: StrategySpec | None, sweep: bool) -> str:
+        """The strategy's label, with the prefill pool's strategy and the threshold when they
+        tell rows apart."""
+        label = spec.label if prefill is None else f"{spec.label}+{prefill.label} prefill"
+        return f"{label} t={self.threshold}" if sweep else label
+
+
+def _deployments(args: argparse.Namespace) -> list[Deployment]:
+    """`--workers` (aggregated) or `--pd` with its threshold(s); P/D flags need `--pd`."""
+    pd_flags = ("pd_threshold", "pd_bandwidth_gbps", "pd_latency_ms", "kv_bytes_per_token",
+                "pd_prefill_strategy")  # fmt: skip
+    if args.pd is None:
+        used = [f"--{f.replace('_', '-')}" for f in pd_flags if getattr(args, f) is not None]
+        if used:
+            raise UsageError(f"{', '.join(used)} only apply to a P/D replay (--pd P,D)")
+        return [Deployment(n) for n in _ints("--workers", args.workers or "8", "4 or 4,8")]
+    if args.workers is not None:
+        raise UsageError("give --workers (aggregated) or --pd P,D (disaggregated), not both")
+    sizes = _ints("--pd", args.pd, "4,4 (prefill,decode)")
+    if len(sizes) != 2:
+        raise UsageError(f"--pd wants two worker counts, prefill,decode (4,4); got {args.pd!r}")
+    default = PdConfig().local_prefill_tokens
+    thresholds = _ints("--pd-threshold", args.pd_threshold or str(default), "512 or 0,512", 0)
+    return [Deployment(0, sizes[0], sizes[1], t) for t in thresholds]
+
+
+def _pd_settings(args: argparse.Namespace) -> PdSettings:
+    given = {
+        "bandwidth_gbps": args.pd_bandwidth_gbps,
+        "latency_ms": args.pd_latency_ms,
+        "kv_bytes_per_token": args.kv_bytes_per_token,
+    }
+    try:
+        return PdSettings(**{k: v for k, v in given.items() if v is not None})
+    except ValidationError as exc:
+        raise UsageError(f"bad P/D settings: {exc}") from None
 
 
 # The forked workers read the expanded trace from here (inherited, never pickled).
 _SHARED: dict[str, Any] = {}
 
 
-def _run_one(job: tuple[StrategySpec, int]) -> dict[str, Any]:
-    spec, workers = job
+def _run_one(job: tuple[StrategySpec, Deployment]) -> dict[str, Any]:
+    spec, where = job
     trace: ExpandedTrace = _SHARED["trace"]
-    result = simulate(
+    prefill: StrategySpec | None = _SHARED["prefill"]
+    result = simulate_pools(
         trace,
-        spec.build(),
-        workers,
-        spec.label,
+        where.pools(spec, prefill),
+        where.label(spec, prefill, _SHARED["sweep"]),
         _SHARED["config"],
         _SHARED["model"],
         _SHARED.get("progress"),
+        _SHARED["pd"].model_copy(update={"local_prefill_tokens": where.threshold}),
     )
-    return summarize(result, _SHARED["oracles"].get(pooled_lru_label(workers)))
+    return summarize(result, _SHARED["oracles"].get(pooled_lru_label(where.total)))
 
 
 def _replay(args: argparse.Namespace) -> int:
     from tqdm import tqdm
 
     specs = [parse_strategy(s) for s in (args.strategy or DEFAULT_STRATEGIES)]
-    counts = _workers(args.workers)
+    deployments = _deployments(args)
+    pd = _pd_settings(args)
+    prefill = parse_strategy(args.pd_prefill_strategy) if args.pd_prefill_strategy else None
     try:
         config = EngineConfig(
             num_blocks=args.num_blocks,
@@ -155,10 +221,13 @@ def _replay(args: argparse.Namespace) -> int:
     ]
     trace = ExpandedTrace(requests, args.trace_block, config.block_size)
     oracles = {INFINITE: infinite_reuse(trace)}
-    for n in counts:
+    for n in sorted({d.total for d in deployments}):
         oracles[pooled_lru_label(n)] = lru_reuse(trace, n * config.num_blocks)
-    _SHARED.update(trace=trace, config=config, model=model, oracles=oracles)
-    jobs = [(spec, n) for n in counts for spec in specs]
+    _SHARED.update(
+        trace=trace, config=config, model=model, oracles=oracles, pd=pd, prefill=prefill,
+        sweep=len(deployments) > 1 and args.pd is not None,
+    )  # fmt: skip
+    jobs = [(spec, d) for d in deployments for spec in specs]
     rows: list[dict[str, Any]] = []
     if args.jobs > 1:
         with (
@@ -169,12 +238,12 @@ def _replay(args: argparse.Namespace) -> int:
                 rows.append(row)
                 bar.update()
     else:
-        for spec, n in jobs:
+        for spec, d in jobs:
             with tqdm(
-                total=len(trace), desc=f"{spec.label} N={n} (sim)", disable=args.quiet
+                total=len(trace), desc=f"{spec.label} N={d.total} (sim)", disable=args.quiet
             ) as bar:
                 _SHARED["progress"] = bar.update
-                rows.append(_run_one((spec, n)))
+                rows.append(_run_one((spec, d)))
     print(table(rows, oracles))
     report = {
         "trace": str(args.trace),
@@ -182,6 +251,7 @@ def _replay(args: argparse.Namespace) -> int:
         "trace_block": args.trace_block,
         "speedup": args.speedup,
         "engine": {"simulator": "replay.engine", **config.model_dump()},
+        **({"pd": pd.model_dump(exclude={"local_prefill_tokens"})} if args.pd else {}),
         "cost_model": args.cost_model or "reference (Dynamo mocker polynomial)",
         "reuse_references": oracles,
         "results": rows,
@@ -255,7 +325,42 @@ def parser() -> argparse.ArgumentParser:
         "--json / --plot save it.",
     )
     _common(r)
-    r.add_argument("--workers", default="8", help="simulated workers, e.g. 8 or 4,8")
+    r.add_argument("--workers", help="simulated aggregated workers, e.g. 8 or 4,8 (default 8)")
+    r.add_argument(
+        "--pd",
+        metavar="P,D",
+        help="a P/D deployment instead: P prefill + D decode workers, placed by the router's "
+        "P/D placement (each strategy picks the decode worker; the prefill worker too, unless "
+        "--pd-prefill-strategy)",
+    )
+    r.add_argument(
+        "--pd-threshold",
+        metavar="TOKENS[,...]",
+        help="pd.local_prefill_tokens: a decode worker prefills locally when fewer prompt "
+        f"tokens than this are missing on it (default {PdConfig().local_prefill_tokens}, the "
+        "router's); several values run one replay each",
+    )
+    r.add_argument(
+        "--pd-prefill-strategy",
+        metavar="[LABEL=]NAME[:JSON]",
+        help="the prefill pool's own strategy, e.g. round_robin (default: each -s strategy)",
+    )
+    r.add_argument(
+        "--pd-bandwidth-gbps",
+        type=positive(float),
+        help="P→D link per decode worker, Gbit/s (default 400)",
+    )
+    r.add_argument(
+        "--pd-latency-ms",
+        type=float,
+        help="fixed time per P→D transfer (default 2 ms)",
+    )
+    r.add_argument(
+        "--kv-bytes-per-token",
+        type=positive(int),
+        help=f"KV bytes per token moved P→D (default {REFERENCE_KV_BYTES_PER_TOKEN:,}: an "
+        "8B-class GQA model in bf16)",
+    )
     r.add_argument(
         "-s",
         "--strategy",

@@ -1,18 +1,22 @@
 """Replay reports: per-strategy metrics, reuse references, and their table, JSON and PNG forms.
 
 Metrics per strategy (simulated time):
-  reuse        = Σ reused prompt tokens / Σ prompt tokens (first admission of each request)
+  reuse        = Σ reused prompt tokens / Σ prompt tokens (first admission of each request; for
+                 a P/D hand-off the prefill engine's, what the router reports to the client)
   TTFT         = first token − arrival (mean, p50, p90, p99), ms
   ITL          = (finish − first token) / (output tokens − 1), per request (mean, p50, p99), ms
   throughput   = output tokens / (last finish − first arrival), tokens/s
   imbalance    = max / mean of prefill tokens computed per worker
   decision     = router time per request (index match + strategy), µs (mean, p99)
   vs_pooled_lru = reuse / reuse of one LRU cache with the workers' pooled capacity (can be > 1)
+  P/D          = requests by mode (remote / local / aggregated), KV bytes and tokens moved P→D
+  busy         = seconds each engine spent in scheduler passes (× a price per engine: cost)
 """
 
 from __future__ import annotations
 
 import json
+from collections import Counter
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -51,9 +55,14 @@ def summarize(result: ReplayResult, pooled_lru: float | None = None) -> dict[str
     out_tokens = sum(r.output for r in reqs)
     work = [e.stats.prefill_tokens for e in result.engines.values()]
     decisions = np.array(result.decision_s) * 1e6
+    served = result.served.values()
+    modes = Counter(s.mode for s in served)
+    pd = modes["aggregated"] < len(result.served)
+    moved = sum(s.bytes_moved for s in served)
     return {
         "strategy": result.label,
         "workers": result.workers,
+        "deployment": result.deployment,
         "requests": len(reqs),
         "rejected": result.rejected,
         "reuse": reuse,
@@ -64,6 +73,13 @@ def summarize(result: ReplayResult, pooled_lru: float | None = None) -> dict[str
         "imbalance": max(work) / (sum(work) / len(work)) if sum(work) else 1.0,
         "preemptions": sum(e.stats.preemptions for e in result.engines.values()),
         "evictions": sum(e.stats.evictions for e in result.engines.values()),
+        "remote": modes["remote"],
+        "local": modes["local"],
+        "remote_share": modes["remote"] / len(result.served) if pd else None,
+        "bytes_moved": moved if pd else None,
+        "bytes_moved_gb": moved / 1e9 if pd else None,
+        "moved_tokens": sum(s.moved_tokens for s in served),
+        "busy_s": {name: e.stats.busy_ms / 1000 for name, e in result.engines.items()},
         "decision_mean_us": float(decisions.mean()) if len(decisions) else 0.0,
         "decision_p99_us": _pct(decisions, 99),
         "wall_s": result.wall_s,
@@ -73,7 +89,7 @@ def summarize(result: ReplayResult, pooled_lru: float | None = None) -> dict[str
 
 _COLUMNS = (
     ("strategy", "strategy", "{}"),
-    ("workers", "N", "{}"),
+    ("deployment", "N", "{}"),
     ("reuse", "reuse", "{:.3f}"),
     ("vs_pooled_lru", "/pLRU", "{:.0%}"),
     ("ttft_mean_ms", "TTFT ms", "{:.1f}"),
@@ -84,6 +100,8 @@ _COLUMNS = (
     ("throughput_tok_s", "tok/s", "{:.0f}"),
     ("imbalance", "imbal", "{:.2f}"),
     ("preemptions", "preempt", "{}"),
+    ("remote_share", "remote", "{:.0%}"),
+    ("bytes_moved_gb", "P→D GB", "{:.1f}"),
     ("decision_mean_us", "decide µs", "{:.0f}"),
     ("cpu_s", "sim CPU s", "{:.1f}"),
 )
@@ -118,7 +136,7 @@ def plot(path: str | Path, rows: Sequence[dict[str, Any]], oracles: dict[str, fl
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    labels = [f"{r['strategy']}\nN={r['workers']}" for r in rows]
+    labels = [f"{r['strategy']}\nN={r['deployment']}" for r in rows]
     x = np.arange(len(rows))
     fig, (ax1, ax2) = plt.subplots(2, 1, figsize=(max(6.0, 1.1 * len(rows) + 2), 7))
     ax1.bar(x, [r["reuse"] for r in rows], color="tab:blue")

@@ -1,62 +1,248 @@
-"""Offline replay: the real router index and strategies over simulated engines, in simulated time.
+"""Offline replay: the router's real index and placement over simulated engines, in simulated time.
 
 For each trace request in arrival order: every simulated engine runs the scheduler passes that
-start before the arrival; their cache events go into the router's real `PrefixIndex` over a
-`MemoryStore` (driven synchronously with `completed`: its coroutines never suspend); the
-strategy gets the request's canonical keys, the index's matches and each worker's load as the
-router computes it (in-flight requests and tokens, engine waiting queue, KV usage); the request
-joins the chosen engine. Nothing sleeps: time is the simulator's clock.
+start before the arrival (prefill engines first, then the hand-offs they finished, `replay.pd`,
+then the engines that answer clients); their cache events go into the router's real
+`PrefixIndex` over a `MemoryStore` (driven synchronously with `completed`: its coroutines never
+suspend); each worker's load is set as the router computes it (in-flight requests and tokens,
+engine waiting queue, KV usage); the router's `Placement` chooses from the prompt's tokens (a
+worker, or a prefill / decode pair) with each pool's strategy; the request joins the chosen
+engine(s). Aggregated serving is one `both` pool. Nothing sleeps: time is the simulator's clock.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from pathlib import Path
+from typing import cast
 
-from replay.costmodel import CostModel
+from replay.costmodel import CostModel, ReferenceModel, Scaled
 from replay.engine import EngineConfig, SimEngine, SimRequest
-from replay.trace import ExpandedTrace
+from replay.pd import Handoff, PdSettings, Served, Transfers
+from replay.trace import ExpandedTrace, TraceRequest
+from router.config import PdConfig, PoolConfig, RouterConfig, WorkerConfig
 from router.index import MemoryStore, PrefixIndex, completed
-from router.placement import predicted_cached
-from router.strategies import RequestView, Strategy, WorkerLoad
+from router.placement import Decision, Placement
+from router.strategies import Strategy, WorkerLoad
+from router.workers import Workers
+from warply.protocol.api import Role
 
 Progress = Callable[[int], None]
 """Called with the number of requests placed since the last call."""
 
 
+@dataclass(frozen=True, slots=True)
+class SimPool:
+    """A pool of identical simulated workers (named `name` + 0, 1, ...) with its strategy."""
+
+    name: str
+    role: Role
+    workers: int
+    strategy: Strategy
+    config: EngineConfig | None = None
+    """Engine settings (None: the replay's)."""
+    speed: float = 1.0
+    """Pass times are the cost model's divided by this (faster or slower hardware)."""
+
+
 @dataclass(slots=True)
 class ReplayResult:
-    """Everything one replay of one strategy produced."""
+    """Everything one replay of one deployment produced."""
 
     label: str
     workers: int
     requests: list[SimRequest]
-    """Finished requests (simulator records: arrival, cached tokens, first token, finish)."""
-    placement: dict[int, str]
-    """Trace index → worker."""
+    """Finished requests as their answering engine saw them (arrival, cached tokens — for a
+    hand-off the prefill engine's, as the client is told —, first token, finish)."""
+    served: dict[int, Served]
+    """Trace index → mode, workers, bytes moved P→D."""
     engines: dict[str, SimEngine]
-    """The simulated engines, in their final state (caches, counters)."""
+    """The simulated engines, in their final state (caches, counters, busy time)."""
     index: PrefixIndex
     """The router index the engines fed (over a `MemoryStore`: read it with `completed`)."""
     decision_s: list[float]
-    """Router decision time per request (index match + strategy), seconds."""
+    """Router decision time per request (keys, index match, strategies), seconds."""
     rejected: int = 0
     """Requests too large for one engine's cache."""
     wall_s: float = 0.0
     cpu_s: float = 0.0
     """CPU time of this process during the replay (the replay is single-threaded)."""
+    deployment: str = ""
+    """The pools, e.g. `8` (aggregated) or `4P+4D`."""
+
+    @property
+    def placement(self) -> dict[int, str]:
+        """Trace index → the worker that answered."""
+        return {i: s.worker for i, s in self.served.items()}
 
 
-def _load(engine: SimEngine) -> WorkerLoad:
+def _load(engine: SimEngine, pending: tuple[int, int]) -> WorkerLoad:
+    """The load the router sees, plus `pending` (requests, tokens) not yet on the engine."""
     return WorkerLoad(
         engine.name,
-        in_flight=len(engine.running) + len(engine.waiting),
-        in_flight_tokens=engine.live_prompt + engine.live_generated,
+        in_flight=len(engine.running) + len(engine.waiting) + pending[0],
+        in_flight_tokens=engine.live_prompt + engine.live_generated + pending[1],
         engine_waiting=len(engine.waiting),
         kv_usage=engine.used_blocks / engine.cfg.num_blocks,
         pending_prefill_tokens=engine.pending_prefill,
         prefill_tokens_per_s=engine.prefill_tokens_per_s,
+    )
+
+
+def deployment(pools: Sequence[SimPool]) -> str:
+    """`8` for one aggregated pool, else e.g. `4P+4D` (roles' initials, `B` for both)."""
+    if len(pools) == 1 and pools[0].role == "both":
+        return str(pools[0].workers)
+    return "+".join(f"{p.workers}{'B' if p.role == 'both' else p.role[0].upper()}" for p in pools)
+
+
+class _Fleet:
+    """The simulated engines of every pool, the router's view of them, and the hand-offs."""
+
+    def __init__(
+        self,
+        trace: ExpandedTrace,
+        pools: Sequence[SimPool],
+        config: EngineConfig,
+        model: Callable[[], CostModel] | None,
+        pd: PdSettings,
+    ) -> None:
+        router = RouterConfig(
+            model=trace.model,
+            tokenizer=Path("."),
+            pools=[
+                PoolConfig(
+                    name=p.name,
+                    block_size=trace.block_size,
+                    role=p.role,
+                    workers=[
+                        WorkerConfig(name=f"{p.name}{j}", url="http://replay.invalid")
+                        for j in range(p.workers)
+                    ],
+                )
+                for p in pools
+            ],
+            pd=PdConfig() if pd.local_prefill_tokens is None
+            else PdConfig(local_prefill_tokens=pd.local_prefill_tokens),
+        )
+        self.workers = Workers(router.pools)
+        self.engines: dict[str, SimEngine] = {}
+        self._heads: list[SimEngine] = []
+        for pool in pools:
+            cfg = pool.config or config
+            if cfg.block_size != trace.block_size:
+                raise ValueError("engine and trace expansion must use the same block size")
+            for j in range(pool.workers):
+                base = model() if model else ReferenceModel()
+                cost = base if pool.speed == 1 else Scaled(base, pool.speed)
+                name = f"{pool.name}{j}"
+                self.engines[name] = SimEngine(name, trace.tokens, cfg, cost)
+                self.workers[name].set_health(True)
+            self._heads.append(self.engines[f"{pool.name}0"])
+        self._prefill = [e for e in self.engines.values() if self.workers[e.name].role == "prefill"]
+        self.answering = [e for e in self.engines.values() if e not in self._prefill]
+        """Engines that answer clients (aggregated and decode workers)."""
+        self.index = PrefixIndex(trace.model, MemoryStore())
+        self.placement = Placement(
+            router, self.index, self.workers, {p.name: p.strategy for p in pools}
+        )
+        self.transfers = Transfers(pd, trace.block_size)
+
+    def advance(self, horizon: float) -> None:
+        """Run everything that starts before `horizon`; the index sees the engines' events."""
+        for e in self._prefill:
+            e.advance(horizon)
+        self.transfers.run(horizon)
+        for e in self.answering:
+            e.advance(horizon)
+        for e in self.engines.values():
+            if e.events:
+                completed(self.index.apply(e.name, e.events))
+                e.events.clear()
+
+    def fits(self, req: TraceRequest) -> bool:
+        return all(e.fits(req.input_length, req.output_length) for e in self._heads)
+
+    def observe(self) -> None:
+        """Set every worker's load from its engine (and the hand-offs bound for it)."""
+        pending = self.transfers.pending
+        for name, e in self.engines.items():
+            self.workers[name].load = _load(e, pending(name))
+
+    def start(self, i: int, req: TraceRequest, keys: list[int], d: Decision) -> Served:
+        """Send request `i` where `d` says: to its answering engine, or through a hand-off."""
+        engine, now = self.engines[d.worker.name], req.arrival_ms
+        sized = (i, now, req.input_length, req.output_length, keys)
+        leg = d.prefill
+        if leg is None:
+            engine.enqueue(SimRequest(*sized, queued_prefill=d.prefill_tokens))
+            return Served(d.mode, engine.name)
+        served = Served(d.mode, engine.name, leg.worker.name)
+        self.transfers.start(
+            Handoff(
+                self.engines[leg.worker.name],
+                engine,
+                SimRequest(i, now, req.input_length, 1, keys, queued_prefill=leg.prefill_tokens),
+                SimRequest(*sized, queued_prefill=0, pulled=True),
+                served,
+            )
+        )
+        return served
+
+
+def simulate_pools(
+    trace: ExpandedTrace,
+    pools: Sequence[SimPool],
+    label: str,
+    config: EngineConfig | None = None,
+    model: Callable[[], CostModel] | None = None,
+    progress: Progress | None = None,
+    pd: PdSettings | None = None,
+) -> ReplayResult:
+    """Replay `trace` over simulated `pools` (roles `both`, or `prefill` + `decode`)."""
+    if not pools or min(p.workers for p in pools) <= 0:
+        raise ValueError("every pool needs a positive number of workers")
+    wall, cpu = time.perf_counter(), time.process_time()
+    fleet = _Fleet(trace, pools, config or EngineConfig(), model, pd or PdSettings())
+    served: dict[int, Served] = {}
+    decisions: list[float] = []
+    rejected = 0
+    step = 0
+    clock = time.perf_counter
+    choose = fleet.placement.choose
+    for i, req in enumerate(trace.requests):
+        fleet.advance(req.arrival_ms)
+        if not fleet.fits(req):
+            rejected += 1
+            continue
+        fleet.observe()
+        tokens = trace.tokens(i)  # numpy: `prefix_keys` packs it without a Python loop
+        t0 = clock()
+        decision = completed(choose(cast(Sequence[int], tokens)))
+        decisions.append(clock() - t0)
+        served[i] = fleet.start(i, req, trace.keys[i], decision)
+        step += 1
+        if progress and step == 256:
+            progress(step)
+            step = 0
+    fleet.advance(float("inf"))
+    if progress and step:
+        progress(step)
+    finished = sorted((r for e in fleet.answering for r in e.stats.finished), key=lambda r: r.index)
+    return ReplayResult(
+        label,
+        sum(p.workers for p in pools),
+        finished,
+        served,
+        fleet.engines,
+        fleet.index,
+        decisions,
+        rejected,
+        time.perf_counter() - wall,
+        time.process_time() - cpu,
+        deployment(pools),
     )
 
 
@@ -69,66 +255,8 @@ def simulate(
     model: Callable[[], CostModel] | None = None,
     progress: Progress | None = None,
 ) -> ReplayResult:
-    """Replay `trace` through `strategy` over `workers` simulated engines."""
+    """Replay `trace` through `strategy` over `workers` aggregated simulated engines."""
     if workers <= 0:
         raise ValueError("workers must be positive")
-    cfg = config or EngineConfig()
-    if cfg.block_size != trace.block_size:
-        raise ValueError("engine and trace expansion must use the same block size")
-    wall, cpu = time.perf_counter(), time.process_time()
-    engines = [
-        SimEngine(f"w{i}", trace.tokens, cfg, model() if model else None) for i in range(workers)
-    ]
-    by_name = {e.name: e for e in engines}
-    index = PrefixIndex(trace.model, MemoryStore())
-    placement: dict[int, str] = {}
-    decisions: list[float] = []
-    rejected = 0
-    step = 0
-    clock = time.perf_counter
-    for i, req in enumerate(trace.requests):
-        now = req.arrival_ms
-        for e in engines:
-            e.advance(now)
-            if e.events:
-                completed(index.apply(e.name, e.events))
-                e.events.clear()
-        if not engines[0].fits(req.input_length, req.output_length):
-            rejected += 1
-            continue
-        keys = trace.keys[i]
-        view = RequestView(keys, req.input_length, cfg.block_size)
-        loads = [_load(e) for e in engines]
-        t0 = clock()
-        matches = completed(index.match(keys))
-        name = strategy.choose(view, loads, matches)
-        decisions.append(clock() - t0)
-        placement[i] = name
-        hit = predicted_cached(matches[name].blocks if name in matches else 0,
-                               req.input_length, cfg.block_size)
-        by_name[name].enqueue(SimRequest(i, now, req.input_length, req.output_length, keys,
-                                         queued_prefill=req.input_length - hit))
-        step += 1
-        if progress and step == 256:
-            progress(step)
-            step = 0
-    for e in engines:
-        e.advance(float("inf"))
-        if e.events:
-            completed(index.apply(e.name, e.events))
-            e.events.clear()
-    if progress and step:
-        progress(step)
-    finished = sorted((r for e in engines for r in e.stats.finished), key=lambda r: r.index)
-    return ReplayResult(
-        label or strategy.name,
-        workers,
-        finished,
-        placement,
-        by_name,
-        index,
-        decisions,
-        rejected,
-        time.perf_counter() - wall,
-        time.process_time() - cpu,
-    )
+    pool = SimPool("w", "both", workers, strategy)
+    return simulate_pools(trace, [pool], label or strategy.name, config, model, progress)
