@@ -1,0 +1,128 @@
+"""P/D pools against aggregated workers in the replay, and the conditional-disaggregation sweep.
+
+On the conversation trace (512-token trace blocks, reference engines): N aggregated workers with
+each strategy, then P prefill + D decode workers (the router's P/D placement, each strategy
+choosing decode and prefill workers) and the naive baseline (the same decode placement, prefill
+workers in turn: the prefill pool's strategy is round_robin). Prints, per row, reuse (what the
+router reports to clients), TTFT mean / p50 / p99, bytes moved P→D and remote / local counts; the
+ratios P/D ÷ aggregated for reuse (target ≥ 0.90) and mean TTFT (target ≤ 1.10); then
+`pd.local_prefill_tokens` swept with the first strategy. Numbers only: nothing is asserted.
+
+    .venvs/core/bin/python bench/pd_replay.py [--limit 3000] [--jobs 1] [--json out.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from concurrent.futures import ProcessPoolExecutor
+from multiprocessing import get_context
+from pathlib import Path
+from typing import Any
+
+from replay.__main__ import Deployment, StrategySpec, parse_strategy
+from replay.pd import PdSettings
+from replay.report import summarize
+from replay.sim import simulate_pools
+from replay.trace import ExpandedTrace, read_trace
+from router.config import PdConfig
+
+TRACE = Path(__file__).resolve().parents[1] / "../shared/traces/mooncake/conversation_trace.jsonl"
+_SHARED: dict[str, Any] = {}
+_FIELDS = ("reuse", "ttft_mean_ms", "ttft_p50_ms", "ttft_p99_ms", "itl_mean_ms", "remote", "local")
+
+
+def _run(job: tuple[str, str | None, Deployment]) -> dict[str, Any]:
+    spec, prefill, where = job
+    s = parse_strategy(spec)
+    p: StrategySpec | None = parse_strategy(prefill) if prefill else None
+    pd: PdSettings = _SHARED["pd"]
+    result = simulate_pools(
+        _SHARED["trace"],
+        where.pools(s, p),
+        where.label(s, p, where.threshold is not None),
+        pd=pd.model_copy(update={"local_prefill_tokens": where.threshold}),
+    )
+    row = summarize(result)
+    return {
+        "label": row["strategy"],
+        "deployment": row["deployment"],
+        "threshold": where.threshold,
+        **{k: row[k] for k in _FIELDS},
+        "bytes_moved": row["bytes_moved"] or 0,
+        "cpu_s": row["cpu_s"],
+    }
+
+
+def _line(row: dict[str, Any]) -> str:
+    return (
+        f"{row['label']:34s} {row['deployment']:>6s}  reuse {row['reuse']:.3f}  TTFT "
+        f"{row['ttft_mean_ms']:6.1f} / p50 {row['ttft_p50_ms']:6.1f} / "
+        f"p99 {row['ttft_p99_ms']:7.1f} ms  ITL {row['itl_mean_ms']:5.2f}  "
+        f"P→D {row['bytes_moved'] / 1e12:6.2f} TB  "
+        f"remote {row['remote']:5d} local {row['local']:5d}  ({row['cpu_s']:.0f} s CPU)"
+    )
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--trace", type=Path, default=TRACE)
+    ap.add_argument("--trace-block", type=int, default=512)
+    ap.add_argument("--limit", type=int, help="first N requests (default: the whole trace)")
+    ap.add_argument("--workers", type=int, default=8, help="aggregated workers")
+    ap.add_argument("--prefill", type=int, default=4)
+    ap.add_argument("--decode", type=int, default=4)
+    ap.add_argument("-s", "--strategy", action="append", help="default: adaptive, prefix_affinity")
+    ap.add_argument("--sweep", default="0,128,256,512,1024,2048", help="thresholds (tokens)")
+    ap.add_argument("--bandwidth-gbps", type=float, default=PdSettings().bandwidth_gbps)
+    ap.add_argument("--jobs", type=int, default=1)
+    ap.add_argument("--json", type=Path, help="write the rows here")
+    args = ap.parse_args()
+    t0 = time.perf_counter()
+    trace = ExpandedTrace(read_trace(args.trace, args.limit), args.trace_block, 64)
+    _SHARED.update(trace=trace, pd=PdSettings(bandwidth_gbps=args.bandwidth_gbps))
+    specs = args.strategy or ["adaptive", "prefix_affinity"]
+    pd = Deployment(0, args.prefill, args.decode)
+    default = PdConfig().local_prefill_tokens  # the first P/D rows ran at it: not run again
+    sweep = [int(t) for t in args.sweep.split(",")]
+    others = [Deployment(0, args.prefill, args.decode, t) for t in sweep if t != default]
+    jobs: list[tuple[str, str | None, Deployment]] = [
+        *((s, None, Deployment(args.workers)) for s in specs),
+        *((s, None, pd) for s in specs),
+        *((s, "round_robin", pd) for s in specs),
+        *((specs[0], None, d) for d in others),
+    ]
+    print(f"{len(trace)} requests; {len(jobs)} replays (--jobs {args.jobs})", flush=True)
+    if args.jobs > 1:
+        with ProcessPoolExecutor(args.jobs, mp_context=get_context("fork")) as pool:
+            rows = list(pool.map(_run, jobs))
+    else:
+        rows = []
+        for job in jobs:
+            rows.append(_run(job))
+            print(_line(rows[-1]), flush=True)
+    n = len(specs)
+    aggregated, disagg, naive, swept = rows[:n], rows[n : 2 * n], rows[2 * n : 3 * n], rows[3 * n :]
+    print("\n== P/D against aggregated (targets: reuse ratio ≥ 0.90, TTFT ratio ≤ 1.10) ==")
+    for agg, pdr, rr in zip(aggregated, disagg, naive, strict=True):
+        for row in (agg, pdr, rr):
+            print(_line(row))
+        for name, row in (("P/D", pdr), ("round-robin prefill", rr)):
+            print(
+                f"  {name:20s} reuse ratio {row['reuse'] / agg['reuse']:.3f}  "
+                f"mean TTFT ratio {row['ttft_mean_ms'] / agg['ttft_mean_ms']:.3f}"
+            )
+    print(f"\n== pd.local_prefill_tokens sweep ({specs[0]}, {args.prefill}P+{args.decode}D) ==")
+    by_threshold = {row["threshold"]: row for row in swept}
+    by_threshold[default] = disagg[0]
+    for t in sweep:
+        print(f"t={t:<5d} " + _line(by_threshold[t]))
+    print(f"\n{time.perf_counter() - t0:.0f} s wall")
+    if args.json:
+        args.json.write_text(json.dumps(rows, indent=2) + "\n", encoding="utf-8")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

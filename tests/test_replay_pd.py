@@ -1,0 +1,200 @@
+"""P/D pools in the replay: the router's placement over prefill and decode engines, the KV
+transfer, decode's own cache, conditional disaggregation, and the command line."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from replay.__main__ import main
+from replay.costmodel import ReferenceModel
+from replay.pd import PdSettings
+from replay.sim import ReplayResult, SimPool, simulate_pools
+from replay.trace import ExpandedTrace, TraceRequest
+from router.config import PoolConfig, RouterConfig, WorkerConfig
+from router.index import MemoryStore, PrefixIndex, completed
+from router.placement import Placement
+from router.strategies import PrefixAffinity, RoundRobin, Strategy
+from router.workers import Workers
+from warply.protocol import BlockStored, prefix_keys
+
+_KV = 1000  # bytes per token in these tests
+_BLOCK = 512  # trace block (tokens per hash id)
+
+
+def _turns(*blocks: int, gap_ms: float = 5000.0) -> ExpandedTrace:
+    """One conversation: turn i has the first `blocks[i]` trace blocks of one chain."""
+    reqs = [
+        TraceRequest(i * gap_ms, n * _BLOCK, 4, tuple(range(1, n + 1)))
+        for i, n in enumerate(blocks)
+    ]
+    return ExpandedTrace(reqs, _BLOCK, 64)
+
+
+def _pd(
+    trace: ExpandedTrace,
+    threshold: int,
+    prefill: Strategy | None = None,
+    prefill_workers: int = 1,
+    decode_workers: int = 2,
+    bandwidth_gbps: float = 1.0,
+) -> ReplayResult:
+    pools = [
+        SimPool("p", "prefill", prefill_workers, prefill or PrefixAffinity()),
+        SimPool("d", "decode", decode_workers, PrefixAffinity()),
+    ]
+    settings = PdSettings(
+        local_prefill_tokens=threshold, bandwidth_gbps=bandwidth_gbps, kv_bytes_per_token=_KV
+    )
+    return simulate_pools(trace, pools, "pd", pd=settings)
+
+
+@pytest.mark.parametrize("block", [16, 64])
+def test_placement_computes_the_traces_keys(block: int) -> None:
+    reqs = [TraceRequest(0.0, 1300, 1, (5, 6, 7)), TraceRequest(1.0, 700, 1, (5, 9))]
+    trace = ExpandedTrace(reqs, _BLOCK, block)
+    for i in range(len(trace)):
+        assert prefix_keys(trace.tokens(i), block, trace.model) == trace.keys[i]
+    # Through the router's placement: a worker holding request 0's blocks matches all of them.
+    pool = PoolConfig(
+        name="w", block_size=block, workers=[WorkerConfig(name="w0", url="http://x")]
+    )
+    config = RouterConfig(model=trace.model, tokenizer=Path("."), pools=[pool])
+    workers = Workers(config.pools)
+    workers["w0"].set_health(True)
+    index = PrefixIndex(trace.model, MemoryStore())
+    n = len(trace.keys[0])
+    tokens = [int(t) for t in trace.tokens(0, 0, n * block)]
+    completed(index.apply("w0", [BlockStored(trace.keys[0], None, tokens, block)]))
+    decision = completed(Placement(config, index, workers).choose(trace.tokens(0).tolist()))
+    assert list(decision.keys) == trace.keys[0] and decision.matched_blocks == n
+
+
+def test_a_later_turn_goes_back_to_its_decode_worker_and_moves_fewer_bytes() -> None:
+    result = _pd(_turns(3, 5), threshold=0)
+    first, second = result.served[0], result.served[1]
+    assert (first.mode, second.mode) == ("remote", "remote")
+    assert second.worker == first.worker  # the decode worker holding the conversation
+    # Turn 1: decode holds nothing; turn 2: decode holds turn 1's 1,536 tokens.
+    assert (first.moved_tokens, second.moved_tokens) == (1536, 2560 - 1536)
+    assert (first.bytes_moved, second.bytes_moved) == (1536 * _KV, 1024 * _KV)
+    # The client is told the prefill engine's reuse (turn 2 hits turn 1 there).
+    req = {r.index: r for r in result.requests}
+    assert (req[0].cached_tokens, req[1].cached_tokens) == (0, 1536)
+    assert result.engines[first.worker].stats.prefill_tokens == 2  # one token per join
+
+
+def test_remote_ttft_is_prefill_plus_transfer_plus_the_first_decode_step() -> None:
+    result = _pd(_turns(3), threshold=0, bandwidth_gbps=1.0)
+    (req,) = result.requests
+    model, settings = ReferenceModel(), PdSettings()
+    transfer = 1536 * _KV * 8 / 1e6 + settings.latency_ms  # ms at 1 Gbit/s
+    expected = model.prefill_ms(1536) + transfer + model.prefill_ms(1)
+    assert req.first_token - req.arrival == pytest.approx(expected)
+
+
+def test_the_threshold_makes_short_misses_local() -> None:
+    trace = _turns(4, 5)  # turn 2 misses 512 tokens on decode
+    handed = _pd(trace, threshold=0)
+    assert [handed.served[i].mode for i in (0, 1)] == ["remote", "remote"]
+    local = _pd(trace, threshold=1024)
+    first, second = local.served[0], local.served[1]
+    assert (first.mode, second.mode) == ("remote", "local")
+    assert second.bytes_moved == 0 and second.prefill_worker == ""
+    assert second.worker == first.worker
+    # The local prefill computed only what decode missed, and reports decode's hit.
+    assert {r.index: r.cached_tokens for r in local.requests}[1] == 2048
+    everything = _pd(trace, threshold=10**6)
+    assert {s.mode for s in everything.served.values()} == {"local"}
+    assert all(e.stats.passes == 0 for n, e in everything.engines.items() if n.startswith("p"))
+
+
+def test_round_robin_prefill_spreads_prefill_and_loses_reuse() -> None:
+    trace = _turns(2, 3, 4, 5)
+    rr = _pd(trace, threshold=0, prefill=RoundRobin(), prefill_workers=2)
+    affinity = _pd(trace, threshold=0, prefill_workers=2)
+    assert {s.prefill_worker for s in rr.served.values()} == {"p0", "p1"}
+    assert len({s.prefill_worker for s in affinity.served.values()}) == 1
+
+    def reuse(result: ReplayResult) -> int:
+        return sum(r.cached_tokens for r in result.requests)
+
+    assert reuse(rr) < reuse(affinity)
+    # Same decode placement: the decode side moves the same bytes.
+    assert [s.bytes_moved for s in rr.served.values()] == [
+        s.bytes_moved for s in affinity.served.values()
+    ]
+
+
+def test_pool_speed_scales_pass_times_and_busy_time_is_recorded() -> None:
+    trace = _turns(16)
+
+    def ttft_and_busy(speed: float) -> tuple[float, float]:
+        pool = SimPool("w", "both", 1, RoundRobin(), speed=speed)
+        result = simulate_pools(trace, [pool], "s")
+        (req,) = result.requests
+        return req.first_token - req.arrival, result.engines["w0"].stats.busy_ms
+
+    (slow, slow_busy), (fast, fast_busy) = ttft_and_busy(1.0), ttft_and_busy(2.0)
+    assert fast == pytest.approx(slow / 2) and fast_busy == pytest.approx(slow_busy / 2)
+    assert fast_busy > 0
+
+
+def _trace_file(tmp_path: Path) -> Path:
+    lines = [
+        {"timestamp": 400 * i, "input_length": 2048, "output_length": 4,
+         "hash_ids": [0, 1 + i % 3, 4 + i % 3, 7 + i]}
+        for i in range(9)
+    ]  # fmt: skip
+    path = tmp_path / "trace.jsonl"
+    path.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    return path
+
+
+def test_command_line_pd_replay_and_threshold_sweep(tmp_path: Path) -> None:
+    out = tmp_path / "r.json"
+    args = ["replay", str(_trace_file(tmp_path)), "--quiet", "-s", "prefix_affinity"]
+    assert main([*args, "--pd", "1,2", "--pd-threshold", "0,100000", "--json", str(out)]) == 0
+    report = json.loads(out.read_text())
+    handed, local = report["results"]
+    assert (handed["deployment"], handed["strategy"]) == ("1P+2D", "prefix_affinity t=0")
+    assert (handed["remote"], handed["local"], local["remote"]) == (9, 0, 0)
+    assert handed["bytes_moved"] == handed["moved_tokens"] * report["pd"]["kv_bytes_per_token"]
+    assert handed["bytes_moved"] > 0 == local["bytes_moved"]
+    assert set(handed["busy_s"]) == {"p0", "d0", "d1"}
+    assert main([*args, "--pd", "1,2", "--pd-prefill-strategy", "round_robin",
+                 "--json", str(out)]) == 0  # fmt: skip
+    (row,) = json.loads(out.read_text())["results"]
+    assert row["strategy"] == "prefix_affinity+round_robin prefill"
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--pd", "4"], "--pd wants two worker counts"),
+        (["--pd", "a,b"], "--pd wants integers"),
+        (["--pd", "0,2"], "--pd must be positive"),
+        (["--pd", "2,2", "--workers", "4"], "not both"),
+        (["--pd-threshold", "512"], "only apply to a P/D replay"),
+        (["--kv-bytes-per-token", "8"], "only apply to a P/D replay"),
+        (["--pd", "2,2", "--pd-threshold", "-1"], "--pd-threshold must be non-negative"),
+        (["--pd", "2,2", "--pd-threshold", "many"], "--pd-threshold wants integers"),
+        (["--pd", "2,2", "--pd-latency-ms", "-1"], "bad P/D settings"),
+        (["--pd", "2,2", "--pd-prefill-strategy", "nope"], "unknown strategy 'nope'"),
+    ],
+)
+def test_bad_pd_input_is_refused_with_a_clear_message(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], args: list[str], message: str
+) -> None:
+    assert main(["replay", str(_trace_file(tmp_path)), "--quiet", *args]) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_pd_flags_are_in_the_help(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        main(["replay", "--help"])
+    text = capsys.readouterr().out
+    for flag in ("--pd P,D", "--pd-threshold", "--pd-bandwidth-gbps", "--kv-bytes-per-token"):
+        assert flag in text
