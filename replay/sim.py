@@ -45,6 +45,8 @@ class SimPool:
     """Engine settings (None: the replay's)."""
     speed: float = 1.0
     """Pass times are the cost model's divided by this (faster or slower hardware)."""
+    price_per_hour: float = 0.0
+    """What one worker costs per hour (the pool's `price_per_hour`, for `cost_aware`)."""
 
 
 @dataclass(slots=True)
@@ -78,7 +80,7 @@ class ReplayResult:
         return {i: s.worker for i, s in self.served.items()}
 
 
-def _load(engine: SimEngine, pending: tuple[int, int]) -> WorkerLoad:
+def _load(engine: SimEngine, pending: tuple[int, int], price: float) -> WorkerLoad:
     """The load the router sees, plus `pending` (requests, tokens) not yet on the engine."""
     return WorkerLoad(
         engine.name,
@@ -88,6 +90,7 @@ def _load(engine: SimEngine, pending: tuple[int, int]) -> WorkerLoad:
         kv_usage=engine.used_blocks / engine.cfg.num_blocks,
         pending_prefill_tokens=engine.pending_prefill,
         prefill_tokens_per_s=engine.prefill_tokens_per_s,
+        price_per_hour=price,
     )
 
 
@@ -108,6 +111,7 @@ class _Fleet:
         config: EngineConfig,
         model: Callable[[], CostModel] | None,
         pd: PdSettings,
+        ranker: Strategy | None,
     ) -> None:
         router = RouterConfig(
             model=trace.model,
@@ -117,6 +121,7 @@ class _Fleet:
                     name=p.name,
                     block_size=trace.block_size,
                     role=p.role,
+                    price_per_hour=p.price_per_hour,
                     workers=[
                         WorkerConfig(name=f"{p.name}{j}", url="http://replay.invalid")
                         for j in range(p.workers)
@@ -146,7 +151,7 @@ class _Fleet:
         """Engines that answer clients (aggregated and decode workers)."""
         self.index = PrefixIndex(trace.model, MemoryStore())
         self.placement = Placement(
-            router, self.index, self.workers, {p.name: p.strategy for p in pools}
+            router, self.index, self.workers, {p.name: p.strategy for p in pools}, ranker
         )
         self.transfers = Transfers(pd, trace.block_size)
 
@@ -169,7 +174,8 @@ class _Fleet:
         """Set every worker's load from its engine (and the hand-offs bound for it)."""
         pending = self.transfers.pending
         for name, e in self.engines.items():
-            self.workers[name].load = _load(e, pending(name))
+            worker = self.workers[name]
+            worker.load = _load(e, pending(name), worker.pool.price_per_hour)
 
     def start(self, i: int, req: TraceRequest, keys: list[int], d: Decision) -> Served:
         """Send request `i` where `d` says: to its answering engine, or through a hand-off."""
@@ -200,12 +206,14 @@ def simulate_pools(
     model: Callable[[], CostModel] | None = None,
     progress: Progress | None = None,
     pd: PdSettings | None = None,
+    ranker: Strategy | None = None,
 ) -> ReplayResult:
-    """Replay `trace` over simulated `pools` (roles `both`, or `prefill` + `decode`)."""
+    """Replay `trace` over simulated `pools` (roles `both`, or `prefill` + `decode`); `ranker`
+    compares the pools' picks (None: as the router's default strategy does)."""
     if not pools or min(p.workers for p in pools) <= 0:
         raise ValueError("every pool needs a positive number of workers")
     wall, cpu = time.perf_counter(), time.process_time()
-    fleet = _Fleet(trace, pools, config or EngineConfig(), model, pd or PdSettings())
+    fleet = _Fleet(trace, pools, config or EngineConfig(), model, pd or PdSettings(), ranker)
     served: dict[int, Served] = {}
     decisions: list[float] = []
     rejected = 0

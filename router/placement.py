@@ -112,14 +112,16 @@ class Placement:
         index: PrefixIndex,
         workers: Workers,
         strategies: Mapping[str, Strategy] | None = None,
+        ranker: Strategy | None = None,
     ) -> None:
         """`strategies`: pool name → the strategy instance to use instead of one built from the
-        config (the trace replayer passes its own, baselines included)."""
+        config (the trace replayer passes its own, baselines included); `ranker`: the one that
+        compares the pools' picks instead of the router's `strategy`."""
         self.model = config.model
         self.index = index
         self.workers = workers
         self.local_prefill_tokens = config.pd.local_prefill_tokens
-        self._ranker = make_strategy(config.strategy)
+        self._ranker = ranker or make_strategy(config.strategy)
         """The router's strategy compares the pools' picks (`Strategy.prefer`)."""
         self._answer: list[_Pool] = []
         self._prefill: list[_Pool] = []

@@ -16,7 +16,7 @@ from replay.trace import ExpandedTrace, TraceRequest
 from router.config import PoolConfig, RouterConfig, WorkerConfig
 from router.index import MemoryStore, PrefixIndex, completed
 from router.placement import Placement
-from router.strategies import PrefixAffinity, RoundRobin, Strategy
+from router.strategies import CostAware, PrefixAffinity, RoundRobin, Strategy
 from router.workers import Workers
 from warply.protocol import BlockStored, prefix_keys
 
@@ -198,3 +198,32 @@ def test_pd_flags_are_in_the_help(capsys: pytest.CaptureFixture[str]) -> None:
     text = capsys.readouterr().out
     for flag in ("--pd P,D", "--pd-threshold", "--pd-bandwidth-gbps", "--kv-bytes-per-token"):
         assert flag in text
+
+
+def test_cost_aware_moves_work_to_the_cheap_pool_as_its_knob_says() -> None:
+    """Two aggregated pools, the cheap one at half speed: price alone (latency_weight 0) sends
+    every new conversation there; weighing waits sends some to the fast pool; a price-blind
+    strategy ignores the price."""
+    reqs = [
+        TraceRequest(i * 50.0, 4 * _BLOCK, 4, tuple(range(100 * i, 100 * i + 4)))
+        for i in range(40)
+    ]  # 40 distinct 2048-token prompts, one every 50 ms
+    trace = ExpandedTrace(reqs, _BLOCK, 64)
+
+    def cheap_share(make: type[Strategy], **knobs: float) -> float:
+        def strategy() -> Strategy:
+            return make(make.Knobs(**knobs))
+
+        pools = [
+            SimPool("fast", "both", 2, strategy(), price_per_hour=4.0),
+            SimPool("slow", "both", 2, strategy(), speed=0.5, price_per_hour=1.0),
+        ]
+        ranker = strategy() if make is CostAware else None
+        result = simulate_pools(trace, pools, "cost", ranker=ranker)
+        served = result.served.values()
+        return sum(s.worker.startswith("slow") for s in served) / len(served)
+
+    shares = [cheap_share(CostAware, latency_weight=w) for w in (0.0, 0.5, 4.0)]
+    print("cheap pool's share by latency_weight 0 / 0.5 / 4:", shares)
+    assert shares[0] == 1.0 > shares[1] > shares[2]
+    assert cheap_share(PrefixAffinity) < shares[1]  # price-blind: the lower load wins
