@@ -1,4 +1,5 @@
-"""Engine processes started by Warply (demo, benchmarks, tests): start, wait healthy, stop.
+"""Engine processes (and the shared index store's server) started by Warply (demo, benchmarks,
+tests): start, wait healthy, stop.
 
 Engines run as child processes in their own session, so `stop()` can end the whole process
 group (vLLM's API server plus its EngineCore children) by the PID we started. Nothing here
@@ -220,3 +221,44 @@ class VllmServer(EngineProcess):
     def metric(self, name: str) -> float:
         """One sample summed over its label sets (see `metrics`)."""
         return self.metrics(name)[name]
+
+
+class RedisServer(EngineProcess):
+    """A `redis-server` (or `valkey-server`) on 127.0.0.1 for the shared index store: nothing
+    persisted (`--save '' --appendonly no`), no eviction of its own (the store's cap evicts)."""
+
+    def __init__(
+        self,
+        *,
+        log_path: Path,
+        server_bin: str = "redis-server",
+        port: int | None = None,
+        maxmemory: str = "0",
+    ) -> None:
+        self.port = port or free_port()
+        cmd = [
+            server_bin,
+            "--bind", HOST,
+            "--port", str(self.port),
+            "--save", "",
+            "--appendonly", "no",
+            "--maxmemory", maxmemory,
+            "--maxmemory-policy", "noeviction",
+        ]  # fmt: skip
+        super().__init__(cmd, url=f"redis://{HOST}:{self.port}/0", log_path=log_path)
+
+    def wait_ready(self, timeout_s: float = 20) -> float:
+        """Send PING until the server answers PONG; returns seconds since start."""
+        assert self.proc is not None, "not started"
+        while time.monotonic() - self.started_at < timeout_s:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"{self.cmd[0]} exited: {self.log_tail()}")
+            try:
+                with socket.create_connection((HOST, self.port), timeout=1) as conn:
+                    conn.sendall(b"PING\r\n")
+                    if conn.recv(16).startswith(b"+PONG"):
+                        return time.monotonic() - self.started_at
+            except OSError:
+                pass
+            time.sleep(0.05)
+        raise TimeoutError(f"{self.cmd[0]} not ready after {timeout_s:.0f}s: {self.log_tail()}")

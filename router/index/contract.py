@@ -46,6 +46,9 @@ Guarantees every store gives:
         added, evicted, already removed) changes nothing and is not an error.
     Recency. add and match count as a use of the blocks they touch (an LRU store refreshes
         them); remove, move and stats do not.
+    Failure. A store on the network raises `StoreUnavailable` when its server cannot answer
+        (refused, timed out); the call may or may not have been applied. The memory store
+        never raises it.
 """
 
 from __future__ import annotations
@@ -80,6 +83,13 @@ class IndexStats:
     leaves this empty (ingestion fills it in `PrefixIndex.stats`)."""
     entries_by_worker_tier: Counter[tuple[str, Tier]] = field(default_factory=Counter)
     """Entries per (worker, fastest tier holding the block): bytes cached per pool and tier."""
+    store_failures: Counter[str] = field(default_factory=Counter)
+    """Calls a network store failed, by operation (`match`, `apply`, ...); a store leaves this
+    empty (`PrefixIndex.stats` fills it)."""
+
+
+class StoreUnavailable(Exception):
+    """A network store's server did not answer; the message names the store and the cause."""
 
 
 class IndexStore(abc.ABC):
@@ -205,3 +215,6 @@ class IndexStore(abc.ABC):
             `entries_by_tier` and `entries_by_worker_tier` (entries under their fastest tier;
             zero counts left out). `skipped` is left empty: ingestion owns it.
         """
+
+    async def close(self) -> None:  # noqa: B027 - optional: a store without connections
+        """Release the store's connections (the router calls it at shutdown)."""

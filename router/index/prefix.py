@@ -6,8 +6,9 @@ from collections import Counter
 from collections.abc import Collection, Coroutine, Iterable, Sequence
 from typing import Any
 
-from router.index.contract import IndexStats, IndexStore, WorkerMatch
+from router.index.contract import IndexStats, IndexStore, StoreUnavailable, WorkerMatch
 from router.index.ingest import Ingest
+from router.index.outage import StoreOutage
 from warply.protocol import Event
 
 
@@ -22,6 +23,7 @@ class PrefixIndex:
         self.model = model
         self.store = store
         self.ingest = Ingest(model, store)
+        self.outage = StoreOutage()
 
     def apply(self, worker: str, events: Iterable[Event]) -> Coroutine[Any, Any, None]:
         """Apply one worker's state events, in stream order (`Ingest.apply`; await it)."""
@@ -40,7 +42,15 @@ class PrefixIndex:
         return self.store.match(keys, self.ingest.workers() if workers is None else workers)
 
     async def stats(self) -> IndexStats:
-        """The store's counters, with ingestion's skipped events."""
-        stats = await self.store.stats()
+        """The store's counters (none while it is unreachable), with ingestion's skipped events
+        and the store's failed calls."""
+        try:
+            stats = await self.store.stats()
+        except StoreUnavailable as exc:
+            self.outage.failed("stats", exc)
+            stats = IndexStats()
+        else:
+            self.outage.recovered()
         stats.skipped = Counter(self.ingest.skipped)
+        stats.store_failures = Counter(self.outage.failures)
         return stats

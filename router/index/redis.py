@@ -1,0 +1,431 @@
+"""`RedisStore`: the index store on a Redis or Valkey server, shared by a deployment's routers.
+
+Several router replicas of one deployment point at the same server and key prefix: what one
+ingests, every other matches at once (a new replica places well from its first request), and
+the index may outgrow one router process. Every contract call is one Lua script run
+(EVALSHA), so it is one round trip and one atomic server-side step: readers see each write
+call wholly or not at all, and `match` walks the whole chain in a single request.
+
+Data model (P = the deployment's prefix, K = a canonical key as 8 bytes big-endian):
+
+    P b K   string  the block's holders: a 2-byte record (big-endian slot·16 + tier bits) per
+                    worker holding it, so a block held by one worker costs 2 bytes of value.
+    P l     zset    every block (member K) by last use (score: a logical clock): the LRU.
+    P w N   set     the blocks worker slot N holds (members K), for `drop_worker`.
+    P s     hash    worker name -> slot (given on first sight, kept for the deployment's life).
+    P c     hash    counters: `n` entries, `x` evictions, `k` the clock, `m` slots given,
+                    `N.T` entries of slot N under fastest tier index T (so `stats` never walks).
+
+Bounds: a cap on (block, worker) entries (`max_entries`, the same in every replica of a
+deployment), enforced at the end of each `add` like `MemoryStore`'s: oldest block first, with
+all its holders, each counted in `evictions`. `add` and `match` refresh the blocks they touch
+(one ZADD per call); remove, move and stats do not. Redis's own `maxmemory` eviction would drop
+keys behind the counters' back, so the server should run without it (or with `noeviction`).
+Costs: `drop_worker` walks the worker's set in one script (a pause of the server proportional
+to its entries: rare, on a stream gap); worker slots stop at 4096 per deployment.
+
+A call the server cannot answer (refused, timed out) raises `StoreUnavailable`; the router
+keeps placing without prefix matches meanwhile (`router.placement`, `router.feed`).
+"""
+
+from __future__ import annotations
+
+import struct
+from collections import Counter
+from collections.abc import Collection, Iterable, Sequence
+from typing import Any
+
+import redis
+import redis.asyncio
+from redis.asyncio.retry import Retry
+from redis.backoff import NoBackoff
+
+from router.index.contract import IndexStats, IndexStore, StoreUnavailable, WorkerMatch
+from warply.protocol import Tier
+
+_TIERS = tuple(Tier)
+_INDEX = {tier: i for i, tier in enumerate(_TIERS)}
+_ALL_TIERS = (1 << len(_TIERS)) - 1
+_ERRORS = (redis.ConnectionError, redis.TimeoutError)
+
+_PRELUDE = """
+local P = ARGV[1]
+local B, L, W, S, C = P .. 'b', P .. 'l', P .. 'w', P .. 's', P .. 'c'
+local byte, sub, char, floor = string.byte, string.sub, string.char, math.floor
+local FAST = {}  -- tier bits -> index of the fastest tier among them (the lowest bit)
+for b = 1, 15 do
+  local t = 0
+  while bit.band(b, bit.lshift(1, t)) == 0 do t = t + 1 end
+  FAST[b] = t
+end
+local delta = {}  -- counter field -> change, written once at the end
+local function count(slot, bits, d)
+  local f = slot .. '.' .. FAST[bits]
+  delta[f] = (delta[f] or 0) + d
+end
+local function flush(entries, evictions)
+  for f, d in pairs(delta) do
+    if d ~= 0 then redis.call('HINCRBY', C, f, d) end
+  end
+  if entries ~= 0 then redis.call('HINCRBY', C, 'n', entries) end
+  if evictions ~= 0 then redis.call('HINCRBY', C, 'x', evictions) end
+end
+local function find(v, slot)  -- the slot's tier bits in holders `v` (0: none) and their offset
+  for i = 1, #v, 2 do
+    local a, b = byte(v, i, i + 1)
+    local r = a * 256 + b
+    if floor(r / 16) == slot then return r % 16, i end
+  end
+  return 0, nil
+end
+local function put(v, slot, bits, pos)  -- holders `v` with the slot's bits replaced (0: gone)
+  local rec = ''
+  if bits > 0 then
+    local r = slot * 16 + bits
+    rec = char(floor(r / 256), r % 256)
+  end
+  if pos then return sub(v, 1, pos - 1) .. rec .. sub(v, pos + 2) end
+  return v .. rec
+end
+local function batched(cmd, head, args)  -- cmd head args..., at most 4000 arguments at a time
+  for i = 1, #args, 4000 do
+    redis.call(cmd, head, unpack(args, i, math.min(i + 3999, #args)))
+  end
+end
+local function split(blob)  -- 8-byte keys and their block names
+  local ks, names = {}, {}
+  for i = 1, #blob / 8 do
+    ks[i] = sub(blob, 8 * i - 7, 8 * i)
+    names[i] = B .. ks[i]
+  end
+  return ks, names
+end
+local function mget(names)
+  local out = {}
+  for i = 1, #names, 4000 do
+    local part = redis.call('MGET', unpack(names, i, math.min(i + 3999, #names)))
+    for j = 1, #part do out[i + j - 1] = part[j] end
+  end
+  return out
+end
+local function write(cur, changed)  -- store changed holders; a block nobody holds leaves
+  local set, gone = {}, {}
+  for k in pairs(changed) do
+    if cur[k] == '' then
+      redis.call('DEL', B .. k)
+      gone[#gone + 1] = k
+    else
+      set[#set + 1] = B .. k
+      set[#set + 1] = cur[k]
+    end
+  end
+  if #set > 0 then
+    for i = 1, #set, 4000 do redis.call('MSET', unpack(set, i, math.min(i + 3999, #set))) end
+  end
+  if #gone > 0 then batched('ZREM', L, gone) end
+end
+"""
+
+_ADD = """
+local slot = redis.call('HGET', S, ARGV[2])
+if not slot then
+  slot = redis.call('HINCRBY', C, 'm', 1) - 1
+  if slot >= 4096 then return redis.error_reply('more than 4096 workers in this index') end
+  redis.call('HSET', S, ARGV[2], slot)
+end
+slot = tonumber(slot)
+local tbit, cap = bit.lshift(1, tonumber(ARGV[3])), tonumber(ARGV[4])
+local ks, names = split(ARGV[5])
+local n = #ks
+if n == 0 then return 0 end
+local vals = mget(names)
+local cur, changed, z, fresh = {}, {}, {}, {}
+local clock = redis.call('HINCRBY', C, 'k', n) - n
+for i = 1, n do
+  local k = ks[i]
+  local v = cur[k]
+  if v == nil then v = vals[i] or '' end
+  local old, pos = find(v, slot)
+  local new = bit.bor(old, tbit)
+  if new ~= old then
+    if old == 0 then fresh[#fresh + 1] = k else count(slot, old, -1) end
+    count(slot, new, 1)
+    v = put(v, slot, new, pos)
+    changed[k] = true
+  end
+  cur[k] = v
+  z[#z + 1] = clock + i
+  z[#z + 1] = k
+end
+write(cur, changed)
+batched('ZADD', L, z)
+if #fresh > 0 then batched('SADD', W .. slot, fresh) end
+local entries = tonumber(redis.call('HGET', C, 'n') or 0) + #fresh
+local evicted = 0
+while entries - evicted > cap do  -- oldest blocks first, with every holder
+  local oldest = redis.call('ZRANGE', L, 0, entries - evicted - cap - 1)
+  local done = 0
+  for _, k in ipairs(oldest) do
+    local v = redis.call('GET', B .. k) or ''
+    for i = 1, #v, 2 do
+      local a, b = byte(v, i, i + 1)
+      local r = a * 256 + b
+      redis.call('SREM', W .. floor(r / 16), k)
+      count(floor(r / 16), r % 16, -1)
+      evicted = evicted + 1
+    end
+    redis.call('DEL', B .. k)
+    done = done + 1
+    if entries - evicted <= cap then break end
+  end
+  redis.call('ZREM', L, unpack(oldest, 1, done))
+end
+flush(#fresh - evicted, evicted)
+return 0
+"""
+
+_REMOVE = """
+local ks, names = split(ARGV[4])
+local flags = {}
+local slot = redis.call('HGET', S, ARGV[2])
+if not slot then
+  for i = 1, #ks do flags[i] = 0 end
+  return flags
+end
+slot = tonumber(slot)
+local keep = bit.bnot(tonumber(ARGV[3]))
+local vals = mget(names)
+local cur, changed, gone, lost = {}, {}, 0, {}
+for i = 1, #ks do
+  local k = ks[i]
+  local v = cur[k]
+  if v == nil then v = vals[i] or '' end
+  local old, pos = find(v, slot)
+  local left = bit.band(old, keep)
+  if left ~= old then
+    count(slot, old, -1)
+    if left > 0 then count(slot, left, 1) else gone = gone + 1; lost[#lost + 1] = k end
+    v = put(v, slot, left, pos)
+    changed[k] = true
+  end
+  cur[k] = v
+  flags[i] = left > 0 and 1 or 0
+end
+write(cur, changed)
+if #lost > 0 then batched('SREM', W .. slot, lost) end
+flush(-gone, 0)
+return flags
+"""
+
+_MOVE = """
+local ks, names = split(ARGV[5])
+local slot = redis.call('HGET', S, ARGV[2])
+if not slot then return #ks end
+slot = tonumber(slot)
+local keep, dst = bit.bnot(bit.lshift(1, tonumber(ARGV[3]))), bit.lshift(1, tonumber(ARGV[4]))
+local vals = mget(names)
+local cur, changed, absent = {}, {}, 0
+for i = 1, #ks do
+  local k = ks[i]
+  local v = cur[k]
+  if v == nil then v = vals[i] or '' end
+  local old, pos = find(v, slot)
+  if old == 0 then
+    absent = absent + 1
+  else
+    local new = bit.bor(bit.band(old, keep), dst)
+    if new ~= old then
+      count(slot, old, -1)
+      count(slot, new, 1)
+      v = put(v, slot, new, pos)
+      changed[k] = true
+    end
+  end
+  cur[k] = v
+end
+write(cur, changed)
+flush(0, 0)
+return absent
+"""
+
+_DROP = """
+local slot = redis.call('HGET', S, ARGV[2])
+if not slot then return 0 end
+slot = tonumber(slot)
+local cur, changed, gone = {}, {}, 0
+for _, k in ipairs(redis.call('SMEMBERS', W .. slot)) do
+  local v = redis.call('GET', B .. k) or ''
+  local old, pos = find(v, slot)
+  if old > 0 then
+    count(slot, old, -1)
+    gone = gone + 1
+    cur[k] = put(v, slot, 0, pos)
+    changed[k] = true
+  end
+end
+write(cur, changed)
+redis.call('DEL', W .. slot)
+flush(-gone, 0)
+return gone
+"""
+
+_MATCH = """
+local blob, m = ARGV[2], #ARGV - 2
+local res, live, nlive = {}, {}, 0  -- live: slot -> candidate number, while its run goes on
+for j = 1, 5 * m do res[j] = 0 end
+if m == 0 then return res end
+local slots = redis.call('HMGET', S, unpack(ARGV, 3))
+for j = 1, m do
+  if slots[j] then live[tonumber(slots[j])] = j; nlive = nlive + 1 end
+end
+local n, walked, step = #blob / 8, 0, 16
+while nlive > 0 and walked < n do  -- fetch the chain in growing chunks while a run goes on
+  local names = {}
+  for i = walked + 1, math.min(walked + step, n) do
+    names[#names + 1] = B .. sub(blob, 8 * i - 7, 8 * i)
+  end
+  step = step * 2
+  local vals = redis.call('MGET', unpack(names))
+  for q = 1, #vals do
+    local v = vals[q]
+    if not v then nlive = 0; break end
+    local seen, here = {}, 0
+    for p = 1, #v, 2 do
+      local a, b = byte(v, p, p + 1)
+      local r = a * 256 + b
+      local s = floor(r / 16)
+      if live[s] then seen[s] = r % 16; here = here + 1 end
+    end
+    if here < nlive then
+      for s in pairs(live) do
+        if not seen[s] then live[s] = nil; nlive = nlive - 1 end
+      end
+      if nlive == 0 then break end
+    end
+    for s, bits in pairs(seen) do
+      local base = 5 * (live[s] - 1)
+      res[base + 1] = res[base + 1] + 1
+      res[base + 2 + FAST[bits]] = res[base + 2 + FAST[bits]] + 1
+    end
+    walked = walked + 1
+  end
+end
+if walked > 0 then  -- the walked blocks count as used
+  local clock = redis.call('HINCRBY', C, 'k', walked) - walked
+  local z = {}
+  for i = 1, walked do
+    z[#z + 1] = clock + i
+    z[#z + 1] = sub(blob, 8 * i - 7, 8 * i)
+  end
+  for i = 1, #z, 4000 do redis.call('ZADD', L, 'XX', unpack(z, i, math.min(i + 3999, #z))) end
+end
+return res
+"""
+
+
+def _pack(keys: Sequence[int]) -> bytes:
+    """Canonical keys as one string of 8-byte big-endian records (what the scripts split)."""
+    return struct.pack(f">{len(keys)}Q", *keys)
+
+
+class RedisStore(IndexStore):
+    """Index store on a Redis / Valkey server; see the module docstring for the data model."""
+
+    def __init__(
+        self,
+        url: str,
+        prefix: str = "warply",
+        max_entries: int = 4_000_000,
+        timeout_s: float = 0.5,
+    ) -> None:
+        if max_entries <= 0:
+            raise ValueError("max_entries must be positive")
+        self.url = url
+        self.max_entries = max_entries
+        self._prefix = f"{{{prefix}}}:".encode()  # a hash tag: one cluster slot for a deployment
+        # No retries: a call that fails is reported at once, so placement stops waiting on it.
+        self._redis = redis.asyncio.Redis.from_url(
+            url,
+            socket_timeout=timeout_s,
+            socket_connect_timeout=timeout_s,
+            retry=Retry(NoBackoff(), 0),
+        )
+        script = self._redis.register_script
+        self._add = script(_PRELUDE + _ADD)
+        self._remove = script(_PRELUDE + _REMOVE)
+        self._move = script(_PRELUDE + _MOVE)
+        self._drop = script(_PRELUDE + _DROP)
+        self._match = script(_PRELUDE + _MATCH)
+
+    def check(self) -> None:
+        """Reach the server once, synchronously (at start-up); raises `StoreUnavailable`."""
+        client = redis.Redis.from_url(self.url, socket_connect_timeout=2, socket_timeout=2)
+        try:
+            client.ping()
+        except (*_ERRORS, redis.ResponseError) as exc:
+            raise StoreUnavailable(f"index store {self.url}: {exc}") from None
+        finally:
+            client.close()
+
+    async def _run(self, script: Any, *args: Any) -> Any:
+        try:
+            return await script(args=[self._prefix, *args])
+        except _ERRORS as exc:
+            raise StoreUnavailable(f"index store {self.url}: {exc}") from None
+
+    async def add(self, worker: str, tier: Tier, keys: Sequence[int]) -> None:
+        if keys:
+            await self._run(self._add, worker, _INDEX[tier], self.max_entries, _pack(keys))
+
+    async def remove(self, worker: str, tier: Tier | None, keys: Sequence[int]) -> list[bool]:
+        if not keys:
+            return []
+        bits = _ALL_TIERS if tier is None else 1 << _INDEX[tier]
+        flags = await self._run(self._remove, worker, bits, _pack(keys))
+        return [bool(f) for f in flags]
+
+    async def move(self, worker: str, src: Tier, dst: Tier, keys: Sequence[int]) -> int:
+        if not keys:
+            return 0
+        absent: int = await self._run(self._move, worker, _INDEX[src], _INDEX[dst], _pack(keys))
+        return absent
+
+    async def drop_worker(self, worker: str, keys: Iterable[int]) -> None:
+        # The worker's own set names its entries, including those other replicas added.
+        await self._run(self._drop, worker)
+
+    async def match(self, keys: Sequence[int], workers: Collection[str]) -> dict[str, WorkerMatch]:
+        names = list(dict.fromkeys(workers))
+        if not names:
+            return {}
+        found = await self._run(self._match, _pack(keys), *names)
+        out: dict[str, WorkerMatch] = {}
+        for j, name in enumerate(names):
+            depth, *per_tier = found[5 * j : 5 * j + 5]
+            by_tier = {_TIERS[t]: n for t, n in enumerate(per_tier) if n}
+            out[name] = WorkerMatch(depth, by_tier)
+        return out
+
+    async def stats(self) -> IndexStats:
+        try:
+            async with self._redis.pipeline(transaction=True) as pipe:
+                pipe.hgetall(self._prefix + b"c")
+                pipe.hgetall(self._prefix + b"s")
+                counters, slots = await pipe.execute()
+        except _ERRORS as exc:
+            raise StoreUnavailable(f"index store {self.url}: {exc}") from None
+        names = {int(slot): name.decode() for name, slot in slots.items()}
+        by_worker: Counter[tuple[str, Tier]] = Counter()
+        for field, value in counters.items():
+            slot, dot, tier = field.partition(b".")
+            if dot and int(value):
+                by_worker[(names[int(slot)], _TIERS[int(tier)])] = int(value)
+        by_tier: Counter[Tier] = Counter()
+        for (_, tier), n in by_worker.items():
+            by_tier[tier] += n
+        return IndexStats(
+            int(counters.get(b"n", 0)), int(counters.get(b"x", 0)), by_tier, Counter(), by_worker
+        )
+
+    async def close(self) -> None:
+        await self._redis.aclose()
