@@ -24,6 +24,7 @@ from aiohttp import web
 
 from router.app import Router
 from router.config import CLI_FIELDS, ConfigError, RouterConfig, load_config
+from router.index import StoreUnavailable
 
 _WORKER_KEYS = {"name", "events", "replay", "topic", "control", "bind"}
 
@@ -108,6 +109,9 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     except FileNotFoundError as exc:
         print(f"warply-router: tokenizer: {exc}", file=sys.stderr)
+        return 2
+    except StoreUnavailable as exc:
+        print(f"warply-router: index.url: cannot reach the shared store: {exc}", file=sys.stderr)
         return 2
     logging.basicConfig(
         level=args.log_level.upper(),

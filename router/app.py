@@ -23,7 +23,7 @@ from router.config import RouterConfig
 from router.control import send_directive
 from router.errors import ApiError, json_object
 from router.feed import IndexFeed
-from router.index import MemoryStore, PrefixIndex
+from router.index import PrefixIndex, open_store
 from router.metrics import RouterMetrics, kv_transfer_stats
 from router.placement import Placement
 from router.proxy import Proxy
@@ -46,7 +46,7 @@ class Router:
 
     def __init__(self, config: RouterConfig, tokenizer: RouterTokenizer | None = None) -> None:
         self.config = config
-        self.index = PrefixIndex(config.model, MemoryStore(config.index_max_entries))
+        self.index = PrefixIndex(config.model, open_store(config.index))
         self.workers = Workers(config.pools)
         self.placement = Placement(config, self.index, self.workers)
         tokenizer = tokenizer or RouterTokenizer(config.tokenizer)
@@ -105,6 +105,7 @@ class Router:
                 await self._health_task
         await self.feed.stop()
         await self.proxy.close()
+        await self.index.store.close()
 
     async def check_health(self) -> None:
         """Probe every worker's /health once (concurrently); then read the decode workers' KV

@@ -177,6 +177,32 @@ class TieringConfig(_Strict):
     """Blocks kept per tracked prefix."""
 
 
+class IndexConfig(_Strict):
+    """Where the prefix index lives: in the router's memory (the default), or on a Redis /
+    Valkey server that several router replicas of one deployment share."""
+
+    store: Literal["memory", "redis"] = "memory"
+    url: str | None = Field(None, pattern=r"^(redis|rediss|unix)://")
+    """The shared store's server (`store: redis`), e.g. redis://127.0.0.1:6379/0."""
+    prefix: str = Field("warply", min_length=1, pattern=r"^[^{}]+$")
+    """The deployment's namespace on that server: replicas with the same prefix share one
+    index; deployments with different prefixes never see each other's entries."""
+    max_entries: int = Field(4_000_000, gt=0)
+    """Cap on (block, worker) entries, least recently used blocks evicted first (give every
+    replica of a shared store the same value)."""
+    timeout_s: float = Field(0.5, gt=0)
+    """Longest wait for the shared store's answer before a call counts as failed (placement
+    then goes on without prefix matches)."""
+
+    @model_validator(mode="after")
+    def _url_for_redis(self) -> IndexConfig:
+        if self.store == "redis" and self.url is None:
+            raise ValueError("url: store 'redis' needs the server's url (redis://HOST:PORT/DB)")
+        if self.store == "memory" and self.url is not None:
+            raise ValueError("url: applies to store 'redis' only (this index is in memory)")
+        return self
+
+
 class RouterConfig(_Strict):
     """Everything `warply-router` needs."""
 
@@ -193,7 +219,7 @@ class RouterConfig(_Strict):
     strategy: StrategyConfig = StrategyConfig()
     auth_token: str | None = None
     """When set, /warply/* admin endpoints require `Authorization: Bearer <token>`."""
-    index_max_entries: int = Field(4_000_000, gt=0)
+    index: IndexConfig = IndexConfig()
     max_model_len: int | None = Field(None, gt=0)
     """Longest prompt accepted (None: ask the workers' /v1/models at start-up)."""
     alerts: AlertConfig = AlertConfig()
@@ -208,6 +234,16 @@ class RouterConfig(_Strict):
     pd: PdConfig = PdConfig()
     tiering: TieringConfig | None = None
     """None: no tier policy runs."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _moved_fields(cls, data: Any) -> Any:
+        if isinstance(data, dict) and "index_max_entries" in data:
+            raise ValueError(
+                "index_max_entries moved into the index section: write "
+                f"`index: {{max_entries: {data['index_max_entries']}}}` instead"
+            )
+        return data
 
     @field_validator("lora_adapters")
     @classmethod
@@ -276,7 +312,8 @@ CLI_FIELDS: dict[str, type] = {
     "index_max_entries": int,
     "max_model_len": int,
 }
-"""Top-level fields settable by a `--flag` of the same name (dashes for underscores)."""
+"""Fields settable by a `--flag` of the same name (dashes for underscores); top-level ones, and
+`index_max_entries` for `index.max_entries`."""
 
 
 def _read(path: Path) -> dict[str, Any]:
@@ -313,7 +350,12 @@ def load_config(
 ) -> RouterConfig:
     """Read `path` (if any), apply CLI overrides, validate; raises `ConfigError`."""
     data = _read(path) if path is not None else {}
-    data.update({k: v for k, v in (overrides or {}).items() if v is not None})
+    flags = {k: v for k, v in (overrides or {}).items() if v is not None}
+    if "index_max_entries" in flags:
+        index = data.get("index")
+        data["index"] = dict(index if isinstance(index, dict) else {})
+        data["index"]["max_entries"] = flags.pop("index_max_entries")
+    data.update(flags)
     if strategy is not None or knobs is not None:
         current = dict(data.get("strategy") or {})
         if strategy is not None:

@@ -5,6 +5,10 @@ protocol. A gap the subscriber cannot recover drops that worker's entries (`on_s
 `LoadSnapshot` events update the worker's load (what the strategies see, and the engine's own
 queues and capacity on /warply/workers); removals count as engine evictions; `PrefixHit`
 events (the engine's own record of a request reusing its cache) count as engine-confirmed hits.
+
+A network index store that fails a write leaves the worker's entries there unknown (the call may
+or may not have been applied): the worker is dropped from the index as soon as the store
+answers again, and its stream rebuilds it; its batches are skipped until then.
 """
 
 from __future__ import annotations
@@ -12,7 +16,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 
-from router.index import PrefixIndex
+from router.index import PrefixIndex, StoreUnavailable
 from router.metrics import RouterMetrics
 from router.workers import Workers
 from warply.protocol import BlockRemoved, DecodedBatch, LoadSnapshot, PrefixHit
@@ -29,13 +33,15 @@ class IndexFeed:
         self._metrics = metrics
         self.subscribers: dict[str, StateSubscriber] = {}
         self._tasks: list[asyncio.Task[None]] = []
+        self._lost: set[str] = set()
+        """Workers whose entries in the store are unknown after a failed write: to drop."""
         for w in workers.values():
             if w.config.events:
                 self.subscribers[w.name] = StateSubscriber(
                     w.name,
                     w.config.events,
                     self.on_batch,
-                    index.drop_worker,
+                    self.on_stale,
                     replay_endpoint=w.config.replay,
                     topic=w.config.topic.encode(),
                     bind=w.config.bind,
@@ -57,7 +63,17 @@ class IndexFeed:
 
     async def on_batch(self, worker: str, batch: DecodedBatch) -> None:
         """Apply one decoded batch of `worker`'s stream."""
-        await self._index.apply(worker, batch.events)
+        if worker in self._lost:
+            await self.on_stale(worker)
+        if worker not in self._lost:
+            try:
+                await self._index.apply(worker, batch.events)
+            except StoreUnavailable as exc:
+                self._index.outage.failed("apply", exc)
+                self._lost.add(worker)
+            else:
+                if self._index.outage.down:
+                    self._index.outage.recovered()
         for ev in batch.events:
             if isinstance(ev, LoadSnapshot):
                 self._workers.engine_load(worker, ev)
@@ -65,6 +81,17 @@ class IndexFeed:
                 self._metrics.engine_removed(worker, len(ev.block_hashes))
             elif isinstance(ev, PrefixHit):
                 self._metrics.engine_hit(worker, ev.hit_tokens)
+
+    async def on_stale(self, worker: str) -> None:
+        """Drop the worker's entries (its stream went stale, or a write to the store failed);
+        while the store cannot answer, the worker stays marked for the drop."""
+        try:
+            await self._index.drop_worker(worker)
+        except StoreUnavailable as exc:
+            self._index.outage.failed("drop_worker", exc)
+            self._lost.add(worker)
+        else:
+            self._lost.discard(worker)
 
     def stream_stats(self, worker: str) -> StreamStats | None:
         """The subscriber's counters for /warply/workers (None: the worker has no stream)."""

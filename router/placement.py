@@ -12,6 +12,8 @@ their worker the same way (cached prefix, tier-aware), unless fewer than
 disaggregation) or no prefill worker is available; then the decode worker prefills locally.
 SGLang decode workers cannot prefill alone (`PoolConfig.local_prefill`): they always get a
 prefill worker, and compete only while one is available.
+A network index store that cannot answer never stops placement: its workers then count as
+holding nothing (load decides), and the failure is counted in `PrefixIndex.outage`.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from router.config import RouterConfig
-from router.index import PrefixIndex, WorkerMatch
+from router.index import PrefixIndex, StoreUnavailable, WorkerMatch
 from router.strategies import NO_MATCH, NoCandidate, Pick, RequestView, Strategy, make_strategy
 from router.workers import Worker, Workers
 from warply.protocol import prefix_keys
@@ -220,7 +222,15 @@ class Placement:
             if not candidates:
                 continue
             keys = prefix_keys(tokens, pool.block_size, self.model, namespace)
-            matches = await self.index.match(keys, [w.name for w in candidates])
+            names = [w.name for w in candidates]
+            try:
+                matches = await self.index.match(keys, names)
+            except StoreUnavailable as exc:
+                self.index.outage.failed("match", exc)
+                matches = dict.fromkeys(names, NO_MATCH)
+            else:
+                if self.index.outage.down:
+                    self.index.outage.recovered()
             if early and any(m.blocks >= len(keys) for m in matches.values()):
                 raise _GiveUp
             picks.append((pool, keys, matches, candidates))

@@ -147,6 +147,13 @@ class Series:
         self.index_evictions = Gauge(
             "warply_index_evictions", "Entries dropped by the index's own cap", registry=r
         )
+        self.store_failures = Gauge(
+            "warply_index_store_failures",
+            "Calls the shared index store failed since start-up, by operation (the router "
+            "placed without its matches meanwhile)",
+            ["op"],
+            registry=r,
+        )
         self.evictions = PromCounter(
             "warply_engine_evicted_blocks", "Blocks engines removed, by pool", ["pool"], registry=r
         )
@@ -225,6 +232,8 @@ class Series:
         for tier, n in index.entries_by_tier.items():
             self.entries.labels(tier.value).set(n)
         self.index_evictions.set(index.evictions)
+        for op, n in index.store_failures.items():
+            self.store_failures.labels(op).set(n)
         for (pool, tier_name), nbytes in bytes_by_pool_tier.items():
             self.bytes.labels(pool, tier_name).set(nbytes)
         for w in workers:
