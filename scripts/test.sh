@@ -1,10 +1,17 @@
 #!/usr/bin/env bash
 # Runs the whole test suite: lint + types + import layers + core tests in .venvs/core, then each engine's
 # integration tests in its own venv (vLLM: tests/vllm in .venvs/vllm; SGLang: tests/sglang in
-# .venvs/sglang). Installs what it needs first (idempotent, cached per machine).
+# .venvs/sglang). Installs what it needs first (idempotent, cached per machine), including the
+# redis-server the shared index store's tests start (Debian's package; sudo unless root).
 set -uo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT"
+if ! command -v redis-server >/dev/null; then
+    SUDO=""
+    [[ "$(id -u)" -ne 0 ]] && SUDO="sudo"
+    echo "[setup] installing redis-server (tests/test_index_redis.py starts one)" >&2
+    { $SUDO apt-get update -qq && $SUDO apt-get install -y -qq redis-server >/dev/null; } || exit 1
+fi
 bash scripts/setup_envs.sh core vllm sglang || exit 1
 
 REPORTS="$(mktemp -d)"
