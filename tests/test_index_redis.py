@@ -52,7 +52,7 @@ _prefixes = itertools.count()
 
 def _store(server: RedisServer, max_entries: int = 4_000_000, prefix: str = "") -> RedisStore:
     """A store under a prefix no other test uses (an empty index), unless one is given."""
-    return RedisStore(server.url, prefix or f"t{next(_prefixes)}", max_entries)
+    return RedisStore(server.url, prefix or f"t{next(_prefixes)}", max_entries, timeout_s=5)
 
 
 def _stored(tokens: list[int], first_hash: int, parent: int | None = None) -> BlockStored:

@@ -207,3 +207,16 @@ def test_sglang_pools_load() -> None:
     assert (prefill.kv_handoff, decode.kv_handoff, both.kv_handoff) == ("sglang",) * 2 + ("vllm",)
     assert prefill.workers[0].bootstrap_port == 9000
     assert (prefill.local_prefill, decode.local_prefill, both.local_prefill) == (True, False, True)
+
+
+def test_index_section_and_the_moved_cap(tmp_path: Path) -> None:
+    shared = GOOD + "index: {store: redis, url: 'redis://127.0.0.1:6379/0', prefix: dep-a}\n"
+    cfg = load_config(_write(tmp_path, shared), {"index_max_entries": 1000})
+    assert (cfg.index.store, cfg.index.prefix, cfg.index.max_entries) == ("redis", "dep-a", 1000)
+    assert load_config(_write(tmp_path, GOOD)).index.store == "memory"
+    with pytest.raises(ConfigError, match="store 'redis' needs the server's url"):
+        load_config(_write(tmp_path, GOOD + "index: {store: redis}\n"))
+    with pytest.raises(ConfigError, match=r"index\.url"):
+        load_config(_write(tmp_path, GOOD + "index: {store: redis, url: '127.0.0.1:6379'}\n"))
+    with pytest.raises(ConfigError, match=r"write `index: \{max_entries: 5\}` instead"):
+        load_config(_write(tmp_path, GOOD + "index_max_entries: 5\n"))

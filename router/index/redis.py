@@ -3,8 +3,10 @@
 Several router replicas of one deployment point at the same server and key prefix: what one
 ingests, every other matches at once (a new replica places well from its first request), and
 the index may outgrow one router process. Every contract call is one Lua script run
-(EVALSHA), so it is one round trip and one atomic server-side step: readers see each write
-call wholly or not at all, and `match` walks the whole chain in a single request.
+(EVALSHA), one atomic server-side step: readers see each write call wholly or not at all, and
+`match` walks the whole chain in a single round trip. Writes are pipelined: those made while
+earlier ones are on the wire (the feed runs one task per worker) go out together in the next
+pipeline, in call order, so one worker's calls still apply in stream order.
 
 Data model (P = the deployment's prefix, K = a canonical key as 8 bytes big-endian):
 
@@ -30,6 +32,7 @@ keeps placing without prefix matches meanwhile (`router.placement`, `router.feed
 
 from __future__ import annotations
 
+import asyncio
 import struct
 from collections import Counter
 from collections.abc import Collection, Iterable, Sequence
@@ -39,6 +42,7 @@ import redis
 import redis.asyncio
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
+from redis.exceptions import NoScriptError
 
 from router.index.contract import IndexStats, IndexStore, StoreUnavailable, WorkerMatch
 from warply.protocol import Tier
@@ -356,6 +360,9 @@ class RedisStore(IndexStore):
         self._move = script(_PRELUDE + _MOVE)
         self._drop = script(_PRELUDE + _DROP)
         self._match = script(_PRELUDE + _MATCH)
+        self._pending: list[tuple[Any, tuple[Any, ...], asyncio.Future[Any]]] = []
+        """Writes waiting for the next pipeline: (script, arguments, the caller's future)."""
+        self._sender: asyncio.Task[None] | None = None
 
     def check(self) -> None:
         """Reach the server once, synchronously (at start-up); raises `StoreUnavailable`."""
@@ -368,31 +375,78 @@ class RedisStore(IndexStore):
             client.close()
 
     async def _run(self, script: Any, *args: Any) -> Any:
+        """One script run on its own (match: a reader does not wait behind writes)."""
         try:
             return await script(args=[self._prefix, *args])
         except _ERRORS as exc:
             raise StoreUnavailable(f"index store {self.url}: {exc}") from None
 
+    async def _write(self, script: Any, *args: Any) -> Any:
+        """One write script run, sent in the next pipeline; its result once applied."""
+        done: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+        self._pending.append((script, args, done))
+        if self._sender is None or self._sender.done():
+            self._sender = asyncio.create_task(self._send())
+        return await done
+
+    async def _send(self) -> None:
+        """Send the pending writes, a pipeline at a time, until none is left."""
+        while self._pending:
+            batch, self._pending = self._pending, []
+            try:
+                results = await self._pipeline(batch)
+            except Exception as exc:  # every caller hears of it; none waits forever
+                failed = exc
+                if isinstance(exc, _ERRORS):
+                    failed = StoreUnavailable(f"index store {self.url}: {exc}")
+                for _, _, done in batch:
+                    if not done.done():
+                        done.set_exception(failed)
+                continue
+            for (_, _, done), result in zip(batch, results, strict=True):
+                if done.done():
+                    continue
+                if isinstance(result, Exception):
+                    done.set_exception(result)
+                else:
+                    done.set_result(result)
+
+    async def _pipeline(self, batch: list[tuple[Any, tuple[Any, ...], Any]]) -> list[Any]:
+        """Run the batch's scripts in one pipeline; scripts the server lost (a restart) are
+        loaded again and the runs they refused sent once more, in order."""
+        async with self._redis.pipeline(transaction=False) as pipe:
+            for script, args, _ in batch:
+                pipe.evalsha(script.sha, 0, self._prefix, *args)
+            results: list[Any] = await pipe.execute(raise_on_error=False)
+        refused = [i for i, r in enumerate(results) if isinstance(r, NoScriptError)]
+        if refused:
+            for script in {id(batch[i][0]): batch[i][0] for i in refused}.values():
+                script.sha = await self._redis.script_load(script.script)
+            again = await self._pipeline([batch[i] for i in refused])
+            for i, result in zip(refused, again, strict=True):
+                results[i] = result
+        return results
+
     async def add(self, worker: str, tier: Tier, keys: Sequence[int]) -> None:
         if keys:
-            await self._run(self._add, worker, _INDEX[tier], self.max_entries, _pack(keys))
+            await self._write(self._add, worker, _INDEX[tier], self.max_entries, _pack(keys))
 
     async def remove(self, worker: str, tier: Tier | None, keys: Sequence[int]) -> list[bool]:
         if not keys:
             return []
         bits = _ALL_TIERS if tier is None else 1 << _INDEX[tier]
-        flags = await self._run(self._remove, worker, bits, _pack(keys))
+        flags = await self._write(self._remove, worker, bits, _pack(keys))
         return [bool(f) for f in flags]
 
     async def move(self, worker: str, src: Tier, dst: Tier, keys: Sequence[int]) -> int:
         if not keys:
             return 0
-        absent: int = await self._run(self._move, worker, _INDEX[src], _INDEX[dst], _pack(keys))
+        absent: int = await self._write(self._move, worker, _INDEX[src], _INDEX[dst], _pack(keys))
         return absent
 
     async def drop_worker(self, worker: str, keys: Iterable[int]) -> None:
         # The worker's own set names its entries, including those other replicas added.
-        await self._run(self._drop, worker)
+        await self._write(self._drop, worker)
 
     async def match(self, keys: Sequence[int], workers: Collection[str]) -> dict[str, WorkerMatch]:
         names = list(dict.fromkeys(workers))
