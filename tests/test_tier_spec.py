@@ -70,6 +70,10 @@ from warply.spec import KVTier, render_sglang, render_vllm
             {"engine": "sglang", "backend": "mooncake", "l2": "cpu", "l2_size_gb": 1},
             "'mooncake' serves SGLang's L3",
         ),
+        (
+            {"l2": "cpu", "l2_size_gb": 1, "l3": "ssd", "ssd_path": "/x", "ssd_size_gb": 10},
+            "fs adapter has no capacity option",
+        ),
         ({"l5": "gpu"}, "Extra inputs are not permitted"),
     ],
 )
@@ -81,9 +85,9 @@ def test_impossible_combinations_say_what_to_change(spec: dict[str, Any], messag
 
 def test_vllm_cpu_with_every_tier_renders_lmcache_mp() -> None:
     tier = KVTier(
-        device="cpu", l2="cpu", l2_size_gb=0.25, l3="ssd", ssd_path="/nvme/kv", ssd_size_gb=100,
+        device="cpu", l2="cpu", l2_size_gb=0.25, l3="ssd", ssd_path="/nvme/kv",
         l4="object_store", object_store_url="s3://kv-bucket",
-        object_store_endpoint="http://127.0.0.1:9000", lmcache_port=6555,
+        object_store_endpoint="http://127.0.0.1:9000", lmcache_port=6555, lmcache_http_port=6580,
     )  # fmt: skip
     out = render_vllm(tier, {"events_endpoint": "tcp://*:5557"})
     assert out.kv_transfer_config == {
@@ -97,16 +101,17 @@ def test_vllm_cpu_with_every_tier_renders_lmcache_mp() -> None:
                     "lmcache.mp.port": 6555,
                 },
             },
-            "warply": {"events_endpoint": "tcp://*:5557"},
+            "warply": {"events_endpoint": "tcp://*:5557", "lmcache_url": "http://127.0.0.1:6580"},
         },
     }
     assert out.engine_args[0] == "--kv-transfer-config"
     assert json.loads(out.engine_args[1]) == out.kv_transfer_config
     assert out.lmcache_server == [
         "lmcache", "server", "--host", "127.0.0.1", "--port", "6555",
-        "--http-host", "127.0.0.1", "--chunk-size", "256", "--l1-size-gb", "0.25",
-        "--eviction-policy", "LRU", "--supported-transfer-mode", "engine_driven",
-        "--l2-adapter", '{"type":"fs","base_path":"/nvme/kv","max_capacity_gb":100.0}',
+        "--http-host", "127.0.0.1", "--http-port", "6580", "--chunk-size", "256",
+        "--l1-size-gb", "0.25", "--eviction-policy", "LRU",
+        "--supported-transfer-mode", "engine_driven",
+        "--l2-adapter", '{"type":"fs","base_path":"/nvme/kv"}',
         "--l2-adapter",
         '{"type":"s3","s3_endpoint":"s3://kv-bucket.127.0.0.1:9000","s3_region":"us-east-1",'
         '"disable_tls":true}',

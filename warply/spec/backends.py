@@ -81,8 +81,12 @@ def render_vllm(
     elif tier.l2 is not None:  # mooncake (validation allows nothing else on vLLM)
         mooncake = _mooncake_store(tier)
         extra["delegate"] = {"kv_connector": "MooncakeStoreConnector"}
-    if warply:
-        extra["warply"] = dict(warply)
+    section = dict(warply or {})
+    if lmcache is not None:
+        # The plugin reads the server's bytes and sends evictions over its HTTP API.
+        section.setdefault("lmcache_url", f"http://{_LOOPBACK}:{tier.lmcache_http_port}")
+    if section:
+        extra["warply"] = section
     config: dict[str, Any] = {"kv_connector": "WarplyConnector", "kv_role": kv_role}
     if extra:
         config["kv_connector_extra_config"] = extra
@@ -96,6 +100,7 @@ def _lmcache_server(tier: KVTier) -> list[str]:
         "--host", _LOOPBACK,
         "--port", str(tier.lmcache_port),
         "--http-host", _LOOPBACK,
+        "--http-port", str(tier.lmcache_http_port),
         "--chunk-size", str(tier.lmcache_chunk_size),
         "--l1-size-gb", _gb(tier.l2_size_gb),
         "--eviction-policy", "LRU",
@@ -112,10 +117,7 @@ def _lmcache_adapters(tier: KVTier) -> list[dict[str, Any]]:
     """LMCache L2 adapters in tier order (the server tries them in this order)."""
     adapters: list[dict[str, Any]] = []
     if tier.l3 is not None:
-        fs: dict[str, Any] = {"type": "fs", "base_path": tier.ssd_path}
-        if tier.ssd_size_gb is not None:
-            fs["max_capacity_gb"] = tier.ssd_size_gb
-        adapters.append(fs)
+        adapters.append({"type": "fs", "base_path": tier.ssd_path})
     if tier.l4 is not None:
         assert tier.object_store_url is not None  # validated: l4 needs a URL
         url = urlsplit(tier.object_store_url)

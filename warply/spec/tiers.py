@@ -54,6 +54,9 @@ class KVTier(BaseModel):
     object_store_region: str = "us-east-1"
     lmcache_port: int = Field(5555, gt=0, le=65535)
     """The LMCache MP server's ZMQ port (it binds 127.0.0.1)."""
+    lmcache_http_port: int = Field(8080, gt=0, le=65535)
+    """The LMCache MP server's HTTP port (`/status`, `/cache/*`, `/quota/*`; 127.0.0.1): where
+    Warply reads the server's bytes and sends its directives."""
     lmcache_chunk_size: int = Field(256, gt=0)
     mooncake_master: str | None = None
     """Mooncake master `HOST:PORT` (required with backend mooncake)."""
@@ -134,6 +137,11 @@ class KVTier(BaseModel):
             raise ValueError(
                 "backend 'hicache' is SGLang's hierarchical cache; for vLLM use 'lmcache' or "
                 "'mooncake'"
+            )
+        if backend == "lmcache" and self.ssd_size_gb is not None:
+            raise ValueError(
+                "ssd_size_gb: LMCache 0.5.6's fs adapter has no capacity option (it reads "
+                "base_path, relative_tmp_dir, read_ahead_size, use_odirect); leave it unset"
             )
         if backend == "lmcache" and self.object_store_url:
             url = urlsplit(self.object_store_url)
