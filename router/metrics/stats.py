@@ -10,7 +10,7 @@ handed-off requests and the decode workers' KV transfer counters.
 from __future__ import annotations
 
 from collections import Counter, OrderedDict, deque
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 
 from msgspec.structs import replace as struct_replace
 
@@ -19,6 +19,7 @@ from router.metrics.alerts import HitAlert, ratio
 from router.metrics.record import RequestRecord
 from router.token_cache import ChunkStats
 from router.workers import Worker, Workers
+from warply.protocol import Tier
 from warply.protocol.api import (
     AffinityEntry,
     AlertState,
@@ -47,14 +48,26 @@ def quantiles(values: Iterable[float]) -> Quantiles:
 
 
 def bytes_by_pool_tier(index: IndexStats, workers: Workers) -> Counter[tuple[str, str]]:
-    """KV bytes the index's entries stand for, per (pool, tier): entries × bytes per block, as
-    the pool states it (`kv_bytes_per_token` × block size) or else as the engine reports it
-    (its load snapshots' `kv_bytes_per_block`, from its KV cache spec)."""
-    out: Counter[tuple[str, str]] = Counter()
+    """KV bytes per (pool, tier): each worker's `tier_bytes`."""
+    entries: dict[str, dict[Tier, int]] = {}
     for (worker, tier), n in index.entries_by_worker_tier.items():
-        w = workers.get(worker)
-        if w is not None:
-            out[(w.pool.name, tier.value)] += n * block_bytes(w)
+        entries.setdefault(worker, {})[tier] = n
+    out: Counter[tuple[str, str]] = Counter()
+    for w in workers.values():
+        for tier, nbytes in tier_bytes(w, entries.get(w.name, {})).items():
+            out[(w.pool.name, tier.value)] += nbytes
+    return out
+
+
+def tier_bytes(worker: Worker, entries: Mapping[Tier, int]) -> dict[Tier, int]:
+    """KV bytes `worker` holds per tier: the tier backend's own count where the engine reports
+    one (`LoadSnapshot.backend_bytes`, e.g. LMCache's `/status`), else its index entries × bytes
+    per block (the pool's `kv_bytes_per_token` × block size, or the engine's
+    `kv_bytes_per_block`)."""
+    per_block = block_bytes(worker)
+    out = {tier: n * per_block for tier, n in entries.items()}
+    if worker.snapshot is not None and worker.snapshot.backend_bytes:
+        out.update(worker.snapshot.backend_bytes)
     return out
 
 

@@ -23,7 +23,7 @@ from router.control import send_directive
 from router.index import PrefixIndex
 from router.metrics.record import RequestRecord
 from router.metrics.registry import Series
-from router.metrics.stats import block_bytes
+from router.metrics.stats import block_bytes, tier_bytes
 from router.tiering.base import Action, TierPolicy
 from router.tiering.registry import make_policy
 from router.tiering.state import PrefixId, PrefixState, PrefixTracker, TierState, WorkerState
@@ -101,7 +101,7 @@ class TierRunner:
                 w.pool.name,
                 w.snapshot.kv_usage if w.snapshot is not None else 0.0,
                 block_bytes(w),
-                {t: n * block_bytes(w) for t, n in per_worker.get(w.name, {}).items()},
+                tier_bytes(w, per_worker.get(w.name, {})),
                 bool(w.config.control),
             )
             for w in self._workers.values()

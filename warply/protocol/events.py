@@ -76,6 +76,11 @@ class LoadSnapshot(_Event, tag="load"):
     """KV bytes one block takes on this engine, all layers and ranks (from its KV cache spec;
     0: not reported). The router's bytes metrics use it unless the pool sets
     `kv_bytes_per_token`."""
+    backend_bytes: dict[Tier, int] | None = None
+    """KV bytes this worker holds on tiers below the device as the tier backend itself counts
+    them (e.g. LMCache's `/status`: its L1 is the cpu tier); None: not reported. The router takes
+    these figures for those tiers instead of index entries × bytes per block. Added in protocol
+    version 1 as a trailing optional field: older readers ignore it, older writers omit it."""
 
 
 class DirectiveAck(_Event, tag="ack"):
