@@ -11,6 +11,9 @@ can really do on its device tier:
 - prefetch / offload, or any tier other than the device: rejected; vLLM has no API to move a
   cached block between tiers, and connectors expose none either.
 - quota: rejected; the block pool has no per-namespace quota.
+- evict on the cpu tier, with an LMCache MP server behind the delegate (`lmcache_url`): the
+  prefix's whole chunks are dropped from LMCache's L1 through its HTTP API
+  (`vllm_connector.lmcache`); other kinds there are rejected with what LMCache 0.5.6 lacks.
 
 Every directive gets a `DirectiveAck`, as the reply on the control socket and on the state stream.
 """
@@ -28,6 +31,7 @@ from typing import TYPE_CHECKING, Any
 from vllm.v1.core.kv_cache_utils import get_block_hash, get_group_id, hash_block_tokens
 
 from vllm_connector.export import StateExporter, engine_hash
+from vllm_connector.lmcache import LMCacheError, LMCacheServer
 from warply.protocol import Directive, DirectiveAck, DirectiveKind, Tier
 from warply.protocol.control import ControlServer
 
@@ -76,6 +80,8 @@ class DirectiveApplier:
         max_pinned_fraction: float,
         delegate_name: str | None,
         on_result: Callable[[bool], None],
+        lmcache: LMCacheServer | None = None,
+        lmcache_identity: Callable[[], tuple[str, int]] | None = None,
     ) -> None:
         self._server = server
         self._exporter = exporter
@@ -83,6 +89,9 @@ class DirectiveApplier:
         self._max_pinned_fraction = max_pinned_fraction
         self._delegate_name = delegate_name
         self._on_result = on_result
+        self._lmcache = lmcache
+        self._lmcache_identity = lmcache_identity
+        """(model name, world size) the delegate registered with LMCache (its object keys)."""
         self._pool: BlockPool | None = None
         self._pins: dict[int, _Pin] = {}
 
@@ -115,6 +124,8 @@ class DirectiveApplier:
                 False,
                 f"quota: vLLM 0.32's block pool has no per-namespace (cache_salt) quota{via}",
             )
+        if d.tier is Tier.CPU and self._lmcache is not None:
+            return self._apply_lmcache(d)
         if self._pool is None:
             return DirectiveAck(d.id, False, "the block pool is not bound yet")
         if d.kind in (DirectiveKind.PREFETCH, DirectiveKind.OFFLOAD):
@@ -138,6 +149,30 @@ class DirectiveApplier:
         if d.kind is DirectiveKind.PIN:
             return self._pin(d, blocks)
         return self._unpin(d, blocks)
+
+    def _apply_lmcache(self, d: Directive) -> DirectiveAck:
+        """A cpu-tier directive through LMCache's HTTP API (a loopback call on this thread)."""
+        assert self._lmcache is not None and self._lmcache_identity is not None
+        if d.kind is not DirectiveKind.EVICT:
+            return DirectiveAck(
+                d.id,
+                False,
+                f"{d.kind.value} on the cpu tier: LMCache 0.5.6's MP server has no API for it "
+                "(no pin; /cache/prefetches moves L2 -> L1 only; /quota scopes L2 adapters)",
+            )
+        if not d.token_ids:
+            return DirectiveAck(
+                d.id, False, "evict on the cpu tier needs token_ids (LMCache keys chunks by tokens)"
+            )
+        try:
+            model, world_size = self._lmcache_identity()
+            deleted, locked = self._lmcache.evict(d.token_ids, d.namespace, model, world_size)
+        except LMCacheError as exc:
+            return DirectiveAck(d.id, False, f"LMCache: {exc}")
+        reason = f"kept {locked} locked chunk(s)" if locked else ""
+        if not deleted and not locked:
+            reason = "no whole chunk of this prefix is in LMCache's L1"
+        return DirectiveAck(d.id, deleted > 0, reason, blocks=deleted)
 
     def _evict(self, d: Directive, blocks: list[KVCacheBlock]) -> DirectiveAck:
         assert self._pool is not None

@@ -59,11 +59,17 @@ class WarplySettings(PluginSettings):
 
     replay_buffer_steps: int = 10_000
     """Batches the replay socket keeps, > 0."""
+    lmcache_url: str = ""
+    """HTTP base URL of the LMCache MP server behind an LMCacheMPConnector delegate
+    (`http://127.0.0.1:8080`): its `/status` bytes go out as the cpu tier's in load snapshots,
+    and evict directives on the cpu tier go to its `/cache/objects`. Empty: neither."""
 
     def __post_init__(self) -> None:
         super().__post_init__()
         if self.replay_buffer_steps <= 0:
             raise SettingsError("replay_buffer_steps", "must be greater than 0")
+        if self.lmcache_url and not self.lmcache_url.startswith(("http://", "https://")):
+            raise SettingsError("lmcache_url", "must be an http:// or https:// URL")
 
 
 class WarplyConnectorConfig(_Strict):

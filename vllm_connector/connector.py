@@ -18,6 +18,7 @@ from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from vllm.config import VllmConfig
+from vllm.config.kv_events import KVEventsConfig
 from vllm.config.kv_transfer import KVTransferConfig
 from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
@@ -47,12 +48,14 @@ from vllm_connector.config import (
     parse_config,
 )
 from vllm_connector.export import StateExporter
+from vllm_connector.lmcache import LMCacheError, LMCacheServer
 from vllm_connector.metrics import (
     WarplyConnectorStats,
     WarplyCounters,
     WarplyPromMetrics,
     build_stats,
 )
+from warply.protocol import Tier
 from warply.protocol.control import ControlServer
 
 if TYPE_CHECKING:
@@ -76,11 +79,16 @@ def _config_of(vllm_config: VllmConfig) -> WarplyConnectorConfig:
     return parse_config(ktc.kv_connector_extra_config)
 
 
-def _delegate_vllm_config(vllm_config: VllmConfig, delegate: DelegateConfig) -> VllmConfig:
+def _delegate_vllm_config(
+    vllm_config: VllmConfig, delegate: DelegateConfig, exports_events: bool
+) -> VllmConfig:
     """The VllmConfig the delegate sees: ours with the delegate's own kv_transfer_config.
 
     Fields the delegate config leaves out (role, buffer device, engine id, load-failure policy)
-    are inherited, as MultiConnector does for its children in vLLM 0.32.
+    are inherited, as MultiConnector does for its children in vLLM 0.32. When Warply exports
+    state, the delegate also sees KV events enabled: LMCacheMPConnector (lmcache 0.5.6) reports
+    its CPU-tier stores and evictions through `take_events()` only when vLLM's kv_events_config
+    enables them. The engine's own config is untouched (its stock stream stays as configured).
     """
     outer = vllm_config.kv_transfer_config
     assert outer is not None
@@ -88,6 +96,9 @@ def _delegate_vllm_config(vllm_config: VllmConfig, delegate: DelegateConfig) -> 
     inner = dataclasses.replace(outer, **overrides)
     cfg = copy.copy(vllm_config)
     cfg.kv_transfer_config = inner
+    events = vllm_config.kv_events_config
+    if exports_events and (events is None or not events.enable_kv_cache_events):
+        cfg.kv_events_config = KVEventsConfig(enable_kv_cache_events=True, publisher="null")
     return cfg
 
 
@@ -97,7 +108,7 @@ def _delegate_class(
     """Resolve the delegate class; an unknown one is a config error naming the key."""
     if cfg.delegate is None:
         return None
-    inner = _delegate_vllm_config(vllm_config, cfg.delegate)
+    inner = _delegate_vllm_config(vllm_config, cfg.delegate, bool(cfg.warply.events_endpoint))
     assert inner.kv_transfer_config is not None
     try:
         cls = KVConnectorFactory.get_connector_class(inner.kv_transfer_config)
@@ -154,6 +165,7 @@ class WarplyConnector(KVConnectorBase_V1):
         self._block_size = vllm_config.cache_config.block_size
         self._exporter: StateExporter | None = None
         self._directives: DirectiveApplier | None = None
+        self._lmcache: LMCacheServer | None = None
         if role is KVConnectorRole.SCHEDULER:
             self._start_scheduler_side(vllm_config, kv_cache_config)
 
@@ -166,6 +178,9 @@ class WarplyConnector(KVConnectorBase_V1):
         ktc = vllm_config.kv_transfer_config
         assert ktc is not None
         model = w.model or vllm_config.model_config.served_model_name
+        if w.lmcache_url:
+            self._lmcache = LMCacheServer(w.lmcache_url, w.snapshot_interval_s)
+            self._lmcache.start()
         self._exporter = StateExporter(
             w,
             model=model if isinstance(model, str) else model[0],
@@ -173,6 +188,7 @@ class WarplyConnector(KVConnectorBase_V1):
             counters=self._counters,
             load=self._load,
             bytes_per_block=_bytes_per_block(vllm_config, kv_cache_config),
+            backend_bytes=None if self._lmcache is None else self._lmcache_bytes,
         )
         if w.control_endpoint:
             wake = find_engine_wakeup()
@@ -185,6 +201,8 @@ class WarplyConnector(KVConnectorBase_V1):
                 max_pinned_fraction=w.max_pinned_fraction,
                 delegate_name=self._delegate_name,
                 on_result=self._count_directive,
+                lmcache=self._lmcache,
+                lmcache_identity=self._lmcache_identity,
             )
 
     @property
@@ -351,6 +369,8 @@ class WarplyConnector(KVConnectorBase_V1):
             self._directives.close()
         if self._exporter is not None:
             self._exporter.close()
+        if self._lmcache is not None:
+            self._lmcache.close()
         if self._delegate is not None:
             return self._delegate.shutdown()
         return None
@@ -358,6 +378,17 @@ class WarplyConnector(KVConnectorBase_V1):
     def _load(self) -> tuple[int, int]:
         running = sum(1 for r in self._requests.values() if r.status == RequestStatus.RUNNING)
         return running, len(self._requests) - running
+
+    def _lmcache_bytes(self) -> dict[Tier, int] | None:
+        return None if self._lmcache is None else self._lmcache.tier_bytes
+
+    def _lmcache_identity(self) -> tuple[str, int]:
+        """The model name and world size the delegate keys LMCache objects with (lmcache 0.5.6:
+        its LMCacheMPConnector's scheduler adapter)."""
+        adapter = getattr(self._delegate, "scheduler_adapter", None)
+        if adapter is None:
+            raise LMCacheError(f"delegate {self._delegate_name} has no LMCache scheduler adapter")
+        return str(adapter.model_name), int(adapter.world_size)
 
     def _count_directive(self, applied: bool) -> None:
         if applied:

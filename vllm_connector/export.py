@@ -69,6 +69,7 @@ class StateExporter:
         counters: WarplyCounters,
         load: Callable[[], tuple[int, int]],
         bytes_per_block: int = 0,
+        backend_bytes: Callable[[], dict[Tier, int] | None] | None = None,
     ) -> None:
         self.publisher = (
             StatePublisher(
@@ -85,6 +86,7 @@ class StateExporter:
         self._counters = counters
         self._load = load
         self._bytes_per_block = bytes_per_block
+        self._backend_bytes = backend_bytes
         self._snapshot_every = settings.snapshot_interval_s
         self._last_snapshot = 0.0
         self._pool: BlockPool | None = None
@@ -173,6 +175,7 @@ class StateExporter:
                     kv_usage=self._pool.get_usage(),
                     kv_blocks_total=self._pool.num_gpu_blocks - 1,
                     kv_bytes_per_block=self._bytes_per_block,
+                    backend_bytes=self._backend_bytes() if self._backend_bytes else None,
                 )
             )
         if self._out:
