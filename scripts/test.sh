@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Runs the whole test suite: lint + types + import layers + core tests in .venvs/core, then each engine's
 # integration tests in its own venv (vLLM: tests/vllm in .venvs/vllm; SGLang: tests/sglang in
-# .venvs/sglang). Installs what it needs first (idempotent, cached per machine), including the
-# redis-server the shared index store's tests start (Debian's package; sudo unless root).
+# .venvs/sglang; vLLM with a real LMCache server: tests/lmcache in .venvs/lmcache). Installs what
+# it needs first (idempotent, cached per machine), including the redis-server the shared index
+# store's tests start (Debian's package; sudo unless root).
 set -uo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT"
@@ -12,7 +13,7 @@ if ! command -v redis-server >/dev/null; then
     echo "[setup] installing redis-server (tests/test_index_redis.py starts one)" >&2
     { $SUDO apt-get update -qq && $SUDO apt-get install -y -qq redis-server >/dev/null; } || exit 1
 fi
-bash scripts/setup_envs.sh core vllm sglang || exit 1
+bash scripts/setup_envs.sh core vllm sglang lmcache || exit 1
 
 REPORTS="$(mktemp -d)"
 trap 'rm -rf "$REPORTS"' EXIT
@@ -34,9 +35,10 @@ suite() {  # suite NAME VENV PYTEST-ARGS...
     local rc=$?
     [[ $rc -eq 0 || $rc -eq 5 ]] || status=1   # 5: nothing collected in that suite
 }
-suite core core tests --ignore=tests/vllm --ignore=tests/sglang
+suite core core tests --ignore=tests/vllm --ignore=tests/sglang --ignore=tests/lmcache
 suite vllm vllm tests/vllm
 suite sglang sglang tests/sglang
+suite lmcache lmcache tests/lmcache
 
 step "summary"
 .venvs/core/bin/python - "$REPORTS" <<'PY'
