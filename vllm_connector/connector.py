@@ -96,7 +96,7 @@ def _delegate_vllm_config(
     inner = dataclasses.replace(outer, **overrides)
     cfg = copy.copy(vllm_config)
     cfg.kv_transfer_config = inner
-    events = vllm_config.kv_events_config
+    events = getattr(vllm_config, "kv_events_config", None)  # absent on partial configs
     if exports_events and (events is None or not events.enable_kv_cache_events):
         cfg.kv_events_config = KVEventsConfig(enable_kv_cache_events=True, publisher="null")
     return cfg
