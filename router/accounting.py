@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from router.metrics import RequestRecord, RouterMetrics
@@ -112,6 +112,24 @@ class RequestAccount:
         if self._prefill is not None:
             self._prefill.release()
             self._prefill = None
+
+    def overpredicted(self) -> list[tuple[str, Sequence[int]]]:
+        """(worker, keys) the index credited to a worker whose engine then reported fewer
+        cached tokens: the blocks from the engine's hit to the predicted one. The answering
+        worker when it prefilled the prompt itself (a decode after a hand-off reports the
+        prefill's hit), and the prefill worker of a hand-off."""
+        d, rec = self.decision, self._record
+        if d is None:
+            return []
+        legs = [(d.prefill, rec.prefill_cached)] if d.prefill is not None else [(d, rec.cached)]
+        out: list[tuple[str, Sequence[int]]] = []
+        for leg, cached in legs:
+            if leg is None or cached is None or cached >= leg.predicted_cached:
+                continue
+            bs = leg.worker.pool.block_size
+            if stale := leg.keys[cached // bs : leg.predicted_cached // bs]:
+                out.append((leg.worker.name, stale))
+        return out
 
     def released(self) -> None:
         """The attempt ended (answered, failed or cancelled): give its load back."""

@@ -133,6 +133,8 @@ class Proxy:
                 finally:
                     account.released()
                 status = answer.status
+                for worker, keys in account.overpredicted():
+                    await self._placement.index.forget(worker, keys)
                 return answer.response
         except ApiError as err:
             status = err.status

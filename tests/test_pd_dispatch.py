@@ -29,6 +29,7 @@ from tests.test_router_api import (  # noqa: F401
     _serve,
     serve_engines,
     tokenizer_dir,
+    usage_block,
 )
 from warply.protocol import BlockStored
 from warply.protocol.api import CacheStats
@@ -81,12 +82,7 @@ class PdEngine(FakeEngine):
         cached = self.cached_tokens if prefill else remote.get(
             "remote_prefill_cached_tokens", self.cached_tokens
         )
-        usage = {
-            "prompt_tokens": 17,
-            "completion_tokens": 2,
-            "total_tokens": 19,
-            "prompt_tokens_details": {"cached_tokens": cached},
-        }
+        usage = usage_block(17, 2, cached)
         out: dict[str, Any] = {"id": "x", "choices": [{"text": self.name}], "usage": usage}
         if prefill and self.behaviour != "no_params":
             out["kv_transfer_params"] = self.params

@@ -18,7 +18,7 @@ from aiohttp import web
 
 from router.handoff.sglang import BOOTSTRAP_PORT
 from tests.test_pd_dispatch import PROMPT, PdEngine, _is_error, _post, _run, _stats, pd_router
-from tests.test_router_api import HOST, tokenizer_dir  # noqa: F401
+from tests.test_router_api import HOST, tokenizer_dir, usage_block  # noqa: F401
 
 _ROOM_FIELDS = ("bootstrap_host", "bootstrap_port", "bootstrap_room")
 
@@ -78,12 +78,7 @@ class SglangEngine(PdEngine):
         return await self._answer(request, body)
 
     async def _answer(self, request: web.Request, body: dict[str, Any]) -> web.StreamResponse:
-        usage = {
-            "prompt_tokens": 17,
-            "completion_tokens": 1 if self.mode == "prefill" else 2,
-            "total_tokens": 19,
-            "prompt_tokens_details": {"cached_tokens": self.cached_tokens},
-        }
+        usage = usage_block(17, 1 if self.mode == "prefill" else 2, self.cached_tokens)
         if not body.get("stream"):
             return web.json_response({"id": "x", "choices": [{"text": self.name}], "usage": usage})
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})

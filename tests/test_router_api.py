@@ -64,12 +64,26 @@ def tokenizer_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return out
 
 
+def usage_block(prompt: int, completion: int, cached: int | None) -> dict[str, Any]:
+    """An OpenAI usage block; `cached` None leaves `prompt_tokens_details` out."""
+    usage: dict[str, Any] = {
+        "prompt_tokens": prompt,
+        "completion_tokens": completion,
+        "total_tokens": prompt + completion,
+    }
+    if cached is not None:
+        usage["prompt_tokens_details"] = {"cached_tokens": cached}
+    return usage
+
+
 @dataclass
 class FakeEngine:
     """An OpenAI-ish engine: records bodies, reports usage, streams, can hang or be down."""
 
     name: str
-    cached_tokens: int = 0
+    cached_tokens: int | None = None
+    """What its usage reports cached (None: no `prompt_tokens_details`, as vLLM without
+    `--enable-prompt-tokens-details`)."""
     hang: bool = False
     down: bool = False
     """Not served: its port refuses connections."""
@@ -105,12 +119,7 @@ class FakeEngine:
     async def _generate(self, request: web.Request) -> web.StreamResponse:
         body = await request.json()
         self.bodies.append(body)
-        usage = {
-            "prompt_tokens": 10,
-            "completion_tokens": 2,
-            "total_tokens": 12,
-            "prompt_tokens_details": {"cached_tokens": self.cached_tokens},
-        }
+        usage = usage_block(10, 2, self.cached_tokens)
         if not body.get("stream"):
             return web.json_response({"id": "x", "choices": [{"text": self.name}], "usage": usage})
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
@@ -592,6 +601,38 @@ def test_a_connection_not_made_in_time_is_tried_once_more(tokenizer_dir: Path) -
             status, body = await call("POST", "/v1/completions", {"prompt": "a prefix"})
             assert status == 200 and body["choices"][0]["text"] == "a"
             assert len(calls) == 2 and router.workers["a"].healthy
+
+    _run(scenario())
+
+
+def test_an_engine_reporting_fewer_cached_tokens_corrects_the_index(
+    tokenizer_dir: Path,
+) -> None:
+    """The index credits "a" with the whole prompt. While its engine reports that hit, nothing
+    changes; once it reports one block (an eviction whose event never came), the blocks after
+    that one are dropped for "a"."""
+
+    async def scenario() -> None:
+        engine = FakeEngine("a")
+        async with running(tokenizer_dir, [engine]) as (router, call, _s, _b):
+            prompt = "the cache holds a prefix of tokens the cache holds a prefix of tokens"
+            ids = RouterTokenizer(tokenizer_dir).encode(prompt, True)
+            n = len(ids) // BS * BS
+            stored = BlockStored(list(range(1, n // BS + 1)), None, ids[:n], BS)
+            await router.index.apply("a", [stored])
+            predicted = (await router.placement.choose(ids)).predicted_cached
+            assert predicted >= 2 * BS
+            keys = prefix_keys(ids, BS, "m")
+            for reported, held, corrected in ((predicted, n // BS, {}), (BS, 1, {"a": 0})):
+                engine.cached_tokens = reported
+                status, _ = await call("POST", "/v1/completions", {"prompt": prompt})
+                assert status == 200
+                assert (await router.index.match(keys))["a"].blocks == held
+                _, stats = await call("GET", "/warply/cache_stats")
+                want = {w: predicted // BS - 1 for w in corrected}
+                assert stats["index"]["corrected"] == want
+            _, text = await call("GET", "/metrics")
+            assert f'warply_index_corrected_blocks{{worker="a"}} {predicted // BS - 1}' in text
 
     _run(scenario())
 

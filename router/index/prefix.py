@@ -24,6 +24,7 @@ class PrefixIndex:
         self.store = store
         self.ingest = Ingest(model, store)
         self.outage = StoreOutage()
+        self._corrected: Counter[str] = Counter()
 
     def apply(self, worker: str, events: Iterable[Event]) -> Coroutine[Any, Any, None]:
         """Apply one worker's state events, in stream order (`Ingest.apply`; await it)."""
@@ -32,6 +33,16 @@ class PrefixIndex:
     async def drop_worker(self, worker: str) -> None:
         """Forget everything a worker holds (stream gap it could not recover, or worker gone)."""
         await self.ingest.drop_worker(worker)
+
+    async def forget(self, worker: str, keys: Sequence[int]) -> None:
+        """Drop `keys` from `worker` on every tier: its engine reported them not cached although
+        the index held them (an eviction whose event is late or was lost). Counted per worker."""
+        try:
+            await self.store.remove(worker, None, keys)
+        except StoreUnavailable as exc:
+            self.outage.failed("forget", exc)
+            return
+        self._corrected[worker] += len(keys)
 
     def match(
         self, keys: Sequence[int], workers: Collection[str] | None = None
@@ -53,4 +64,5 @@ class PrefixIndex:
             self.outage.recovered()
         stats.skipped = Counter(self.ingest.skipped)
         stats.store_failures = Counter(self.outage.failures)
+        stats.corrected = Counter(self._corrected)
         return stats

@@ -154,6 +154,13 @@ class Series:
             ["op"],
             registry=r,
         )
+        self.corrected = Gauge(
+            "warply_index_corrected_blocks",
+            "Blocks dropped from a worker's index entries because its engine reported fewer "
+            "cached tokens than predicted, since start-up",
+            ["worker"],
+            registry=r,
+        )
         self.evictions = PromCounter(
             "warply_engine_evicted_blocks", "Blocks engines removed, by pool", ["pool"], registry=r
         )
@@ -234,6 +241,8 @@ class Series:
         self.index_evictions.set(index.evictions)
         for op, n in index.store_failures.items():
             self.store_failures.labels(op).set(n)
+        for worker, n in index.corrected.items():
+            self.corrected.labels(worker).set(n)
         for (pool, tier_name), nbytes in bytes_by_pool_tier.items():
             self.bytes.labels(pool, tier_name).set(nbytes)
         for w in workers:

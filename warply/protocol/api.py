@@ -52,6 +52,9 @@ class IndexView(msgspec.Struct):
     bytes_cached: int
     bytes_by_tier: dict[str, int]
     bytes_by_pool: dict[str, int]
+    corrected: dict[str, int] = {}
+    """Blocks dropped per worker because its engine reported fewer cached tokens than the index
+    predicted (evictions whose events were late or lost)."""
 
 
 class WorkerStats(msgspec.Struct):
