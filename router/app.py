@@ -2,7 +2,8 @@
 
 Client API: /v1/completions, /v1/chat/completions, /v1/models, /health, /metrics.
 Admin API (Bearer token when `auth_token` is set): /warply/cache_stats, /warply/workers,
-POST /warply/workers/{name} (`{"enabled": false}` drains a worker), POST /warply/directives.
+POST /warply/workers/{name} (`{"enabled": false}` drains a worker), POST /warply/directives,
+POST /warply/pools/{pool}/workers and DELETE /warply/workers/{name} (workers join and leave).
 The health loop also reads decode workers' KV-transfer counters from their /metrics.
 """
 
@@ -24,9 +25,11 @@ from router.control import send_directive
 from router.errors import ApiError, json_object
 from router.feed import IndexFeed
 from router.index import PrefixIndex, open_store
+from router.membership import Membership
 from router.metrics import RouterMetrics, kv_transfer_stats
 from router.placement import Placement
 from router.proxy import Proxy
+from router.tasks import cancel
 from router.tiering import TierRunner
 from router.tokenize import RouterTokenizer
 from router.workers import Worker, Workers
@@ -52,6 +55,9 @@ class Router:
         tokenizer = tokenizer or RouterTokenizer(config.tokenizer)
         self.metrics = RouterMetrics(config, self.workers, tokenizer.cache.stats)
         self.feed = IndexFeed(self.workers, self.index, self.metrics)
+        self.membership = Membership(
+            self.workers, self.placement, self.feed, self.index, self.metrics
+        )
         self.proxy = Proxy(
             config.model,
             tokenizer,
@@ -79,6 +85,8 @@ class Router:
                 web.get("/warply/cache_stats", self._cache_stats),
                 web.get("/warply/workers", self._workers),
                 web.post("/warply/workers/{name}", self._set_worker),
+                web.delete("/warply/workers/{name}", self._remove_worker),
+                web.post("/warply/pools/{pool}/workers", self._add_worker),
                 web.post("/warply/directives", self._directive),
             ]
         )
@@ -100,9 +108,8 @@ class Router:
         if self.tiering is not None:
             await self.tiering.stop()
         if self._health_task is not None:
-            self._health_task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._health_task
+            await cancel([self._health_task])
+        await self.membership.stop()
         await self.feed.stop()
         await self.proxy.close()
         await self.index.store.close()
@@ -243,8 +250,31 @@ class Router:
         enabled = body.get("enabled")
         if not isinstance(enabled, bool):
             raise ApiError(400, "'enabled' must be true or false", "invalid_value", "enabled")
+        if worker.leaving:
+            raise ApiError(409, f"worker {worker.name!r} is leaving", "worker_leaving")
         worker.enabled = enabled
         return web.json_response({"name": worker.name, "enabled": worker.enabled})
+
+    async def _add_worker(self, request: web.Request) -> web.Response:
+        """A worker joins a pool (the body is a worker entry of the config file): 201 with its
+        view; it takes requests once healthy."""
+        body = json_object(await request.read())
+        worker = self.membership.join(request.match_info["pool"], body)
+        view = worker.view(self.feed.stream_stats(worker.name))
+        return web.Response(
+            body=msgspec.json.encode(view), status=201, content_type="application/json"
+        )
+
+    async def _remove_worker(self, request: web.Request) -> web.Response:
+        """A worker leaves: drained at once, removed when its in-flight requests end. 202 with
+        their number; `?wait=true` waits for the removal (up to `request_timeout_s`): 200."""
+        worker = self._worker(request.match_info["name"])
+        task = self.membership.leave(worker)
+        if request.query.get("wait") == "true":
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(asyncio.shield(task), self.config.request_timeout_s)
+        body = {"name": worker.name, "in_flight": worker.load.in_flight, "removed": task.done()}
+        return web.json_response(body, status=200 if task.done() else 202)
 
     async def _directive(self, request: web.Request) -> web.Response:
         body = json_object(await request.read())

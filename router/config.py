@@ -113,17 +113,22 @@ class PoolConfig(_Strict):
                 f"kv_handoff {self.kv_handoff!r} is for pools with role 'prefill' or 'decode'; "
                 f"pool {self.name!r} has role 'both' (its workers hand nothing off)"
             )
-        if self.role == "prefill" and self.kv_handoff == "sglang":
-            return self
         for w in self.workers:
-            for field in ("bootstrap_host", "bootstrap_port"):
-                if getattr(w, field) is not None:
-                    raise ValueError(
-                        f"worker {w.name!r}: {field} is for prefill workers of a pool with "
-                        f"kv_handoff 'sglang'; pool {self.name!r} has role {self.role!r} and "
-                        f"kv_handoff {self.kv_handoff!r}"
-                    )
+            self.check_worker(w)
         return self
+
+    def check_worker(self, worker: WorkerConfig) -> None:
+        """Raise ValueError when `worker` has fields this pool's role and hand-off do not take
+        (at load, and for a worker joining at runtime)."""
+        if self.role == "prefill" and self.kv_handoff == "sglang":
+            return
+        for field in ("bootstrap_host", "bootstrap_port"):
+            if getattr(worker, field) is not None:
+                raise ValueError(
+                    f"worker {worker.name!r}: {field} is for prefill workers of a pool with "
+                    f"kv_handoff 'sglang'; pool {self.name!r} has role {self.role!r} and "
+                    f"kv_handoff {self.kv_handoff!r}"
+                )
 
 
 class AlertConfig(_Strict):

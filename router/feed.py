@@ -14,11 +14,11 @@ answers again, and its stream rebuilds it; its batches are skipped until then.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 
 from router.index import PrefixIndex, StoreUnavailable
 from router.metrics import RouterMetrics
-from router.workers import Workers
+from router.tasks import cancel
+from router.workers import Worker, Workers
 from warply.protocol import BlockRemoved, DecodedBatch, LoadSnapshot, PrefixHit
 from warply.protocol.api import StreamStats
 from warply.protocol.subscriber import StateSubscriber
@@ -32,34 +32,55 @@ class IndexFeed:
         self._index = index
         self._metrics = metrics
         self.subscribers: dict[str, StateSubscriber] = {}
-        self._tasks: list[asyncio.Task[None]] = []
+        self._tasks: dict[str, asyncio.Task[None]] = {}
         self._lost: set[str] = set()
         """Workers whose entries in the store are unknown after a failed write: to drop."""
         for w in workers.values():
-            if w.config.events:
-                self.subscribers[w.name] = StateSubscriber(
-                    w.name,
-                    w.config.events,
-                    self.on_batch,
-                    self.on_stale,
-                    replay_endpoint=w.config.replay,
-                    topic=w.config.topic.encode(),
-                    bind=w.config.bind,
-                )
+            self._subscribe(w)
+
+    def _subscribe(self, worker: Worker) -> StateSubscriber | None:
+        """A subscriber for `worker`'s state stream (None: it has none)."""
+        if not worker.config.events:
+            return None
+        sub = self.subscribers[worker.name] = StateSubscriber(
+            worker.name,
+            worker.config.events,
+            self.on_batch,
+            self.on_stale,
+            replay_endpoint=worker.config.replay,
+            topic=worker.config.topic.encode(),
+            bind=worker.config.bind,
+        )
+        return sub
 
     def start(self) -> None:
         """Open every socket now (so no event is missed) and start reading."""
         for sub in self.subscribers.values():
-            sub.open()
-            self._tasks.append(asyncio.create_task(sub.run(), name=f"feed-{sub.worker}"))
+            self._start(sub)
+
+    def _start(self, sub: StateSubscriber) -> None:
+        """Open its socket and read it (a stream with a replay endpoint catches up first)."""
+        sub.open()
+        self._tasks[sub.worker] = asyncio.create_task(sub.run(), name=f"feed-{sub.worker}")
+
+    def add(self, worker: Worker) -> None:
+        """Subscribe to a worker that joined at runtime, as every worker is at start-up."""
+        sub = self._subscribe(worker)
+        if sub is not None:
+            self._start(sub)
+
+    async def remove(self, worker: str) -> None:
+        """Stop reading a worker's stream (it is leaving); its index entries stay to the caller."""
+        self.subscribers.pop(worker, None)
+        self._lost.discard(worker)
+        task = self._tasks.pop(worker, None)
+        if task is not None:
+            await cancel([task])
 
     async def stop(self) -> None:
-        for task in self._tasks:
-            task.cancel()
-        for task in self._tasks:
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+        tasks = list(self._tasks.values())
         self._tasks.clear()
+        await cancel(tasks)
 
     async def on_batch(self, worker: str, batch: DecodedBatch) -> None:
         """Apply one decoded batch of `worker`'s stream."""

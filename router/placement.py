@@ -26,7 +26,7 @@ from typing import Literal
 from router.config import RouterConfig
 from router.index import PrefixIndex, StoreUnavailable, WorkerMatch
 from router.strategies import NO_MATCH, NoCandidate, Pick, RequestView, Strategy, make_strategy
-from router.workers import Worker, Workers
+from router.workers import Pool, Worker, Workers
 from warply.protocol import prefix_keys
 from warply.protocol.api import StrategyState
 
@@ -95,10 +95,15 @@ def predicted_cached(matched_blocks: int, prompt_tokens: int, block_size: int) -
 class _Pool:
     name: str
     block_size: int
-    workers: list[Worker]
+    members: Pool
+    """The workers' pool (its member list changes as workers join and leave)."""
     strategy: Strategy
     local_prefill: bool
     """Its workers can prefill a prompt themselves (`PoolConfig.local_prefill`)."""
+
+    @property
+    def workers(self) -> list[Worker]:
+        return self.members.workers
 
 
 class _GiveUp(Exception):
@@ -132,8 +137,14 @@ class Placement:
             if strategy is None:
                 strategy = make_strategy(pool.config.strategy or config.strategy)
             cfg = pool.config
-            entry = _Pool(cfg.name, cfg.block_size, pool.workers, strategy, cfg.local_prefill)
+            entry = _Pool(cfg.name, cfg.block_size, pool, strategy, cfg.local_prefill)
             (self._prefill if pool.role == "prefill" else self._answer).append(entry)
+
+    def forget(self, worker: str) -> None:
+        """`worker` left: every strategy drops what it kept for it (`Strategy.forget`)."""
+        for pool in (*self._answer, *self._prefill):
+            pool.strategy.forget(worker)
+        self._ranker.forget(worker)
 
     def strategy_state(self) -> dict[str, StrategyState]:
         """Per pool, what its strategy measures of itself (for metrics)."""
@@ -239,7 +250,7 @@ class Placement:
             bs = pool.block_size
             view = RequestView(chain, prompt_tokens, bs, namespace, prefix_reuse)
             name = pool.strategy.choose(view, [w.load for w in candidates], matches)
-            worker = self.workers[name]
+            worker = next(w for w in candidates if w.name == name)
             match = matches.get(name, NO_MATCH)
             predicted = predicted_cached(match.blocks, prompt_tokens, bs)
             decision = Decision(worker, chain, match.blocks, predicted, prompt_tokens, namespace)

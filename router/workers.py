@@ -1,5 +1,9 @@
 """Workers: membership (by pool and role), health, drain, role and load accounting.
 
+Membership changes at runtime (`Workers.add`, `Workers.remove`) replace the name map and the
+pool's member list instead of changing them in place: a loop over either that awaits part-way
+goes on over the membership it started with.
+
 Health comes from two places, both through `Worker.set_health`: the periodic `/health` probe
 (`Workers.check`) and the proxy, which marks a worker unhealthy when it refuses a connection
 (the next probe brings it back). Load per worker = the router's own in-flight requests / tokens
@@ -69,6 +73,8 @@ class Worker:
     """Last health check (or request) succeeded."""
     enabled: bool = True
     """False while an admin drains it."""
+    leaving: bool = False
+    """Being removed: drained until its in-flight requests end, then dropped."""
     role: Role = "both"
     """What placement may send it: its pool's role (`prefill`, `decode` or `both`)."""
     snapshot: LoadSnapshot | None = None
@@ -86,7 +92,7 @@ class Worker:
 
     @property
     def available(self) -> bool:
-        return self.healthy and self.enabled
+        return self.healthy and self.enabled and not self.leaving
 
     def set_health(self, healthy: bool, refused: bool = False) -> None:
         """The last probe or request succeeded, or failed (`refused`: nothing listens on the
@@ -130,7 +136,7 @@ class Worker:
             pool=self.pool.name,
             url=self.config.url,
             healthy=self.healthy,
-            enabled=self.enabled,
+            enabled=self.enabled and not self.leaving,
             in_flight=self.load.in_flight,
             in_flight_tokens=self.load.in_flight_tokens,
             engine_waiting=self.load.engine_waiting,
@@ -144,9 +150,10 @@ class Worker:
         )
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class Pool:
-    """Workers that share a block size, a KV layout and a role."""
+    """Workers that share a block size, a KV layout and a role (`workers` is replaced, never
+    changed in place, when one joins or leaves)."""
 
     config: PoolConfig
     workers: list[Worker]
@@ -185,6 +192,27 @@ class Workers(Mapping[str, Worker]):
 
     def __len__(self) -> int:
         return len(self._by_name)
+
+    def pool(self, name: str) -> Pool | None:
+        """The pool named `name`, if any."""
+        return next((p for p in self.pools if p.config.name == name), None)
+
+    def add(self, pool: Pool, config: WorkerConfig) -> Worker:
+        """A worker joining `pool` at runtime (unhealthy until its first probe succeeds); the
+        caller checked that its name is free."""
+        worker = Worker(config, pool.config, _load(config, pool.config), role=pool.role)
+        pool.workers = [*pool.workers, worker]
+        self._by_name = {**self._by_name, worker.name: worker}
+        return worker
+
+    def remove(self, name: str) -> Worker:
+        """Take a worker out of its pool and of the name map."""
+        worker = self._by_name[name]
+        for pool in self.pools:
+            if worker in pool.workers:
+                pool.workers = [w for w in pool.workers if w is not worker]
+        self._by_name = {n: w for n, w in self._by_name.items() if n != name}
+        return worker
 
     def engine_load(self, name: str, snapshot: LoadSnapshot) -> None:
         """Apply an engine `LoadSnapshot` (unknown names are ignored)."""

@@ -130,6 +130,15 @@ class RouterMetrics:
         """A decode engine's KV-transfer counters, as last read from its /metrics."""
         self.stats.transfers[worker] = stats
 
+    def joined(self, worker: str) -> None:
+        """A worker joined at runtime (its gauges appear at the next scrape)."""
+        self.stats.joined(worker)
+
+    def left(self, worker: str) -> None:
+        """A worker left: its counters and its Prometheus series go."""
+        self.stats.left(worker)
+        self.series.forget(worker)
+
     # -- reading ---------------------------------------------------------------------------------
 
     def render(self, index: IndexStats, strategies: Mapping[str, StrategyState]) -> bytes:

@@ -23,6 +23,19 @@ _OVERHEAD_BUCKETS = (5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2,
 _TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 
 
+def _remove_worker(metric: PromCounter | Gauge, worker: str) -> None:
+    """Remove `metric`'s children whose `worker` label is `worker` (a sample's labels are in the
+    metric's label order)."""
+    children = {
+        tuple(sample.labels.values())
+        for family in metric.collect()
+        for sample in family.samples
+        if sample.labels.get("worker") == worker
+    }
+    for labels in children:
+        metric.remove(*labels)
+
+
 class Series:
     """Every series the router exports; `render()` is the text exposition."""
 
@@ -212,6 +225,21 @@ class Series:
             ["kind", "outcome"],
             registry=r,
         )
+
+    def forget(self, worker: str) -> None:
+        """Remove every labelled series of `worker` (it left the router)."""
+        for metric in (
+            self.requests,
+            self.kv_transfer_bytes,
+            self.kv_transfer_seconds,
+            self.kv_transfers,
+            self.p2p_tokens,
+            self.prefix_hit_tokens,
+            self.in_flight,
+            self.healthy,
+            self.strategy_worker_state,
+        ):
+            _remove_worker(metric, worker)
 
     def refresh(
         self,

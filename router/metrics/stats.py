@@ -149,7 +149,9 @@ class Stats:
 
     def computed(self, worker: str, prompt_tokens: int, predicted: int, cached: int | None) -> None:
         """`worker` computed a prompt itself (aggregated, prefill leg, local prefill)."""
-        w = self.per_worker[worker]
+        w = self.per_worker.get(worker)
+        if w is None:  # left while the request was placed
+            return
         w.requests += 1
         w.prompt_tokens += prompt_tokens
         w.predicted_cached_tokens += predicted
@@ -159,7 +161,9 @@ class Stats:
 
     def handoff(self, worker: str, prompt_tokens: int, held: int) -> None:
         """Decode worker `worker` pulled a prompt's KV; it already held `held` tokens of it."""
-        w = self.per_worker[worker]
+        w = self.per_worker.get(worker)
+        if w is None:
+            return
         w.handoffs += 1
         w.handoff_prompt_tokens += prompt_tokens
         w.handoff_held_tokens += held
@@ -180,6 +184,20 @@ class Stats:
             self.prefill_s.append(rec.prefill_s)
         if (first := rec.decode_first_token_s) is not None:
             self.decode_first_s.append(first)
+
+    def joined(self, worker: str) -> None:
+        """A worker joined at runtime: its counters start at zero."""
+        self.per_worker[worker] = WorkerStats()
+
+    def left(self, worker: str) -> None:
+        """A worker left: its counters, transfer counters and affinity entries go."""
+        self.per_worker.pop(worker, None)
+        self._engine_prompt.pop(worker, None)
+        self.transfers.pop(worker, None)
+        for slot, served in list(self._affinity.items()):
+            served.pop(worker, None)
+            if not served:
+                del self._affinity[slot]
 
     def engine_hit(self, worker: str, hit_tokens: int) -> None:
         w = self.per_worker.get(worker)

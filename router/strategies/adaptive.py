@@ -144,6 +144,9 @@ class AdaptiveAffinity(Strategy):
             }
         }
 
+    def forget(self, worker: str) -> None:
+        self._routed.pop(worker, None)
+
     # ---- choice --------------------------------------------------------------------------
     def choose(
         self,

@@ -147,6 +147,11 @@ class Strategy(abc.ABC):
         """Per-worker measured state, for metrics (name → worker → value); none by default."""
         return {}
 
+    def forget(self, worker: str) -> None:
+        """`worker` left its pool at runtime: drop what the strategy keeps for it (nothing by
+        default)."""
+        return None
+
     @abc.abstractmethod
     def choose(
         self,
