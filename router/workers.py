@@ -136,7 +136,7 @@ class Worker:
             pool=self.pool.name,
             url=self.config.url,
             healthy=self.healthy,
-            enabled=self.enabled and not self.leaving,
+            enabled=self.enabled,
             in_flight=self.load.in_flight,
             in_flight_tokens=self.load.in_flight_tokens,
             engine_waiting=self.load.engine_waiting,
@@ -147,6 +147,7 @@ class Worker:
             role=self.role,
             failed_probes=self.failed_probes,
             kv_bytes_per_block=snap.kv_bytes_per_block if snap is not None else 0,
+            leaving=self.leaving,
         )
 
 

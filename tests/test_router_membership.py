@@ -112,7 +112,9 @@ def test_a_leaving_worker_finishes_its_requests_then_is_gone(tokenizer_dir: Path
                     assert status == 200 and body["choices"][0]["text"] == "b"
                 status, body = await call("POST", "/warply/workers/a", {"enabled": True})
                 assert status == 409 and _is_error(body, "worker_leaving")
-                assert "a" in router.workers and len(engines[0].bodies) == 1
+                _, listed = await call("GET", "/warply/workers")
+                assert [w["leaving"] for w in listed["workers"]] == [True, False]
+                assert len(engines[0].bodies) == 1
                 engines[0].hang = False
                 rest = await r.read()
                 assert r.status == 200 and rest.endswith(b"data: [DONE]\n\n")

@@ -273,6 +273,8 @@ class WorkerView(msgspec.Struct):
     """`/health` probes failed in a row (it leaves placement at `unhealthy_after`)."""
     kv_bytes_per_block: int = 0
     """KV bytes per block as the engine reports it (0: not reported)."""
+    leaving: bool = False
+    """Being removed (DELETE /warply/workers/{name}): it takes no new request."""
 
 
 class WorkerList(msgspec.Struct):
