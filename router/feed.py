@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import asyncio
 
+import zmq
+
 from router.index import PrefixIndex, StoreUnavailable
 from router.metrics import RouterMetrics
 from router.tasks import cancel
@@ -64,10 +66,16 @@ class IndexFeed:
         self._tasks[sub.worker] = asyncio.create_task(sub.run(), name=f"feed-{sub.worker}")
 
     def add(self, worker: Worker) -> None:
-        """Subscribe to a worker that joined at runtime, as every worker is at start-up."""
+        """Subscribe to a worker that joined at runtime, as every worker is at start-up; raises
+        `zmq.ZMQError` (and keeps nothing) when its stream's socket cannot be opened."""
         sub = self._subscribe(worker)
-        if sub is not None:
+        if sub is None:
+            return
+        try:
             self._start(sub)
+        except zmq.ZMQError:
+            del self.subscribers[worker.name]
+            raise
 
     async def remove(self, worker: str) -> None:
         """Stop reading a worker's stream (it is leaving); its index entries stay to the caller."""

@@ -15,6 +15,7 @@ import asyncio
 import logging
 from typing import Any
 
+import zmq
 from pydantic import ValidationError
 
 from router.config import WorkerConfig
@@ -74,8 +75,13 @@ class Membership:
         if config.name in self._workers:
             raise ApiError(409, f"a worker named {config.name!r} exists", "worker_exists", "name")
         worker = self._workers.add(pool, config)
+        try:
+            self._feed.add(worker)
+        except zmq.ZMQError as exc:
+            self._workers.remove(worker.name)
+            msg = f"events: cannot open {config.events!r}: {exc}"
+            raise ApiError(400, msg, "invalid_value", "events") from None
         self._metrics.joined(worker.name)
-        self._feed.add(worker)
         _log.info("worker %s joined pool %s", worker.name, pool_name)
         return worker
 

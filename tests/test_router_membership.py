@@ -163,6 +163,10 @@ def test_join_and_leave_need_the_token_and_valid_entries(tokenizer_dir: Path) ->
             ):
                 status, body = await join("p", entry)
                 assert status == 400 and body["error"]["param"] == field, (entry, body)
+            taken = {"name": "c", "url": url, "events": "tcp://192.0.2.1:5557", "bind": True}
+            status, body = await join("p", taken)  # an address of no interface here: no bind
+            assert status == 400 and body["error"]["param"] == "events"
+            assert "c" not in router.workers and "c" not in router.feed.subscribers
             status, body = await join("p", {"name": "c", "url": url, "bootstrap_port": 9})
             assert status == 400 and "bootstrap_port" in body["error"]["message"]
             status, body = await join("p", [1])
