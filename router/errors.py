@@ -11,6 +11,7 @@ _TYPES = {
     400: "invalid_request_error",
     401: "authentication_error",
     404: "invalid_request_error",
+    409: "invalid_request_error",
     502: "upstream_error",
     503: "service_unavailable",
     504: "timeout",
