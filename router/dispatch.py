@@ -141,6 +141,17 @@ async def _unless_lost(
             task.cancel()
 
 
+def _failure(exc: BaseException, worker: Worker) -> str:
+    """Why a prefill leg failed, from what it raised: `connect` (refused: the worker is marked
+    unhealthy, the health loop brings it back), `worker_down`, `timeout` or `error`."""
+    if isinstance(exc, aiohttp.ClientConnectorError):
+        worker.set_health(False, refused=True)
+        return "connect"
+    if isinstance(exc, _PrefillLost):
+        return "worker_down"
+    return "timeout" if isinstance(exc, TimeoutError) else "error"
+
+
 def _prefill_outcome(
     leg: asyncio.Future[tuple[int, bytes, str]],
     worker: Worker,
@@ -151,15 +162,8 @@ def _prefill_outcome(
     failure's reason, with the engine's own answer when it refused the request (4xx)."""
     try:
         status, raw, content_type = leg.result()
-    except aiohttp.ClientConnectorError:
-        worker.set_health(False, refused=True)  # the health loop brings it back
-        return "connect", None
-    except _PrefillLost:
-        return "worker_down", None
-    except TimeoutError:
-        return "timeout", None
-    except aiohttp.ClientError:
-        return "error", None
+    except (aiohttp.ClientError, _PrefillLost, TimeoutError) as exc:
+        return _failure(exc, worker), None
     if status == 200:
         account.prefill_answered(sglang.answer_usage(raw), sent_s)
         return "", None
@@ -267,15 +271,8 @@ class Dispatcher:
                     account.prefill_answered(usage, started)
                     return decode_params(params, usage)
                 reason = "no_kv_transfer_params"
-        except aiohttp.ClientConnectorError:
-            leg.worker.set_health(False, refused=True)  # the health loop brings it back
-            reason = "connect"
-        except _PrefillLost:
-            reason = "worker_down"
-        except TimeoutError:
-            reason = "timeout"
-        except (aiohttp.ClientError, msgspec.DecodeError):
-            reason = "error"
+        except (aiohttp.ClientError, _PrefillLost, TimeoutError, msgspec.DecodeError) as exc:
+            reason = _failure(exc, leg.worker)
         await self._settle(prep, account)
         _log.warning(
             "prefill on %s failed (%s); %s prefills locally",
