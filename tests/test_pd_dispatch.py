@@ -86,6 +86,13 @@ class PdEngine(FakeEngine):
         out: dict[str, Any] = {"id": "x", "choices": [{"text": self.name}], "usage": usage}
         if prefill and self.behaviour != "no_params":
             out["kv_transfer_params"] = self.params
+        return await self._reply(request, body, out)
+
+    async def _reply(
+        self, request: web.Request, body: dict[str, Any], out: dict[str, Any]
+    ) -> web.StreamResponse:
+        """`out` as JSON, or streamed ("a", "b", then usage if asked; `die_midstream` closes
+        the connection after the first event)."""
         if not body.get("stream"):
             return web.json_response(out)
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
@@ -98,7 +105,7 @@ class PdEngine(FakeEngine):
                 request.transport.close()
                 await asyncio.sleep(3600)
         if (body.get("stream_options") or {}).get("include_usage"):
-            final = {"choices": [], "usage": usage}
+            final = {"choices": [], "usage": out["usage"]}
             await resp.write(f"data: {json.dumps(final)}\n\n".encode())
         await resp.write(b"data: [DONE]\n\n")
         return resp

@@ -79,21 +79,8 @@ class SglangEngine(PdEngine):
 
     async def _answer(self, request: web.Request, body: dict[str, Any]) -> web.StreamResponse:
         usage = usage_block(17, 1 if self.mode == "prefill" else 2, self.cached_tokens)
-        if not body.get("stream"):
-            return web.json_response({"id": "x", "choices": [{"text": self.name}], "usage": usage})
-        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
-        await resp.prepare(request)
-        for piece in ("a", "b"):
-            chunk = {"choices": [{"index": 0, "text": piece}]}
-            await resp.write(f"data: {json.dumps(chunk)}\n\n".encode())
-            if self.behaviour == "die_midstream":
-                assert request.transport is not None
-                request.transport.close()
-                await asyncio.sleep(3600)
-        if (body.get("stream_options") or {}).get("include_usage"):
-            await resp.write(f"data: {json.dumps({'choices': [], 'usage': usage})}\n\n".encode())
-        await resp.write(b"data: [DONE]\n\n")
-        return resp
+        out = {"id": "x", "choices": [{"text": self.name}], "usage": usage}
+        return await self._reply(request, body, out)
 
 
 def _pair(
