@@ -30,23 +30,8 @@ case "$TRANSFER" in
   *) echo "TRANSFER must be nixl or mooncake, not $TRANSFER" >&2; exit 2 ;;
 esac || { echo "the $TRANSFER transfer backend does not import in .venvs/sglang" >&2; exit 1; }
 [[ -d "$MODEL" ]] || "$PY" "$ROOT/scripts/tiny_model.py" --size small --out "$MODEL"
-LOGS="$(mktemp -d)"
-PIDS=()
-stop() {  # each server runs in its own process group (setsid): stop the group by its PID
-  for pid in "$@"; do kill -- "-$pid" 2>/dev/null || true; done
-  for pid in "$@"; do wait "$pid" 2>/dev/null || true; done
-}
-trap 'stop "${PIDS[@]}"; echo "logs in $LOGS"' EXIT
-trap 'exit 143' TERM INT
-healthy() {  # healthy URL PID: wait for URL/health while PID lives
-  for _ in $(seq 300); do
-    "$CORE" -c 'import sys, urllib.request; urllib.request.urlopen(sys.argv[1], timeout=2)' \
-      "$1/health" 2>/dev/null && return 0
-    kill -0 "$2" 2>/dev/null || { echo "server for $1 exited; log:" >&2; return 1; }
-    sleep 1
-  done
-  echo "$1 not healthy in time" >&2; return 1
-}
+# shellcheck source=scripts/gpu_check_common.sh
+source "$ROOT/scripts/gpu_check_common.sh"
 sglang() {  # sglang LOG ARGS...: start a server in its own process group, PID in $!
   local log="$1"; shift
   SGLANG_PLUGINS=warply setsid "$PY" -m sglang.launch_server --model-path "$MODEL" \
@@ -138,9 +123,9 @@ pools:
 YAML
 setsid "$CORE" -m router --config "$LOGS/router.yaml" >"$LOGS/router.log" 2>&1 &
 PIDS+=("$!")
-healthy "http://127.0.0.1:$P_PORT" "${PIDS[1]}" || { tail -20 "$LOGS/prefill.log"; exit 1; }
-healthy "http://127.0.0.1:$D_PORT" "${PIDS[2]}" || { tail -20 "$LOGS/decode.log"; exit 1; }
-healthy "http://127.0.0.1:$R_PORT" "${PIDS[3]}" || { tail -20 "$LOGS/router.log"; exit 1; }
+healthy "http://127.0.0.1:$P_PORT" "${PIDS[1]}" "$LOGS/prefill.log"
+healthy "http://127.0.0.1:$D_PORT" "${PIDS[2]}" "$LOGS/decode.log"
+healthy "http://127.0.0.1:$R_PORT" "${PIDS[3]}" "$LOGS/router.log"
 sleep 3  # the router's first health probe marks the workers healthy
 "$CORE" "$ROOT/scripts/gpu_pd_check.py" check "http://127.0.0.1:$R_PORT" "$LOGS/reference.json" tiny
 "$CORE" -c 'import json, sys, urllib.request

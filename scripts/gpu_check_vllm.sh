@@ -31,23 +31,8 @@ if "warply" not in {ep.name for ep in md.entry_points(group="vllm.general_plugin
     sys.exit("the Warply plugin is not installed here: pip install -e <checkout> --no-deps")
 PY
 [[ -d "$MODEL" ]] || "$VLLM_PY" "$ROOT/scripts/tiny_model.py" --size small --out "$MODEL"
-LOGS="$(mktemp -d)"
-PIDS=()
-stop() {  # each process runs in its own process group (setsid): stop the group by its PID
-  for pid in "$@"; do kill -- "-$pid" 2>/dev/null || true; done
-  for pid in "$@"; do wait "$pid" 2>/dev/null || true; done
-}
-trap 'stop "${PIDS[@]}"; echo "logs in $LOGS"' EXIT
-trap 'exit 143' TERM INT
-healthy() {  # healthy URL PID LOG: wait for URL/health while PID lives
-  for _ in $(seq 300); do
-    "$CORE" -c 'import sys, urllib.request; urllib.request.urlopen(sys.argv[1], timeout=2)' \
-      "$1/health" 2>/dev/null && return 0
-    kill -0 "$2" 2>/dev/null || break
-    sleep 1
-  done
-  echo "$1 did not become healthy; $3:" >&2; tail -20 "$3" >&2; return 1
-}
+# shellcheck source=scripts/gpu_check_common.sh
+source "$ROOT/scripts/gpu_check_common.sh"
 vllm() {  # vllm LOG PORT ARGS...: start an engine in its own process group, PID in $!
   local log="$1" port="$2"; shift 2
   setsid "$VLLM_PY" -m vllm.entrypoints.openai.api_server --model "$MODEL" \
