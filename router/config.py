@@ -321,6 +321,20 @@ CLI_FIELDS: dict[str, type] = {
 `index_max_entries` for `index.max_entries`."""
 
 
+def check_knobs(
+    model: type[BaseModel], knobs: dict[str, Any], path: str, what: str
+) -> BaseModel:
+    """`knobs` validated by a strategy's or tier policy's `Knobs` model; a `ConfigError` names
+    each bad field under `path` (e.g. `strategy.knobs.balance_abs`)."""
+    try:
+        return model.model_validate(knobs)
+    except ValidationError as err:
+        details = "; ".join(
+            f"{path}.{'.'.join(str(p) for p in e['loc'])}: {e['msg']}" for e in err.errors()
+        )
+        raise ConfigError(f"invalid knobs for {what}: {details}") from None
+
+
 def _read(path: Path) -> dict[str, Any]:
     try:
         text = path.read_text()

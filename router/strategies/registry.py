@@ -14,9 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-from pydantic import ValidationError
-
-from router.config import ConfigError, StrategyConfig
+from router.config import ConfigError, StrategyConfig, check_knobs
 from router.strategies.base import Strategy
 from router.strategies.builtin import BUILTIN
 from warply.common.loading import LoadError, entry_point_names, load_class
@@ -44,12 +42,5 @@ def strategy_class(name: str, extra: Extra | None = None) -> type[Strategy]:
 def make_strategy(config: StrategyConfig, extra: Extra | None = None) -> Strategy:
     """A fresh strategy instance with validated knobs (one per pool: some keep state)."""
     cls = strategy_class(config.name, extra)
-    try:
-        knobs = cls.Knobs.model_validate(config.knobs)
-    except ValidationError as err:
-        details = "; ".join(
-            f"strategy.knobs.{'.'.join(str(p) for p in e['loc'])}: {e['msg']}"
-            for e in err.errors()
-        )
-        raise ConfigError(f"invalid knobs for strategy {config.name!r}: {details}") from None
+    knobs = check_knobs(cls.Knobs, config.knobs, "strategy.knobs", f"strategy {config.name!r}")
     return cls(knobs)

@@ -7,9 +7,7 @@
 
 from __future__ import annotations
 
-from pydantic import ValidationError
-
-from router.config import ConfigError, TierPolicyConfig
+from router.config import ConfigError, TierPolicyConfig, check_knobs
 from router.tiering.base import TierPolicy
 from router.tiering.builtin import BUILTIN
 from warply.common.loading import LoadError, load_class
@@ -30,12 +28,7 @@ def policy_class(name: str) -> type[TierPolicy]:
 def make_policy(config: TierPolicyConfig) -> TierPolicy:
     """A policy instance with validated knobs."""
     cls = policy_class(config.name)
-    try:
-        knobs = cls.Knobs.model_validate(config.knobs)
-    except ValidationError as err:
-        details = "; ".join(
-            f"tiering.policy.knobs.{'.'.join(str(p) for p in e['loc'])}: {e['msg']}"
-            for e in err.errors()
-        )
-        raise ConfigError(f"invalid knobs for tier policy {config.name!r}: {details}") from None
+    knobs = check_knobs(
+        cls.Knobs, config.knobs, "tiering.policy.knobs", f"tier policy {config.name!r}"
+    )
     return cls(knobs)
