@@ -101,8 +101,7 @@ class IndexFeed:
                 self._index.outage.failed("apply", exc)
                 self._lost.add(worker)
             else:
-                if self._index.outage.down:
-                    self._index.outage.recovered()
+                self._index.outage.recovered()
         for ev in batch.events:
             if isinstance(ev, LoadSnapshot):
                 self._workers.engine_load(worker, ev)

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from router.config import RouterConfig
-from router.index import PrefixIndex, StoreUnavailable, WorkerMatch
+from router.index import PrefixIndex, WorkerMatch
 from router.strategies import NO_MATCH, NoCandidate, Pick, RequestView, Strategy, make_strategy
 from router.workers import Pool, Worker, Workers
 from warply.protocol import prefix_keys
@@ -233,15 +233,7 @@ class Placement:
             if not candidates:
                 continue
             keys = prefix_keys(tokens, pool.block_size, self.model, namespace)
-            names = [w.name for w in candidates]
-            try:
-                matches = await self.index.match(keys, names)
-            except StoreUnavailable as exc:
-                self.index.outage.failed("match", exc)
-                matches = dict.fromkeys(names, NO_MATCH)
-            else:
-                if self.index.outage.down:
-                    self.index.outage.recovered()
+            matches = await self.index.match(keys, [w.name for w in candidates])
             if early and any(m.blocks >= len(keys) for m in matches.values()):
                 raise _GiveUp
             picks.append((pool, keys, matches, candidates))

@@ -44,13 +44,20 @@ class PrefixIndex:
             return
         self._corrected[worker] += len(keys)
 
-    def match(
+    async def match(
         self, keys: Sequence[int], workers: Collection[str] | None = None
-    ) -> Coroutine[Any, Any, dict[str, WorkerMatch]]:
+    ) -> dict[str, WorkerMatch]:
         """Per worker (the given ones, or every worker with a live stream), the leading run of
-        `keys` it holds (`IndexStore.match`). Await it: like `apply`, this hands back the
-        coroutine that does the work rather than wrapping it in another (a frame less)."""
-        return self.store.match(keys, self.ingest.workers() if workers is None else workers)
+        `keys` it holds (`IndexStore.match`). While a network store cannot answer, every
+        worker holds nothing (load decides), and the failure is counted in `outage`."""
+        names = self.ingest.workers() if workers is None else workers
+        try:
+            found = await self.store.match(keys, names)
+        except StoreUnavailable as exc:
+            self.outage.failed("match", exc)
+            return {name: WorkerMatch(0, {}) for name in names}
+        self.outage.recovered()
+        return found
 
     async def stats(self) -> IndexStats:
         """The store's counters (none while it is unreachable), with ingestion's skipped events
