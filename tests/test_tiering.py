@@ -15,7 +15,7 @@ import zmq
 import zmq.asyncio
 
 from router.config import ConfigError, PoolConfig, TieringConfig, TierPolicyConfig
-from router.index import MemoryStore, PrefixIndex
+from router.index import MemoryStore, PrefixIndex, StoreUnavailable
 from router.metrics.registry import Series
 from router.tiering import (
     Action,
@@ -282,5 +282,39 @@ def test_runner_counts_a_timeout() -> None:
         runner.tracker.record("", keys, "w0", True, 1.0)
         await runner.round()
         assert runner.stats().directives == {"pin": {"timeout": 1}}
+
+    asyncio.run(asyncio.wait_for(scenario(), 30))
+
+
+def test_runner_skips_its_round_while_the_index_store_is_down() -> None:
+    """A store that cannot answer matches nothing: no directive rests on that, no pin is
+    forgotten, and the runner keeps running."""
+
+    class _Down(MemoryStore):
+        down = False
+
+        async def match(self, keys: Any, workers: Any) -> Any:
+            if self.down:
+                raise StoreUnavailable("store refused")
+            return await super().match(keys, workers)
+
+    async def scenario() -> None:
+        async with fake_plugin(reject=set()) as (endpoint, seen):
+            store = _Down()
+            index, workers = PrefixIndex("m", store), _setup(endpoint)[1]
+            await index.apply("w0", [BlockStored([11, 12], None, [1, 2, 3, 4], 2)])
+            keys = list(dict.fromkeys(k for k, *_ in store.entries()))
+            runner = TierRunner(TieringConfig(), index, workers, Series(), policy=Sticky())
+            runner.tracker.record("", keys, "w0", True, 1.0)
+            runner.tracker.record("", keys, "w0", True, 1.0)
+            await runner.round()
+            assert [d.kind for d in seen] == [DirectiveKind.PIN]
+            store.down = True
+            await runner.round()
+            assert len(seen) == 1 and runner.stats().pinned_prefixes == 1
+            assert index.outage.failures["match"] >= 1
+            store.down = False
+            await runner.round()
+            assert runner.stats().pinned_prefixes == 1
 
     asyncio.run(asyncio.wait_for(scenario(), 30))

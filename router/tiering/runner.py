@@ -113,7 +113,7 @@ class TierRunner:
             if seen is None or not tracked.keys:
                 continue
             match = (await self._index.match(tracked.keys, [name]))[name]
-            if not match.blocks:
+            if not match.blocks and not self._index.outage.down:
                 self._pinned.discard(pid)  # gone from the engine (evicted, restarted): no pin
             prefixes.append(
                 PrefixState(
@@ -133,8 +133,11 @@ class TierRunner:
         return TierState(time.time(), prefixes, workers)
 
     async def round(self) -> None:
-        """One policy round: snapshot, decide, send, count."""
+        """One policy round: snapshot, decide, send, count. Skipped while the index store
+        cannot answer: its empty matches then say nothing about what the workers hold."""
         state = await self.snapshot()
+        if self._index.outage.down:
+            return
         self._rounds += 1
         self._series.tiering_rounds.inc()
         try:
