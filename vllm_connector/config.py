@@ -5,6 +5,11 @@
 
 Any error (unknown key, bad endpoint, unknown delegate) raises `WarplyConfigError` with one line
 that names the offending key, which fails vLLM start-up.
+
+Under the short connector name `warply` (`SHORT_NAME`), every endpoint the `warply` section does
+not mention takes its default (`warply.protocol.plugin.DEFAULT_ENDPOINTS`), so
+`{"kv_connector": "warply"}` alone is a complete configuration; an endpoint given as `null` stays
+off. Under `WarplyConnector` nothing is defaulted: an endpoint left out is off, as before.
 """
 
 from __future__ import annotations
@@ -14,9 +19,12 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-from warply.protocol.plugin import PluginSettings, SettingsError
+from warply.protocol.plugin import DEFAULT_ENDPOINTS, PluginSettings, SettingsError
 
 _PREFIX = "WarplyConnector: invalid kv_connector_extra_config"
+
+SHORT_NAME = "warply"
+"""The connector's short name in `--kv-transfer-config`: WarplyConnector with default endpoints."""
 
 
 class WarplyConfigError(ValueError):
@@ -43,7 +51,7 @@ class DelegateConfig(_Strict):
     @field_validator("kv_connector")
     @classmethod
     def _not_self(cls, value: str) -> str:
-        if value in ("WarplyConnector", "WarplyHMAConnector"):
+        if value in ("WarplyConnector", "WarplyHMAConnector", SHORT_NAME):
             raise ValueError("a WarplyConnector cannot delegate to another WarplyConnector")
         return value
 
@@ -79,8 +87,12 @@ class WarplyConnectorConfig(_Strict):
     warply: WarplySettings = Field(default_factory=WarplySettings)
 
 
-def parse_config(extra_config: dict[str, Any]) -> WarplyConnectorConfig:
-    """Validate `kv_connector_extra_config`; raise `WarplyConfigError` naming the first bad key."""
+def parse_config(extra_config: dict[str, Any], defaults: bool = False) -> WarplyConnectorConfig:
+    """Validate `kv_connector_extra_config`; raise `WarplyConfigError` naming the first bad key.
+    `defaults`: fill the endpoints the `warply` section leaves out (the short name's rule)."""
+    section = extra_config.get("warply", {})
+    if defaults and isinstance(section, dict):
+        extra_config = {**extra_config, "warply": {**DEFAULT_ENDPOINTS, **section}}
     try:
         return WarplyConnectorConfig.model_validate(extra_config)
     except ValidationError as exc:

@@ -10,13 +10,15 @@ pure observer: it loads and saves nothing and vLLM's scheduling and outputs are 
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 import inspect
 import logging
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from typing import TYPE_CHECKING, Any, TypeVar
 
+import zmq
 from vllm.config import VllmConfig
 from vllm.config.kv_events import KVEventsConfig
 from vllm.config.kv_transfer import KVTransferConfig
@@ -41,6 +43,7 @@ from vllm.v1.request import RequestStatus
 
 from vllm_connector.applier import DirectiveApplier, find_engine_wakeup
 from vllm_connector.config import (
+    SHORT_NAME,
     DelegateConfig,
     WarplyConfigError,
     WarplyConnectorConfig,
@@ -76,7 +79,7 @@ def _config_of(vllm_config: VllmConfig) -> WarplyConnectorConfig:
     ktc = vllm_config.kv_transfer_config
     if ktc is None:
         raise WarplyConfigError("WarplyConnector: --kv-transfer-config is not set")
-    return parse_config(ktc.kv_connector_extra_config)
+    return parse_config(ktc.kv_connector_extra_config, ktc.kv_connector == SHORT_NAME)
 
 
 def _delegate_vllm_config(
@@ -135,6 +138,18 @@ def _bytes_per_block(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) ->
     return per_rank * vllm_config.parallel_config.tensor_parallel_size
 
 
+@contextlib.contextmanager
+def _binding(key: str, endpoints: str) -> Iterator[None]:
+    """A socket that cannot bind (most often a port another engine on the host took, e.g. two
+    engines on the short name's default ports) fails start-up with one line naming the key."""
+    try:
+        yield
+    except zmq.ZMQError as exc:
+        raise config_error(
+            key, f"cannot bind {endpoints}: {exc}; give each engine on a host its own endpoints"
+        ) from None
+
+
 class WarplyConnector(KVConnectorBase_V1):
     """Forwards to the delegate; exports device-tier cache state; applies directives."""
 
@@ -177,25 +192,36 @@ class WarplyConnector(KVConnectorBase_V1):
             return  # nothing to export or serve: no tee, no threads
         ktc = vllm_config.kv_transfer_config
         assert ktc is not None
+        stock = getattr(vllm_config, "kv_events_config", None)
+        if stock is not None and stock.enable_kv_cache_events and stock.publisher == "zmq":
+            if w.events_endpoint == stock.endpoint:
+                raise config_error(
+                    "warply.events_endpoint",
+                    f"{stock.endpoint} is also --kv-events-config's endpoint; give one of the two "
+                    "streams another port",
+                )
         model = w.model or vllm_config.model_config.served_model_name
         if w.lmcache_url:
             self._lmcache = LMCacheServer(w.lmcache_url, w.snapshot_interval_s)
             self._lmcache.start()
-        self._exporter = StateExporter(
-            w,
-            model=model if isinstance(model, str) else model[0],
-            worker=w.worker or str(ktc.engine_id),
-            counters=self._counters,
-            load=self._load,
-            bytes_per_block=_bytes_per_block(vllm_config, kv_cache_config),
-            backend_bytes=None if self._lmcache is None else self._lmcache_bytes,
-        )
+        with _binding("warply.events_endpoint", f"{w.events_endpoint} / {w.replay_endpoint}"):
+            self._exporter = StateExporter(
+                w,
+                model=model if isinstance(model, str) else model[0],
+                worker=w.worker or str(ktc.engine_id),
+                counters=self._counters,
+                load=self._load,
+                bytes_per_block=_bytes_per_block(vllm_config, kv_cache_config),
+                backend_bytes=None if self._lmcache is None else self._lmcache_bytes,
+            )
         if w.control_endpoint:
             wake = find_engine_wakeup()
             if wake is None:
                 _log.warning("Warply: EngineCore not found; directives wait for the next step")
+            with _binding("warply.control_endpoint", w.control_endpoint):
+                control = ControlServer(w.control_endpoint, wake)
             self._directives = DirectiveApplier(
-                ControlServer(w.control_endpoint, wake),
+                control,
                 self._exporter,
                 hash_fn=get_hash_fn_by_name(vllm_config.cache_config.prefix_caching_hash_algo),
                 max_pinned_fraction=w.max_pinned_fraction,

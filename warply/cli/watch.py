@@ -10,6 +10,8 @@ import sys
 from collections import Counter
 from typing import Any
 
+from warply.protocol.plugin import LOCAL_EVENTS_ENDPOINT, LOCAL_REPLAY_ENDPOINT
+
 
 def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     """Add the `watch` verb."""
@@ -19,7 +21,12 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         description="Subscribe to a state stream and print each event as one JSON line; "
         "a summary line with counts, gaps and rejections ends the output.",
     )
-    w.add_argument("endpoint", help="ZMQ endpoint of the stream, e.g. tcp://127.0.0.1:5557")
+    w.add_argument(
+        "endpoint",
+        nargs="?",
+        help="ZMQ endpoint of the stream (default: an engine on this host with the default "
+        f"endpoints, {LOCAL_EVENTS_ENDPOINT}, replay {LOCAL_REPLAY_ENDPOINT})",
+    )
     w.add_argument(
         "--bind",
         action="store_true",
@@ -41,6 +48,9 @@ def _watch(args: argparse.Namespace) -> int:
     from warply.protocol import DecodedBatch
     from warply.protocol.subscriber import StateSubscriber
 
+    if args.endpoint is None:
+        args.endpoint = LOCAL_EVENTS_ENDPOINT
+        args.replay = args.replay or LOCAL_REPLAY_ENDPOINT
     counts: Counter[str] = Counter()
 
     async def on_batch(worker: str, batch: DecodedBatch) -> None:

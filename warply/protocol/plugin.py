@@ -27,6 +27,19 @@ from dataclasses import dataclass
 
 from warply.protocol.endpoints import EndpointError, check_endpoint
 
+DEFAULT_ENDPOINTS = {
+    "events_endpoint": "tcp://*:5557",
+    "replay_endpoint": "tcp://*:5558",
+    "control_endpoint": "tcp://127.0.0.1:5560",
+}
+"""A plugin's endpoints when the user names none (vLLM's short connector name `warply`): the
+state stream and its replay on every interface (read-only state, for a router on another host),
+directives on loopback only (they change the engine's cache)."""
+
+LOCAL_EVENTS_ENDPOINT = "tcp://127.0.0.1:5557"
+LOCAL_REPLAY_ENDPOINT = "tcp://127.0.0.1:5558"
+"""Where a subscriber on the engine's host reaches the default stream and its replay."""
+
 
 class SettingsError(ValueError):
     """An invalid setting; `field` names it (e.g. `events_endpoint`)."""
