@@ -3,7 +3,8 @@
 Client API: /v1/completions, /v1/chat/completions, /v1/models, /health, /metrics.
 Admin API (Bearer token when `auth_token` is set): /warply/cache_stats, /warply/workers,
 POST /warply/workers/{name} (`{"enabled": false}` drains a worker), POST /warply/directives,
-POST /warply/pools/{pool}/workers and DELETE /warply/workers/{name} (workers join and leave).
+POST /warply/pools/{pool}/workers and DELETE /warply/workers/{name} (workers join and leave),
+GET|POST /warply/where (where a prompt's prefix lives and what the router would choose).
 The health loop also reads decode workers' KV-transfer counters from their /metrics.
 """
 
@@ -32,6 +33,7 @@ from router.proxy import Proxy
 from router.tasks import cancel
 from router.tiering import TierRunner
 from router.tokenize import RouterTokenizer
+from router.where import where
 from router.workers import Worker, Workers
 from warply.protocol import Directive
 from warply.protocol.api import CacheStats, WorkerList
@@ -84,6 +86,8 @@ class Router:
                 web.get("/metrics", self._metrics),
                 web.get("/warply/cache_stats", self._cache_stats),
                 web.get("/warply/workers", self._workers),
+                web.get("/warply/where", self._where),
+                web.post("/warply/where", self._where),
                 web.post("/warply/workers/{name}", self._set_worker),
                 web.delete("/warply/workers/{name}", self._remove_worker),
                 web.post("/warply/pools/{pool}/workers", self._add_worker),
@@ -237,6 +241,10 @@ class Router:
 
     async def _workers(self, _: web.Request) -> web.Response:
         return _json(self.worker_list())
+
+    async def _where(self, request: web.Request) -> web.Response:
+        name = self.config.strategy.name
+        return _json(await where(request, self.proxy, self.placement, self.workers, name))
 
     def _worker(self, name: str) -> Worker:
         worker = self.workers.get(name)

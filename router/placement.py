@@ -14,6 +14,10 @@ SGLang decode workers cannot prefill alone (`PoolConfig.local_prefill`): they al
 prefill worker, and compete only while one is available.
 A network index store that cannot answer never stops placement: its workers then count as
 holding nothing (load decides), and the failure is counted in `PrefixIndex.outage`.
+
+`explain` runs the same choice without changing anything (no strategy state, no turn taken):
+each pool's strategy previews its pick with the scores behind it (`Strategy.preview`), for
+`/warply/where`.
 """
 
 from __future__ import annotations
@@ -25,10 +29,18 @@ from typing import Literal
 
 from router.config import RouterConfig
 from router.index import PrefixIndex, WorkerMatch
-from router.strategies import NO_MATCH, NoCandidate, Pick, RequestView, Strategy, make_strategy
+from router.strategies import (
+    NO_MATCH,
+    NoCandidate,
+    Pick,
+    RequestView,
+    Score,
+    Strategy,
+    make_strategy,
+)
 from router.workers import Pool, Worker, Workers
 from warply.protocol import prefix_keys
-from warply.protocol.api import StrategyState
+from warply.protocol.api import Role, StrategyState
 
 Mode = Literal["aggregated", "remote", "local"]
 """How a request is served: by a `both` worker alone; prefilled on a prefill worker and decoded
@@ -89,6 +101,33 @@ def predicted_cached(matched_blocks: int, prompt_tokens: int, block_size: int) -
     """Cached tokens an engine reports for a prefix hit: full blocks, never the last token."""
     usable = max(0, prompt_tokens - 1) // block_size
     return min(matched_blocks, usable) * block_size
+
+
+@dataclass(frozen=True, slots=True)
+class PoolTrace:
+    """What one pool saw of a request in `Placement.explain`."""
+
+    pool: str
+    role: Role
+    strategy: str
+    block_size: int
+    keys: Sequence[int]
+    held: dict[str, WorkerMatch]
+    """Every member's match, available or not, in the pool's order."""
+    pick: str | None = None
+    """The pool strategy's pick (None: the pool was not asked, or had no available worker)."""
+    scores: dict[str, Score] = dataclasses.field(default_factory=dict)
+    """The candidates' scores behind the pick (`Strategy.explain`; empty if it explains none)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Explanation:
+    """`Placement.explain`: where a prompt would go, and why."""
+
+    decision: Decision | None
+    unavailable: str
+    """Why no worker would take it ("" when `decision` is set)."""
+    pools: list[PoolTrace]
 
 
 @dataclass(frozen=True, slots=True)
@@ -180,6 +219,33 @@ class Placement:
         """
         return await self._choose(tokens, prompt_tokens, namespace, prefix_reuse, exclude, True)
 
+    async def explain(
+        self, tokens: Sequence[int], namespace: str = "", prefix_reuse: bool = True
+    ) -> Explanation:
+        """The placement `choose` would make for a prompt now, with every pool's holdings and
+        its strategy's scores; changes no state (the strategies only preview their pick)."""
+        picks: dict[str, tuple[str, dict[str, Score]]] = {}
+        try:
+            decision = await self._choose(
+                tokens, len(tokens), namespace, prefix_reuse, (), False, picks
+            )
+            unavailable = ""
+        except NoCandidate as exc:
+            decision, unavailable = None, str(exc)
+        pools = []
+        for pool in (*self._answer, *self._prefill):
+            keys = prefix_keys(tokens, pool.block_size, self.model, namespace)
+            found = await self.index.match(keys, [w.name for w in pool.workers])
+            held = {w.name: found.get(w.name, NO_MATCH) for w in pool.workers}
+            pick, scores = picks.get(pool.name, (None, {}))
+            pools.append(
+                PoolTrace(
+                    pool.name, pool.members.role, pool.strategy.name, pool.block_size, keys,
+                    held, pick, scores,
+                )  # fmt: skip
+            )
+        return Explanation(decision, unavailable, pools)
+
     async def _choose(
         self,
         tokens: Sequence[int],
@@ -188,15 +254,18 @@ class Placement:
         prefix_reuse: bool,
         exclude: Collection[str],
         early: bool,
+        previews: dict[str, tuple[str, dict[str, Score]]] | None = None,
     ) -> Decision | None:
-        args = (tokens, prompt_tokens, namespace, prefix_reuse, exclude, early)
+        """`previews`: given, strategies only preview their picks, which land there by pool."""
+        args = (tokens, prompt_tokens, namespace, prefix_reuse, exclude, early, previews)
         answer = self._answer
         if not any(w.available and w.name not in exclude for p in self._prefill for w in p.workers):
             answer = [pool for pool in answer if pool.local_prefill]
         try:
             best = await self._best(answer, *args)
             if best is None:
-                if answer is not self._answer:
+                dropped = [p for p in self._answer if p not in answer]
+                if any(w.available and w.name not in exclude for p in dropped for w in p.workers):
                     raise NoCandidate(
                         "no prefill worker is available, and the decode workers cannot prefill "
                         "alone (SGLang disaggregation mode)"
@@ -223,6 +292,7 @@ class Placement:
         prefix_reuse: bool,
         exclude: Collection[str],
         early: bool,
+        previews: dict[str, tuple[str, dict[str, Score]]] | None,
     ) -> Decision | None:
         """Each pool's pick; the router's strategy prefers one (`Strategy.prefer`).
         None: no available worker. Raises `_GiveUp` when an early choice must see the whole
@@ -241,7 +311,12 @@ class Placement:
         for pool, chain, matches, candidates in picks:
             bs = pool.block_size
             view = RequestView(chain, prompt_tokens, bs, namespace, prefix_reuse)
-            name = pool.strategy.choose(view, [w.load for w in candidates], matches)
+            loads = [w.load for w in candidates]
+            if previews is None:
+                name = pool.strategy.choose(view, loads, matches)
+            else:
+                name, scores = pool.strategy.preview(view, loads, matches)
+                previews[pool.name] = (name, scores)
             worker = next(w for w in candidates if w.name == name)
             match = matches.get(name, NO_MATCH)
             predicted = predicted_cached(match.blocks, prompt_tokens, bs)

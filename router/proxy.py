@@ -209,6 +209,15 @@ class Proxy:
             body["stream_options"] = {**base, "include_usage": True}
         return _Prepared(body, first, namespace, ov.prefix_reuse, stream, wants_usage, single)
 
+    async def tokens(self, body: dict[str, Any], kind: str) -> tuple[list[int], str, bool]:
+        """The request's (first) prompt, whole, as the engine tokenizes it, with its namespace
+        and reuse switch: what placement sees of it (`/warply/where`)."""
+        prep = await self.prepare(body, kind)
+        prompt = prep.prompt
+        if not prompt.complete:
+            prompt = await self._tokenize(self._tokenizer.finish, prompt)
+        return list(prompt.tokens), prep.namespace, prep.prefix_reuse
+
     def _too_long(self, prompt_tokens: int, body: dict[str, Any]) -> bool:
         limit = self.max_model_len
         return limit is not None and (

@@ -295,3 +295,35 @@ def test_prefer_compares_pools_picks() -> None:
     assert CostAware().prefer([a, b]) is b
     b = Pick(small, _priced("b", 3), WorkerMatch(1, {Tier.GPU: 1}), 32)  # miss 128: 0.64
     assert CostAware().prefer([a, b]) is a
+
+
+@pytest.mark.parametrize("name", sorted(BUILTIN))
+def test_preview_names_what_choose_picks_and_changes_nothing(name: str) -> None:
+    """Over a random run of requests, each strategy's `preview` (the `/warply/where` path)
+    names the worker its `choose` then picks, with one score per candidate it keeps; a twin
+    instance that is never previewed picks the same workers, so previews leave no trace."""
+    import random
+
+    knobs = {"tenant_isolated": TenantIsolated.Knobs(tenants={"t": ["w0", "w2"]})}
+    cls = BUILTIN[name]
+    seen, twin = cls(knobs.get(name)), cls(knobs.get(name))
+    rng = random.Random(7)
+    tiers = [Tier.GPU, Tier.CPU, Tier.SSD]
+    for step in range(300):
+        n = rng.randint(1, 12)
+        keys = [rng.randint(0, 5) * 100 + i for i in range(n)]
+        namespace = rng.choice(["", "t"])
+        request = RequestView(keys, 16 * n + 3, 16, namespace, prefix_reuse=step % 7 != 0)
+        loads = [WorkerLoad(f"w{i}", in_flight=rng.randint(0, 3),
+                            pending_prefill_tokens=rng.choice([0, 0, 64, 400]),
+                            price_per_hour=1.0 + i, prefill_tokens_per_s=1000.0)
+                 for i in range(3)]  # fmt: skip
+        matches = {w.name: WorkerMatch(b, {rng.choice(tiers): b})
+                   for w in loads if (b := rng.randint(0, n))}  # fmt: skip
+        picked, scores = seen.preview(request, loads, matches)
+        assert scores, f"{name} explains no scores"
+        assert picked in scores
+        assert seen.choose(request, loads, matches) == picked
+        assert twin.choose(request, loads, matches) == picked
+        if name == "tenant_isolated" and request.namespace == "t":
+            assert set(scores) == {"w0", "w2"}

@@ -54,11 +54,20 @@ from __future__ import annotations
 import math
 from collections import OrderedDict
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 
 from pydantic import BaseModel, Field
 
 from router.index import WorkerMatch
-from router.strategies.base import NO_MATCH, Knobs, RequestView, Strategy, TierWeights, WorkerLoad
+from router.strategies.base import (
+    NO_MATCH,
+    Knobs,
+    RequestView,
+    Score,
+    Strategy,
+    TierWeights,
+    WorkerLoad,
+)
 
 
 class AdaptiveKnobs(Knobs):
@@ -119,10 +128,11 @@ class AdaptiveAffinity(Strategy):
 
     def duplicate_price(self) -> float:
         """X for a private prefix (h = 1) on an idle worker: the current affinity weight."""
+        return self._price(self.eviction_loss)
+
+    def _price(self, loss: float) -> float:
         k: AdaptiveKnobs = self.knobs  # type: ignore[assignment]
-        if not k.adapt:
-            return k.duplicate_floor
-        return k.duplicate_floor + k.eviction_gain * self.eviction_loss
+        return k.duplicate_floor + k.eviction_gain * loss if k.adapt else k.duplicate_floor
 
     def gauges(self) -> dict[str, float]:
         return {
@@ -147,13 +157,52 @@ class AdaptiveAffinity(Strategy):
     def forget(self, worker: str) -> None:
         self._routed.pop(worker, None)
 
-    # ---- choice --------------------------------------------------------------------------
+    # ---- choice ----------------------------------------------------------------------------
+    def explain(
+        self,
+        request: RequestView,
+        candidates: Sequence[WorkerLoad],
+        matches: Mapping[str, WorkerMatch],
+    ) -> dict[str, Score]:
+        return self._plan(request, candidates, matches).scores
+
     def choose(
         self,
         request: RequestView,
         candidates: Sequence[WorkerLoad],
         matches: Mapping[str, WorkerMatch],
     ) -> str:
+        k: AdaptiveKnobs = self.knobs  # type: ignore[assignment]
+        plan = self._plan(request, candidates, matches)
+        name = self._lowest(candidates, plan.scores)
+        n, decay = len(candidates), plan.decay
+        self._tick += 1
+        if request.prefix_reuse:
+            self._expected, self._lost = plan.loss
+            self._remember(request.keys, max(1, k.checkpoint_tokens // request.block_size), k)
+            if plan.depth:
+                self._warm(request.keys[plan.depth - 1], k.heat_horizon * n, k.memory)
+        self._depth = plan.queue_depth
+        u, least = plan.uncached[name], plan.least
+        self._work = u if self.placements == 0 else decay * self._work + (1 - decay) * u
+        routed = self._routed
+        for w in candidates:
+            routed[w.name] = decay * routed.get(w.name, 0.0)
+        routed[name] += (1 - decay) * u
+        self.placements += 1
+        if u > least:
+            self.spills += 1
+            self.spill_tokens += u - least
+        return name
+
+    def _plan(
+        self,
+        request: RequestView,
+        candidates: Sequence[WorkerLoad],
+        matches: Mapping[str, WorkerMatch],
+    ) -> _Plan:
+        """Every candidate's cost as of this request, changing no state: `choose` commits
+        what it measured (π, the prefix's heat, the queue depth) after picking the lowest."""
         k: AdaptiveKnobs = self.knobs  # type: ignore[assignment]
         bs, n = request.block_size, len(candidates)
         prompt = max(request.prompt_tokens, len(request.keys) * bs)
@@ -166,56 +215,58 @@ class AdaptiveAffinity(Strategy):
         least = min(uncached.values())
         depth = max((matches[w.name].blocks for w in candidates if w.name in matches), default=0)
         decay = 1.0 - 1.0 / (k.horizon * n)
-        self._tick += 1
+        loss = (self._expected, self._lost)
         heat = 1.0
         if reuse:
-            self._measure_loss(request.keys, depth, max(1, k.checkpoint_tokens // bs), decay, k)
+            stride = max(1, k.checkpoint_tokens // bs)
+            loss = self._loss_after(request.keys, depth, stride, decay)
             if depth:
-                heat = self._heat_of(request.keys[depth - 1], k.heat_horizon * n, k.memory)
-        dup = self.duplicate_price() / heat
+                heat = self._heat_at(request.keys[depth - 1], self._tick + 1, k.heat_horizon * n)
+        dup = self._price(loss[1] / loss[0] if loss[0] > 0 else 0.0) / heat
         work = max(self._work, float(bs))
-        routed = self._routed
         depths = [min(k.queue_cap, w.pending_prefill_tokens / work) for w in candidates]
-        self._depth = sum(depths) / n
+        queue_depth = sum(depths) / n
         if not k.adapt:
             depths = [0.0] * n
-
-        def cost(i: int) -> tuple[float, float]:
-            w = candidates[i]
+        scores = {}
+        for i, w in enumerate(candidates):
             u = uncached[w.name]
-            share = n * routed.get(w.name, 0.0)
-            extra = (depths[i] + dup) * (u - least)
-            return w.pending_prefill_tokens + u + extra + k.balance * share, share
+            share = n * self._routed.get(w.name, 0.0)
+            price = depths[i] + dup
+            cost = w.pending_prefill_tokens + u + price * (u - least) + k.balance * share
+            terms = {
+                "queued_tokens": w.pending_prefill_tokens,
+                "uncached_tokens": u,
+                "recompute_price": price,
+                "recomputed_tokens": u - least,
+                "routed_share": share,
+                "heat": heat,
+                "cost": cost,
+            }
+            scores[w.name] = Score((cost, share), "lowest cost", terms)
+        return _Plan(scores, uncached, least, decay, loss, depth, queue_depth)
 
-        costs = {w.name: cost(i) for i, w in enumerate(candidates)}
-        name = self._best(candidates, lambda w: costs[w.name])
-        u = uncached[name]
-        self._work = u if self.placements == 0 else decay * self._work + (1 - decay) * u
-        for w in candidates:
-            routed[w.name] = decay * routed.get(w.name, 0.0)
-        routed[name] += (1 - decay) * u
-        self.placements += 1
-        if u > least:
-            self.spills += 1
-            self.spill_tokens += u - least
-        return name
-
-    def _measure_loss(
-        self, keys: Sequence[int], found: int, stride: int, decay: float, k: AdaptiveKnobs
-    ) -> None:
-        """Update π: the deepest checkpoint of `keys` seen before is what earlier requests
-        brought; `found` blocks of it are still held somewhere (the longest match)."""
+    def _loss_after(
+        self, keys: Sequence[int], found: int, stride: int, decay: float
+    ) -> tuple[float, float]:
+        """π's decayed sums (expected, lost) with this request counted: the deepest checkpoint
+        of `keys` seen before is what earlier requests brought; `found` blocks of it are still
+        held somewhere (the longest match)."""
         seen = self._checkpoints
         expected = 0
         for d in range(len(keys) // stride * stride, 0, -stride):
             if keys[d - 1] in seen:
                 expected = d
                 break
-        self._expected *= decay
-        self._lost *= decay
+        total, lost = self._expected * decay, self._lost * decay
         if expected:
-            self._expected += expected
-            self._lost += max(0, expected - found)
+            total += expected
+            lost += max(0, expected - found)
+        return total, lost
+
+    def _remember(self, keys: Sequence[int], stride: int, k: AdaptiveKnobs) -> None:
+        """Checkpoint `keys` every `stride` blocks (least recent forgotten past `memory`)."""
+        seen = self._checkpoints
         for d in range(stride, len(keys) + 1, stride):
             key = keys[d - 1]
             if key in seen:
@@ -225,11 +276,34 @@ class AdaptiveAffinity(Strategy):
         while len(seen) > k.memory:
             seen.popitem(last=False)
 
-    def _heat_of(self, key: int, horizon: float, memory: int) -> float:
-        """h = max(1, decayed count of earlier requests whose longest match ended at `key`)."""
-        count, last = self._heat.pop(key, (0.0, self._tick))
-        count *= math.exp(-(self._tick - last) / horizon)
+    def _decayed(self, key: int, tick: int, horizon: float) -> float:
+        """The decayed count of earlier requests whose longest match ended at `key`."""
+        count, last = self._heat.get(key, (0.0, tick))
+        return count * math.exp(-(tick - last) / horizon)
+
+    def _heat_at(self, key: int, tick: int, horizon: float) -> float:
+        """h = max(1, that count)."""
+        return max(1.0, self._decayed(key, tick, horizon))
+
+    def _warm(self, key: int, horizon: float, memory: int) -> None:
+        """Count this request's longest match ending at `key` (at the current tick)."""
+        count = self._decayed(key, self._tick, horizon)
+        self._heat.pop(key, None)
         self._heat[key] = (count + 1.0, self._tick)
         if len(self._heat) > memory:
             self._heat.popitem(last=False)
-        return max(1.0, count)
+
+
+@dataclass(frozen=True, slots=True)
+class _Plan:
+    """One request's costs (`AdaptiveAffinity._plan`) and what `choose` commits after."""
+
+    scores: dict[str, Score]
+    uncached: dict[str, float]
+    least: float
+    decay: float
+    loss: tuple[float, float]
+    """π's decayed sums (expected, lost) with this request counted."""
+    depth: int
+    """The longest match, in blocks."""
+    queue_depth: float

@@ -13,9 +13,9 @@ Notation (per candidate worker w, for one request of P full blocks):
 from __future__ import annotations
 
 import abc
-import itertools
+import copy
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -85,6 +85,18 @@ class Pick:
     """Prompt tokens the worker would report cached (full blocks, never the last token)."""
 
 
+@dataclass(frozen=True, slots=True)
+class Score:
+    """One candidate as a strategy ranks it for one request (`Strategy.explain`)."""
+
+    key: tuple[float, ...]
+    """What the strategy minimises: the smallest key wins, exact ties are served in turn."""
+    rule: str
+    """Which of the strategy's rules ranked the candidates (e.g. "longest cached prefix")."""
+    terms: Mapping[str, float] = field(default_factory=dict)
+    """The named numbers behind `key`, for people (`/warply/where`)."""
+
+
 class Knobs(BaseModel):
     """Base of every strategy's knobs: strict (unknown keys are errors) and immutable."""
 
@@ -120,19 +132,71 @@ class Strategy(abc.ABC):
 
     def __init__(self, knobs: BaseModel | None = None) -> None:
         self.knobs = knobs if knobs is not None else self.Knobs()
-        self._ties = itertools.count()
+        self._turn = 0
+        """Exact ties taken so far: the next one goes to the tied candidate in this turn."""
 
-    def _best(self, candidates: Sequence[WorkerLoad], key: Callable[[WorkerLoad], Any]) -> str:
+    def _best(
+        self,
+        candidates: Sequence[WorkerLoad],
+        key: Callable[[WorkerLoad], Any],
+        advance: bool = True,
+    ) -> str:
         """The candidate with the smallest key; exact ties are served in turn, so idle, equal
-        workers share new conversations instead of the first one taking them all."""
+        workers share new conversations instead of the first one taking them all. `advance`
+        False: only say who it would be (the turn is not taken)."""
         keys = [key(w) for w in candidates]
         low = min(keys)
         tied = [w for w, k in zip(candidates, keys, strict=True) if k == low]
-        return tied[next(self._ties) % len(tied)].name if len(tied) > 1 else tied[0].name
+        if len(tied) == 1:
+            return tied[0].name
+        turn = self._turn
+        self._turn += advance
+        return tied[turn % len(tied)].name
 
-    def _least_loaded(self, candidates: Sequence[WorkerLoad]) -> str:
-        """argmin load(w), then fewer in-flight tokens, then in turn."""
-        return self._best(candidates, lambda w: (w.load, w.in_flight_tokens))
+    def _lowest(
+        self, candidates: Sequence[WorkerLoad], scores: Mapping[str, Score], advance: bool = True
+    ) -> str:
+        """The scored candidate with the smallest `Score.key` (ties in turn, as `_best`)."""
+        scored = [w for w in candidates if w.name in scores]
+        return self._best(scored, lambda w: scores[w.name].key, advance)
+
+    @staticmethod
+    def _load_scores(candidates: Sequence[WorkerLoad], rule: str) -> dict[str, Score]:
+        """load(w), then fewer in-flight tokens: the least-loaded ranking."""
+        return {
+            w.name: Score(
+                (w.load, w.in_flight_tokens),
+                rule,
+                {"load": w.load, "in_flight_tokens": w.in_flight_tokens},
+            )
+            for w in candidates
+        }
+
+    def explain(
+        self,
+        request: RequestView,
+        candidates: Sequence[WorkerLoad],
+        matches: Mapping[str, WorkerMatch],
+    ) -> dict[str, Score]:
+        """Each candidate's score as `choose` would rank it now, changing no state (the debugging
+        view, `/warply/where`). The built-ins' `choose` is this ranking plus their bookkeeping,
+        one computation; candidates a strategy rules out get no score. A strategy that does not
+        override it explains nothing (empty)."""
+        return {}
+
+    def preview(
+        self,
+        request: RequestView,
+        candidates: Sequence[WorkerLoad],
+        matches: Mapping[str, WorkerMatch],
+    ) -> tuple[str, dict[str, Score]]:
+        """The worker `choose` would name now and the scores behind it, changing no state: the
+        smallest key (exact ties: the one whose turn it is). A strategy that explains nothing is
+        asked on a copy of itself."""
+        scores = self.explain(request, candidates, matches)
+        if not scores:
+            return copy.deepcopy(self).choose(request, candidates, matches), {}
+        return self._lowest(candidates, scores, advance=False), scores
 
     def prefer(self, picks: Sequence[Pick]) -> Pick:
         """The winner among several pools' picks for one request (never empty): by default the

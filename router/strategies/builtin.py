@@ -17,6 +17,7 @@ from router.strategies.base import (
     Knobs,
     NoCandidate,
     RequestView,
+    Score,
     Strategy,
     TierWeights,
     WorkerLoad,
@@ -31,13 +32,27 @@ class RoundRobin(Strategy):
 
     name = "round_robin"
 
+    def explain(
+        self,
+        request: RequestView,
+        candidates: Sequence[WorkerLoad],
+        matches: Mapping[str, WorkerMatch],
+    ) -> dict[str, Score]:
+        away = [(i - self._turn) % len(candidates) for i in range(len(candidates))]
+        return {
+            w.name: Score((away[i],), "in turn", {"turns_away": away[i]})
+            for i, w in enumerate(candidates)
+        }
+
     def choose(
         self,
         request: RequestView,
         candidates: Sequence[WorkerLoad],
         matches: Mapping[str, WorkerMatch],
     ) -> str:
-        return candidates[next(self._ties) % len(candidates)].name
+        name = self._lowest(candidates, self.explain(request, candidates, matches))
+        self._turn += 1
+        return name
 
 
 class LeastLoaded(Strategy):
@@ -45,13 +60,21 @@ class LeastLoaded(Strategy):
 
     name = "least_loaded"
 
+    def explain(
+        self,
+        request: RequestView,
+        candidates: Sequence[WorkerLoad],
+        matches: Mapping[str, WorkerMatch],
+    ) -> dict[str, Score]:
+        return self._load_scores(candidates, "least loaded")
+
     def choose(
         self,
         request: RequestView,
         candidates: Sequence[WorkerLoad],
         matches: Mapping[str, WorkerMatch],
     ) -> str:
-        return self._least_loaded(candidates)
+        return self._lowest(candidates, self.explain(request, candidates, matches))
 
 
 class PrefixAffinityKnobs(Knobs):
@@ -82,16 +105,17 @@ class PrefixAffinity(Strategy):
         self._started: Counter[str] = Counter()
         """Requests placed below min_match_ratio (conversations started), per worker."""
 
-    def choose(
+    def explain(
         self,
         request: RequestView,
         candidates: Sequence[WorkerLoad],
         matches: Mapping[str, WorkerMatch],
-    ) -> str:
+    ) -> dict[str, Score]:
         k: PrefixAffinityKnobs = self.knobs  # type: ignore[assignment]
-        loads = [w.load for w in candidates]
-        if not request.prefix_reuse or imbalanced(loads, k.balance_abs, k.balance_rel):
-            return self._least_loaded(candidates)
+        if not request.prefix_reuse:
+            return self._load_scores(candidates, "least loaded: prefix_reuse is off")
+        if imbalanced([w.load for w in candidates], k.balance_abs, k.balance_rel):
+            return self._load_scores(candidates, "least loaded: load imbalanced")
         credit = {w.name: k.tier_weights.credit(matches.get(w.name, NO_MATCH)) for w in candidates}
         top = max(credit.values())
         if top == 0 or top / max(1, request.blocks) < k.min_match_ratio:
@@ -99,12 +123,34 @@ class PrefixAffinity(Strategy):
             # started the fewest conversations takes it (then lower load, then a small shared
             # prefix such as a system prompt), so conversations split evenly and then stick;
             # load skew beyond the guard above is handled there.
-            name = self._best(
-                candidates, lambda w: (self._started[w.name], w.load, -credit[w.name])
+            return {
+                w.name: Score(
+                    (self._started[w.name], w.load, -credit[w.name]),
+                    "new conversation: fewest started",
+                    {"started": self._started[w.name], "load": w.load, "credit": credit[w.name]},
+                )
+                for w in candidates
+            }
+        return {
+            w.name: Score(
+                (-credit[w.name], w.load, w.in_flight_tokens),
+                "longest cached prefix",
+                {"credit": credit[w.name], "load": w.load, "in_flight_tokens": w.in_flight_tokens},
             )
+            for w in candidates
+        }
+
+    def choose(
+        self,
+        request: RequestView,
+        candidates: Sequence[WorkerLoad],
+        matches: Mapping[str, WorkerMatch],
+    ) -> str:
+        scores = self.explain(request, candidates, matches)
+        name = self._lowest(candidates, scores)
+        if scores[name].rule.startswith("new conversation"):
             self._started[name] += 1
-            return name
-        return self._best(candidates, lambda w: (-credit[w.name], w.load, w.in_flight_tokens))
+        return name
 
 
 class KvReuseKnobs(Knobs):
@@ -130,22 +176,33 @@ class KvReuse(Strategy):
     name = "kv-reuse"
     Knobs = KvReuseKnobs
 
+    def explain(
+        self,
+        request: RequestView,
+        candidates: Sequence[WorkerLoad],
+        matches: Mapping[str, WorkerMatch],
+    ) -> dict[str, Score]:
+        k: KvReuseKnobs = self.knobs  # type: ignore[assignment]
+        bs, blocks = request.block_size, request.blocks
+
+        def score(w: WorkerLoad) -> Score:
+            match = matches.get(w.name, NO_MATCH) if request.prefix_reuse else NO_MATCH
+            uncached = max(0.0, blocks - k.tier_weights.credit(match))
+            queued = w.pending_prefill_tokens / bs
+            prefill = uncached + k.queue_weight * queued
+            cost = k.prefill_weight * prefill + k.decode_weight * w.in_flight_tokens / bs
+            terms = {"uncached_blocks": uncached, "queued_blocks": queued, "cost": cost}
+            return Score((cost, w.load), "lowest prefill + decode cost", terms)
+
+        return {w.name: score(w) for w in candidates}
+
     def choose(
         self,
         request: RequestView,
         candidates: Sequence[WorkerLoad],
         matches: Mapping[str, WorkerMatch],
     ) -> str:
-        k: KvReuseKnobs = self.knobs  # type: ignore[assignment]
-        bs, blocks = request.block_size, request.blocks
-
-        def cost(w: WorkerLoad) -> tuple[float, int]:
-            match = matches.get(w.name, NO_MATCH) if request.prefix_reuse else NO_MATCH
-            uncached = max(0.0, blocks - k.tier_weights.credit(match))
-            prefill = uncached + k.queue_weight * w.pending_prefill_tokens / bs
-            return (k.prefill_weight * prefill + k.decode_weight * w.in_flight_tokens / bs, w.load)
-
-        return self._best(candidates, cost)
+        return self._lowest(candidates, self.explain(request, candidates, matches))
 
 
 class TenantIsolatedKnobs(PrefixAffinityKnobs):
@@ -165,12 +222,16 @@ class TenantIsolated(PrefixAffinity):
     name = "tenant_isolated"
     Knobs = TenantIsolatedKnobs
 
-    def choose(
+    def explain(
         self,
         request: RequestView,
         candidates: Sequence[WorkerLoad],
         matches: Mapping[str, WorkerMatch],
-    ) -> str:
+    ) -> dict[str, Score]:
+        return super().explain(request, self._mine(request, candidates), matches)
+
+    def _mine(self, request: RequestView, candidates: Sequence[WorkerLoad]) -> list[WorkerLoad]:
+        """The candidates reserved for the request's tenant; raises `NoCandidate` if none."""
         k: TenantIsolatedKnobs = self.knobs  # type: ignore[assignment]
         tenant = namespace_salt(request.namespace)  # a LoRA adapter does not change the tenant
         if tenant in k.tenants:
@@ -182,7 +243,7 @@ class TenantIsolated(PrefixAffinity):
         mine = [w for w in candidates if w.name in allowed]
         if not mine:
             raise NoCandidate(f"no healthy worker for tenant {tenant!r}")
-        return super().choose(request, mine, matches)
+        return mine
 
 
 BUILTIN: dict[str, type[Strategy]] = {

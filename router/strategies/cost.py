@@ -31,6 +31,7 @@ from router.strategies.base import (
     Knobs,
     Pick,
     RequestView,
+    Score,
     Strategy,
     TierWeights,
     WorkerLoad,
@@ -53,17 +54,29 @@ class CostAware(Strategy):
     name = "cost_aware"
     Knobs = CostAwareKnobs
 
+    def explain(
+        self,
+        request: RequestView,
+        candidates: Sequence[WorkerLoad],
+        matches: Mapping[str, WorkerMatch],
+    ) -> dict[str, Score]:
+        """Keys are `_terms`: a candidate that misses the TTFT target sorts after every one that
+        meets it (the guard), and only its wait counts among those that all miss it."""
+        mean = _mean_price(candidates)
+        scores = {}
+        for w in candidates:
+            key = self._terms(request, w, matches.get(w.name, NO_MATCH), mean)
+            rule = "misses ttft_target_ms: lowest wait" if key[0] else "lowest cost"
+            scores[w.name] = Score(key, rule, {"late_wait_s": key[0], "cost": key[1]})
+        return scores
+
     def choose(
         self,
         request: RequestView,
         candidates: Sequence[WorkerLoad],
         matches: Mapping[str, WorkerMatch],
     ) -> str:
-        mean = _mean_price(candidates)
-        terms = {w.name: self._terms(request, w, matches.get(w.name, NO_MATCH), mean)
-                 for w in candidates}  # fmt: skip
-        kept = _guarded(candidates, [terms[w.name] for w in candidates])
-        return self._best(kept, lambda w: terms[w.name])
+        return self._lowest(candidates, self.explain(request, candidates, matches))
 
     def prefer(self, picks: Sequence[Pick]) -> Pick:
         mean = _mean_price([p.load for p in picks])

@@ -281,3 +281,78 @@ class WorkerList(msgspec.Struct):
     """`GET /warply/workers`."""
 
     workers: list[WorkerView]
+
+
+# -- /warply/where --------------------------------------------------------------------------------
+
+
+class ScoreView(msgspec.Struct):
+    """A candidate's score in its pool's strategy (`router.strategies.Score`)."""
+
+    rule: str
+    """Which of the strategy's rules ranked the candidates (e.g. "longest cached prefix")."""
+    key: list[float]
+    """What the strategy minimises, in order: the smallest wins, exact ties in turn."""
+    terms: dict[str, float]
+    """The named numbers behind the key (the strategy's formula, docs/router.md)."""
+
+
+class WorkerWhere(msgspec.Struct):
+    """How much of the prompt one worker holds, and how its pool's strategy scores it."""
+
+    name: str
+    available: bool
+    """Healthy, enabled and not leaving: a candidate for the request."""
+    blocks: int
+    """Leading blocks of the prompt held, on any tier."""
+    cached_tokens: int
+    """Prompt tokens its engine would report cached (full blocks, never the last token)."""
+    blocks_by_tier: dict[str, int]
+    """Those leading blocks by the fastest tier that holds each."""
+    score: ScoreView | None = None
+    """None: not a candidate, its pool was not asked, or the strategy explains no scores."""
+
+
+class PoolWhere(msgspec.Struct):
+    """One pool's view of the prompt."""
+
+    name: str
+    role: Role
+    block_size: int
+    strategy: str
+    prompt_blocks: int
+    """The prompt's full blocks in this pool's block size."""
+    pick: str | None
+    """The pool strategy's pick (None: not asked, or no available worker)."""
+    workers: list[WorkerWhere]
+
+
+class WhereChoice(msgspec.Struct):
+    """Where the router would send the prompt now."""
+
+    worker: str
+    """The worker that would answer (aggregated or decode)."""
+    mode: str
+    """`aggregated`, `remote` (handed off: `prefill_worker` prefills) or `local` (a decode
+    worker prefills itself, for `local_reason`)."""
+    predicted_cached_tokens: int
+    prefill_worker: str | None = None
+    local_reason: str = ""
+
+
+class Where(msgspec.Struct):
+    """`GET /warply/where?prompt=...` or `POST /warply/where` with a request body: which workers
+    hold how much of a prompt on which tier, and what the router would choose and why. Nothing
+    is booked or changed."""
+
+    model: str
+    strategy: str
+    """The router's strategy (it compares the pools' picks)."""
+    namespace: str
+    """The request's cache namespace (cache_key / cache_salt, LoRA adapter)."""
+    prompt_tokens: int
+    prefix_reuse: bool
+    choice: WhereChoice | None
+    unavailable: str
+    """Why no worker would take the request ("" when `choice` is set)."""
+    pools: list[PoolWhere]
