@@ -1,4 +1,7 @@
-"""`warply` command line: one module per verb, each with a `register(subparsers)`."""
+"""`warply` command line: one module per verb, each with a `register(subparsers)`.
+
+Exit codes: 0 done, 1 a runtime failure (e.g. the router cannot be reached), 2 a usage or
+configuration error; failures are one line on stderr (`admin.CliError`), never a traceback."""
 
 from __future__ import annotations
 
@@ -6,9 +9,10 @@ import argparse
 import sys
 
 from warply import __version__
-from warply.cli import bench, watch
+from warply.cli import bench, demo, stats, watch, where
+from warply.cli.admin import CliError
 
-_VERBS = (watch, bench)
+_VERBS = (watch, bench, stats, where, demo)
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -22,8 +26,16 @@ def _parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the `warply` console script."""
-    args = _parser().parse_args(argv)
-    code: int = args.func(args)
+    parser = _parser()
+    args, extra = parser.parse_known_args(argv)
+    if extra and not getattr(args, "passthrough", False):
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
+    args.extra = extra
+    try:
+        code: int = args.func(args)
+    except CliError as exc:
+        print(f"warply {args.command}: {exc}", file=sys.stderr)
+        return exc.code
     return code
 
 

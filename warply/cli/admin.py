@@ -1,0 +1,81 @@
+"""The router's admin API as CLI verbs reach it: `--router` / `--token` options, one HTTP call
+decoded into its typed shape (`warply.protocol.api`), and failures as `CliError`s that
+`warply.cli.main` prints as one line (exit 1: the router failed or cannot be reached; exit 2:
+the request or the configuration is wrong, e.g. a bad token or an unknown model)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import urllib.error
+import urllib.request
+from typing import Any, TypeVar
+
+import msgspec
+
+_T = TypeVar("_T")
+
+DEFAULT_ROUTER = "http://127.0.0.1:8000"
+"""`warply-router`'s default address (`router.config.RouterConfig` host and port)."""
+
+RUNTIME, USAGE = 1, 2
+"""Exit codes: a runtime failure; a usage or configuration error (argparse's own code)."""
+
+
+class CliError(Exception):
+    """A failure a verb reports as one line, with its exit code."""
+
+    def __init__(self, message: str, code: int = RUNTIME) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+def add_router_args(parser: argparse.ArgumentParser) -> None:
+    """`--router URL` and `--token TOKEN` (defaults from WARPLY_ROUTER, WARPLY_ADMIN_TOKEN)."""
+    parser.add_argument(
+        "--router",
+        default=os.environ.get("WARPLY_ROUTER", DEFAULT_ROUTER),
+        help=f"the router's base URL (default: $WARPLY_ROUTER or {DEFAULT_ROUTER})",
+    )
+    parser.add_argument(
+        "--token",
+        default=os.environ.get("WARPLY_ADMIN_TOKEN"),
+        help="the router's admin token, when it has one (default: $WARPLY_ADMIN_TOKEN)",
+    )
+    parser.add_argument(
+        "--timeout", type=float, default=10.0, help="seconds to wait for the router (default 10)"
+    )
+
+
+def call(args: argparse.Namespace, path: str, shape: type[_T], body: Any = None) -> _T:
+    """GET `path` (POST `body` as JSON when given) on `args.router`, decoded as `shape`."""
+    url = args.router.rstrip("/") + path
+    headers = {"Content-Type": "application/json"}
+    if args.token:
+        headers["Authorization"] = f"Bearer {args.token}"
+    data = None if body is None else json.dumps(body).encode()
+    try:
+        request = urllib.request.Request(url, data=data, headers=headers)
+        with urllib.request.urlopen(request, timeout=args.timeout) as resp:
+            raw = resp.read()
+    except urllib.error.HTTPError as exc:
+        code = USAGE if 400 <= exc.code < 500 else RUNTIME
+        raise CliError(f"{url}: {exc.code} {_message(exc.read()) or exc.reason}", code) from None
+    except ValueError as exc:  # a malformed URL
+        raise CliError(f"--router {args.router!r}: {exc}", USAGE) from None
+    except (urllib.error.URLError, OSError) as exc:
+        reason = getattr(exc, "reason", exc)
+        raise CliError(f"cannot reach the router at {args.router}: {reason}") from None
+    try:
+        return msgspec.json.decode(raw, type=shape)
+    except msgspec.DecodeError as exc:
+        raise CliError(f"{url}: not a Warply router's answer ({exc})") from None
+
+
+def _message(body: bytes) -> str:
+    """The message of an OpenAI-shaped error body ("" when it is not one)."""
+    try:
+        return str(json.loads(body)["error"]["message"])
+    except (ValueError, KeyError, TypeError):
+        return ""
