@@ -1,9 +1,9 @@
 """Placement strategies: turn the index's prefix matches plus worker load into one choice.
 
 Every strategy is a class with a `name`, a pydantic `Knobs` model (validated config with precise
-errors) and `choose()` (`base`). The router and the trace replayer load them through the same
-`registry`: the built-ins (`builtin`), the `warply.strategies` entry-point group, or a
-`module:Class` path.
+errors), `choose()` and optionally `explain()`, the scores behind a choice (`base`). The router
+and the trace replayer load them through the same `registry`: the built-ins (`builtin`), the
+`warply.strategies` entry-point group, or a `module:Class` path.
 """
 
 from router.strategies.adaptive import AdaptiveAffinity
