@@ -206,3 +206,26 @@ def test_slow_probes_take_a_worker_out_only_in_a_row() -> None:
     assert a.healthy and a.failed_probes == 0
     a.probed(False, True, unhealthy_after=2)  # nothing listens: out at once
     assert not a.healthy and a.refused
+
+
+def test_explain_shows_both_legs_of_a_handoff_and_books_nothing() -> None:
+    placement, index, workers = _pd_placement(threshold=16)
+    _pd_hold(index, "p1", 10, 1)
+    _pd_hold(index, "d1", 4, 100)
+    seen = completed(placement.explain(PD_TOKENS))
+    d = seen.decision
+    assert d is not None and seen.unavailable == ""
+    assert (d.mode, d.worker.name, d.prefill.worker.name if d.prefill else None) == (
+        "remote", "d1", "p1"
+    )  # fmt: skip
+    dec, pre = seen.pools  # the pools that answer clients first, then the prefill pools
+    assert (pre.pool, pre.role, pre.pick, dec.pool, dec.role, dec.pick) == (
+        "pre", "prefill", "p1", "dec", "decode", "d1"
+    )  # fmt: skip
+    assert {w: m.blocks for w, m in pre.held.items()} == {"p0": 0, "p1": 10}
+    assert {w: m.blocks for w, m in dec.held.items()} == {"d0": 0, "d1": 4}
+    assert set(pre.scores) == {"p0", "p1"} and set(dec.scores) == {"d0", "d1"}
+    assert all(w.load.in_flight == 0 for w in workers.values())
+    # the same choice, now made for real
+    real = completed(placement.choose(PD_TOKENS))
+    assert (real.worker.name, real.prefill.worker.name if real.prefill else None) == ("d1", "p1")
