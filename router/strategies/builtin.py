@@ -77,6 +77,9 @@ class LeastLoaded(Strategy):
         return self._lowest(candidates, self.explain(request, candidates, matches))
 
 
+_NEW_CONVERSATION = "new conversation: fewest started"
+
+
 class PrefixAffinityKnobs(Knobs):
     tier_weights: TierWeights = TierWeights()
     min_match_ratio: float = Field(0.0, ge=0, le=1)
@@ -126,7 +129,7 @@ class PrefixAffinity(Strategy):
             return {
                 w.name: Score(
                     (self._started[w.name], w.load, -credit[w.name]),
-                    "new conversation: fewest started",
+                    _NEW_CONVERSATION,
                     {"started": self._started[w.name], "load": w.load, "credit": credit[w.name]},
                 )
                 for w in candidates
@@ -148,7 +151,7 @@ class PrefixAffinity(Strategy):
     ) -> str:
         scores = self.explain(request, candidates, matches)
         name = self._lowest(candidates, scores)
-        if scores[name].rule.startswith("new conversation"):
+        if scores[name].rule == _NEW_CONVERSATION:
             self._started[name] += 1
         return name
 
