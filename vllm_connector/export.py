@@ -78,6 +78,7 @@ class StateExporter:
                 topic=settings.topic,
                 worker=worker,
                 buffer_steps=settings.replay_buffer_steps,
+                bind=settings.events_bind,
             )
             if settings.events_endpoint
             else None

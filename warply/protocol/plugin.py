@@ -28,16 +28,16 @@ from dataclasses import dataclass
 from warply.protocol.endpoints import EndpointError, check_endpoint
 
 DEFAULT_ENDPOINTS = {
-    "events_endpoint": "tcp://*:5557",
-    "replay_endpoint": "tcp://*:5558",
+    "events_endpoint": "tcp://127.0.0.1:5557",
+    "events_bind": True,
+    "replay_endpoint": "tcp://127.0.0.1:5558",
     "control_endpoint": "tcp://127.0.0.1:5560",
 }
-"""A plugin's endpoints when the user names none (vLLM's short connector name `warply`): the
-state stream and its replay on every interface (read-only state, for a router on another host),
-directives on loopback only (they change the engine's cache)."""
+"""A plugin's endpoints when the user names none (vLLM's short connector name `warply`): every
+socket binds on loopback only (a router on another host is told otherwise: `tcp://*:P`)."""
 
-LOCAL_EVENTS_ENDPOINT = "tcp://127.0.0.1:5557"
-LOCAL_REPLAY_ENDPOINT = "tcp://127.0.0.1:5558"
+LOCAL_EVENTS_ENDPOINT = str(DEFAULT_ENDPOINTS["events_endpoint"])
+LOCAL_REPLAY_ENDPOINT = str(DEFAULT_ENDPOINTS["replay_endpoint"])
 """Where a subscriber on the engine's host reaches the default stream and its replay."""
 
 
@@ -55,6 +55,8 @@ class PluginSettings:
 
     events_endpoint: str | None = None
     """State stream PUB socket. `tcp://*:P` binds; a concrete address connects to a collector."""
+    events_bind: bool | None = None
+    """Bind (True) or connect (False) `events_endpoint` whatever its host; None: the rule above."""
     replay_endpoint: str | None = None
     """ROUTER socket (always binds) serving replays of the state stream."""
     control_endpoint: str | None = None
