@@ -5,7 +5,10 @@ from 0). A gap is recovered from the publisher's replay socket (ZMQ ROUTER: requ
 missing seq as u64 BE; replies = `[seq, payload]` frames ending with seq -1). When replay cannot
 fill the gap (no replay endpoint, timeout, buffer already rotated), or the sequence goes
 backwards (the engine restarted), the worker's index entries are stale: `on_stale` tells the
-index to drop them so the stream rebuilds them.
+index to drop them so the stream rebuilds them. A batch numbered at or below the last one is a
+duplicate (a live copy of a replayed batch) when its timestamp is not newer than the last one
+applied; otherwise its publisher restarted (and its first batches may have been lost while the
+socket reconnected: they are replayed from the new publisher like any gap).
 """
 
 from __future__ import annotations
@@ -46,6 +49,9 @@ class StateSubscriber:
         self.replay_endpoint = replay_endpoint
         self.decoder = StreamDecoder(worker)
         self.last_seq: int | None = None
+        self._last_ts = float("-inf")
+        self.replaying = False
+        """A gap (or the start-up history) is being fetched from the replay socket."""
         self.gaps = 0
         self.replayed = 0
         self.resyncs = 0
@@ -82,14 +88,21 @@ class StateSubscriber:
             self._sub.close(linger=0)
             self._sub = None
 
+    def restarted(self) -> None:
+        """Its publisher is gone (the engine crashed): take the next batch, whatever its number,
+        as the start of a new sequence (earlier ones replayed from the new publisher)."""
+        self.last_seq = None
+        self._last_ts = float("-inf")
+
     async def _accept(self, batch: DecodedBatch) -> None:
-        expected = 0 if self.last_seq is None else self.last_seq + 1
-        if batch.seq < expected:
-            if batch.seq != 0:
+        if self.last_seq is not None and batch.seq <= self.last_seq:
+            if batch.seq != 0 and batch.ts <= self._last_ts:
                 return  # a duplicate of something already applied (live after replay)
-            why = f"sequence restarted at 0 after {self.last_seq} (publisher restarted)"
+            why = f"sequence restarted at {batch.seq} after {self.last_seq} (publisher restarted)"
             await self._stale(why)
-        elif batch.seq > expected:
+            self.restarted()
+        expected = 0 if self.last_seq is None else self.last_seq + 1
+        if batch.seq > expected:
             self.gaps += 1
             if not await self._replay(expected, batch.seq):
                 await self._stale(f"could not recover seq {expected}..{batch.seq - 1}")
@@ -97,6 +110,7 @@ class StateSubscriber:
 
     async def _deliver(self, batch: DecodedBatch) -> None:
         self.last_seq = batch.seq
+        self._last_ts = max(self._last_ts, batch.ts)
         await self._on_batch(self.worker, batch)
 
     async def _stale(self, why: str) -> None:
@@ -138,6 +152,7 @@ class StateSubscriber:
         first one being whatever it still holds); None if incomplete or undecodable."""
         if not self.replay_endpoint:
             return None
+        self.replaying = True
         sock = self._ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
         sock.connect(self.replay_endpoint)
@@ -163,6 +178,7 @@ class StateSubscriber:
                 got = seq + 1
         finally:
             sock.close(linger=0)
+            self.replaying = False
         if stop is not None and (got is None or got < stop):
             return None
         return batches
