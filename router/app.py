@@ -26,8 +26,11 @@ from router.control import send_directive
 from router.errors import ApiError, json_object
 from router.feed import IndexFeed
 from router.index import PrefixIndex, open_store
+from router.index_health import IndexHealth
 from router.membership import Membership
 from router.metrics import RouterMetrics, kv_transfer_stats
+from router.parity import Probes
+from router.parity import check as check_parity
 from router.placement import Placement
 from router.proxy import Proxy
 from router.tasks import cancel
@@ -36,7 +39,7 @@ from router.tokenize import RouterTokenizer
 from router.where import where
 from router.workers import Worker, Workers
 from warply.protocol import Directive
-from warply.protocol.api import CacheStats, WorkerList
+from warply.protocol.api import CacheStats, IndexHealthView, WorkerList
 
 _MODELS_TIMEOUT = aiohttp.ClientTimeout(total=2)
 _Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
@@ -52,11 +55,16 @@ class Router:
     def __init__(self, config: RouterConfig, tokenizer: RouterTokenizer | None = None) -> None:
         self.config = config
         self.index = PrefixIndex(config.model, open_store(config.index))
-        self.workers = Workers(config.pools)
-        self.placement = Placement(config, self.index, self.workers)
+        self.workers = Workers(config.pools, config.breaker)
+        self.health = IndexHealth(config.index)
+        self.placement = Placement(config, self.index, self.workers, health=self.health)
         tokenizer = tokenizer or RouterTokenizer(config.tokenizer)
+        self._probes = Probes.build(tokenizer, config.model) if config.index.parity_check else None
         self.metrics = RouterMetrics(config, self.workers, tokenizer.cache.stats)
-        self.feed = IndexFeed(self.workers, self.index, self.metrics)
+        self.metrics.on_request.append(self.health.observe)
+        self.feed = IndexFeed(self.workers, self.index, self.metrics, self.health)
+        self._down: set[str] = set()
+        """Workers found refusing connections whose entries were dropped (until healthy)."""
         self.membership = Membership(
             self.workers, self.placement, self.feed, self.index, self.metrics
         )
@@ -69,6 +77,7 @@ class Router:
             config.lora_adapters,
             config.pd.prefill_timeout_s,
             config.pd.lost_after_s,
+            config.upstream_idle_timeout_s,
         )
         self.proxy.max_model_len = config.max_model_len
         self.tiering: TierRunner | None = None
@@ -119,14 +128,36 @@ class Router:
         await self.index.store.close()
 
     async def check_health(self) -> None:
-        """Probe every worker's /health once (concurrently); then read the decode workers' KV
-        transfer counters from their /metrics."""
+        """Probe every worker's /health once (concurrently); drop the index entries of workers
+        that refuse connections and of those whose stream went silent; check tokenizer parity
+        with workers that turned healthy; then read the decode workers' KV transfer counters
+        from their /metrics."""
         await self.workers.check(
             self.proxy.session, self.config.health_timeout_s, self.config.unhealthy_after
         )
+        for w in list(self.workers.values()):
+            if w.refused and w.name not in self._down:
+                self._down.add(w.name)
+                await self.feed.worker_down(w.name)
+            elif w.healthy:
+                self._down.discard(w.name)
+        await self.feed.age_out()
+        if self._probes is not None:
+            pending = [
+                w for w in self.workers.values() if w.healthy and self.health.needs_parity(w.name)
+            ]
+            await asyncio.gather(*(self._check_parity(w, self._probes) for w in pending))
         decode = [w for w in self.workers.values() if w.role == "decode" and w.healthy]
         if decode:
             await asyncio.gather(*(self._read_transfers(w) for w in decode))
+
+    async def _check_parity(self, worker: Worker, probes: Probes) -> None:
+        result, detail = await check_parity(self.proxy.session, worker.config.url, probes)
+        self.health.parity_checked(worker.name, result, detail)
+
+    def health_views(self) -> dict[str, IndexHealthView]:
+        """Every worker's index health."""
+        return {name: self.health.view(name) for name in self.workers}
 
     async def _read_transfers(self, worker: Worker) -> None:
         try:
@@ -220,21 +251,30 @@ class Router:
         return web.json_response(body, status=status)
 
     async def _metrics(self, _: web.Request) -> web.Response:
-        body = self.metrics.render(await self.index.stats(), self.placement.strategy_state())
+        body = self.metrics.render(
+            await self.index.stats(), self.placement.strategy_state(), self.health_views()
+        )
         return web.Response(body=body, content_type="text/plain", charset="utf-8")
 
     # -- admin API -------------------------------------------------------------------------------
 
     async def cache_stats(self) -> CacheStats:
         """What `/warply/cache_stats` serves."""
-        stats = self.metrics.cache_stats(await self.index.stats(), self.placement.strategy_state())
+        stats = self.metrics.cache_stats(
+            await self.index.stats(), self.placement.strategy_state(), self.health_views()
+        )
         if self.tiering is not None:
             stats.tiering = self.tiering.stats()
         return stats
 
     def worker_list(self) -> WorkerList:
         """What `/warply/workers` serves."""
-        return WorkerList([w.view(self.feed.stream_stats(w.name)) for w in self.workers.values()])
+        return WorkerList(
+            [
+                w.view(self.feed.stream_stats(w.name), self.health.view(w.name))
+                for w in self.workers.values()
+            ]
+        )
 
     async def _cache_stats(self, _: web.Request) -> web.Response:
         return _json(await self.cache_stats())
@@ -268,7 +308,7 @@ class Router:
         view; it takes requests once healthy."""
         body = json_object(await request.read())
         worker = self.membership.join(request.match_info["pool"], body)
-        view = worker.view(self.feed.stream_stats(worker.name))
+        view = worker.view(self.feed.stream_stats(worker.name), self.health.view(worker.name))
         return web.Response(
             body=msgspec.json.encode(view), status=201, content_type="application/json"
         )

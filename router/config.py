@@ -182,6 +182,16 @@ class TieringConfig(_Strict):
     """Blocks kept per tracked prefix."""
 
 
+class BreakerConfig(_Strict):
+    """A worker's circuit breaker: requests failing in a row take it out of placement."""
+
+    failures: int = Field(3, ge=1)
+    """Failed requests in a row (refused, broken, timed out, or a 5xx) that open it."""
+    open_s: float = Field(10.0, gt=0)
+    """How long it stays open; then one request at a time may try the worker (half-open):
+    success closes it, failure opens it again."""
+
+
 class IndexConfig(_Strict):
     """Where the prefix index lives: in the router's memory (the default), or on a Redis /
     Valkey server that several router replicas of one deployment share."""
@@ -198,6 +208,16 @@ class IndexConfig(_Strict):
     timeout_s: float = Field(0.5, gt=0)
     """Longest wait for the shared store's answer before a call counts as failed (placement
     then goes on without prefix matches)."""
+    stale_after_s: float | None = Field(30.0, gt=0)
+    """A worker that answered a request which must have stored new blocks, and whose state
+    stream then stays silent this long (its HTTP still answering), has its index entries aged
+    out: dropped, the worker placed by load until its stream speaks again. None: never."""
+    degraded_s: float = Field(10.0, ge=0)
+    """How long a worker's index counts as `degraded` after its engine reported fewer cached
+    tokens than predicted (evictions whose events lag) or a stream gap was replayed."""
+    parity_check: bool = True
+    """Compare each engine's own tokenization of probe prompts (its `/tokenize`) with the
+    router's when it turns healthy; on a mismatch its prefix matches are not used."""
 
     @model_validator(mode="after")
     def _url_for_redis(self) -> IndexConfig:
@@ -236,6 +256,10 @@ class RouterConfig(_Strict):
     accepts connections leaves placement; a refused connection takes it out at once. One slow
     probe on a busy machine does not take a live engine out."""
     request_timeout_s: float = Field(600.0, gt=0)
+    upstream_idle_timeout_s: float = Field(300.0, gt=0)
+    """Longest silence on an open upstream request (no header, no byte): a worker that
+    accepts connections but never answers fails the request with 504 after it."""
+    breaker: BreakerConfig = BreakerConfig()
     pd: PdConfig = PdConfig()
     tiering: TieringConfig | None = None
     """None: no tier policy runs."""

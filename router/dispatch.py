@@ -24,8 +24,10 @@ meanwhile (refusing connections, or failing its health probe for `pd.lost_after_
 to a local prefill on the decode worker (the client's body unchanged). So does a decode leg
 whose prefill worker is lost before the decode worker's first event (stream) or answer (JSON):
 its KV may never arrive, and a decode engine pulling from a dead one can stall. A refused
-connection (nothing was sent) raises `Retry`: the proxy places the request again without that
-worker. Any other upstream failure is an OpenAI-shaped error: 502 / 504, or, once a stream has
+connection (nothing was sent), or one that breaks before the client got a byte (the engine
+died with the request queued), raises `Retry`: the proxy places the request again without that
+worker. Every attempt's outcome feeds the worker's circuit breaker (`router.workers.Breaker`).
+Any other upstream failure is an OpenAI-shaped error: 502 / 504, or, once a stream has
 started, a final `data: {"error": ...}` event and `data: [DONE]`.
 
 SGLang hand-off (a decode pool with `kv_handoff: sglang`): the same body with the prefill
@@ -143,7 +145,9 @@ async def _unless_lost(
 
 def _failure(exc: BaseException, worker: Worker) -> str:
     """Why a prefill leg failed, from what it raised: `connect` (refused: the worker is marked
-    unhealthy, the health loop brings it back), `worker_down`, `timeout` or `error`."""
+    unhealthy, the health loop brings it back), `worker_down`, `timeout` or `error`; each
+    counts against the worker's circuit breaker."""
+    worker.answered(False)
     if isinstance(exc, aiohttp.ClientConnectorError):
         worker.set_health(False, refused=True)
         return "connect"
@@ -164,6 +168,7 @@ def _prefill_outcome(
         status, raw, content_type = leg.result()
     except (aiohttp.ClientError, _PrefillLost, TimeoutError) as exc:
         return _failure(exc, worker), None
+    worker.answered(status < 500)
     if status == 200:
         account.prefill_answered(sglang.answer_usage(raw), sent_s)
         return "", None
@@ -261,6 +266,7 @@ class Dispatcher:
         reason = ""
         try:
             status, raw = await _unless_lost(exchange(), leg.worker, self._lost_after_s, None)
+            leg.worker.answered(status < 500)
             if status != 200:
                 reason = f"status_{status}"
             else:
@@ -296,38 +302,65 @@ class Dispatcher:
         leg is abandoned if its prefill worker is lost before the first event (stream) or the
         answer (JSON): a decode engine pulling KV from a dead engine can stall (vLLM 0.32's
         NixlConnector on CPU waits as long as the request lives); it is then asked again, to
-        prefill locally. An SGLang hand-off sends both legs at once (`_paired`)."""
+        prefill locally. An SGLang hand-off sends both legs at once (`_paired`). Each attempt's
+        outcome feeds the worker's circuit breaker; an upstream that breaks before the client got
+        anything (connection reset or closed, as when the engine is killed) raises `Retry`."""
         worker = decision.worker
         try:
-            if decision.prefill is not None and decision.worker.pool.kv_handoff == "sglang":
-                return await self._paired(request, kind, prep, decision, account, headers)
-            body = prep.body if params is None else {**prep.body, "kv_transfer_params": params}
-            account.answer_sent()
-            started = asyncio.Event()
-            relay = self._relay(request, kind, prep, decision, account, headers, body, started)
-            if params is None or decision.prefill is None:
-                return await relay
-            prefill = decision.prefill.worker
-            try:
-                return await _unless_lost(relay, prefill, self._lost_after_s, started)
-            except _PrefillLost:
-                _log.warning(
-                    "prefill worker %s went down before %s answered; %s prefills locally",
-                    prefill.name, worker.name, worker.name,
-                )
-                account.prefill_failed("lost_before_decode")
-                account.relocate("prefill_failed")
-                assert account.decision is not None
-                return await self._answer(
-                    request, kind, prep, account.decision, account, headers, None
-                )
+            answer = await self._attempt(request, kind, prep, decision, account, headers, params)
+            worker.answered(answer.status < 500)
+            return answer
         except aiohttp.ClientConnectorError:
             worker.set_health(False, refused=True)  # the health loop brings it back
+            worker.answered(False)
+            raise Retry(worker.name) from None
+        except TimeoutError:
+            worker.answered(False)
+            raise ApiError(504, f"upstream {worker.name} timed out") from None
+        except (aiohttp.ServerDisconnectedError, aiohttp.ClientPayloadError, aiohttp.ClientOSError):
+            # Broken before the client got a byte (after that, `_stream` ends the stream with an
+            # error event): e.g. the engine died with the request queued. Another worker tries.
+            _log.warning("upstream %s broke before answering; placing it again", worker.name)
+            worker.answered(False)
             raise Retry(worker.name) from None
         except aiohttp.ClientError as exc:
+            worker.answered(False)
             raise ApiError(502, f"upstream {worker.name} failed: {exc}") from None
-        except TimeoutError:
-            raise ApiError(504, f"upstream {worker.name} timed out") from None
+
+    async def _attempt(
+        self,
+        request: web.Request,
+        kind: str,
+        prep: Prepared,
+        decision: Decision,
+        account: RequestAccount,
+        headers: Mapping[str, str],
+        params: dict[str, Any] | None,
+    ) -> Answer:
+        """`_answer`'s one try, raising what the upstream raised."""
+        worker = decision.worker
+        if decision.prefill is not None and worker.pool.kv_handoff == "sglang":
+            return await self._paired(request, kind, prep, decision, account, headers)
+        body = prep.body if params is None else {**prep.body, "kv_transfer_params": params}
+        account.answer_sent()
+        started = asyncio.Event()
+        relay = self._relay(request, kind, prep, decision, account, headers, body, started)
+        if params is None or decision.prefill is None:
+            return await relay
+        prefill = decision.prefill.worker
+        try:
+            return await _unless_lost(relay, prefill, self._lost_after_s, started)
+        except _PrefillLost:
+            _log.warning(
+                "prefill worker %s went down before %s answered; %s prefills locally",
+                prefill.name, worker.name, worker.name,
+            )
+            account.prefill_failed("lost_before_decode")
+            account.relocate("prefill_failed")
+            assert account.decision is not None
+            return await self._answer(
+                request, kind, prep, account.decision, account, headers, None
+            )
 
     async def _paired(
         self,

@@ -5,6 +5,8 @@ protocol. A gap the subscriber cannot recover drops that worker's entries (`on_s
 `LoadSnapshot` events update the worker's load (what the strategies see, and the engine's own
 queues and capacity on /warply/workers); removals count as engine evictions; `PrefixHit`
 events (the engine's own record of a request reusing its cache) count as engine-confirmed hits.
+Every batch, resync and replay also tells the worker's `IndexHealth`; a `BlockStored` whose
+block size is not its pool's puts the worker in `fallback` (its keys could never match).
 
 A network index store that fails a write leaves the worker's entries there unknown (the call may
 or may not have been applied): the worker is dropped from the index as soon as the store
@@ -18,10 +20,11 @@ import asyncio
 import zmq
 
 from router.index import PrefixIndex, StoreUnavailable
+from router.index_health import IndexHealth
 from router.metrics import RouterMetrics
 from router.tasks import cancel
 from router.workers import Worker, Workers
-from warply.protocol import BlockRemoved, DecodedBatch, LoadSnapshot, PrefixHit
+from warply.protocol import BlockRemoved, BlockStored, DecodedBatch, LoadSnapshot, PrefixHit
 from warply.protocol.api import StreamStats
 from warply.protocol.subscriber import StateSubscriber
 
@@ -29,11 +32,15 @@ from warply.protocol.subscriber import StateSubscriber
 class IndexFeed:
     """Owns the subscribers and their tasks."""
 
-    def __init__(self, workers: Workers, index: PrefixIndex, metrics: RouterMetrics) -> None:
+    def __init__(
+        self, workers: Workers, index: PrefixIndex, metrics: RouterMetrics, health: IndexHealth
+    ) -> None:
         self._workers = workers
         self._index = index
         self._metrics = metrics
+        self.health = health
         self.subscribers: dict[str, StateSubscriber] = {}
+        health.watch(self.subscribers)
         self._tasks: dict[str, asyncio.Task[None]] = {}
         self._lost: set[str] = set()
         """Workers whose entries in the store are unknown after a failed write: to drop."""
@@ -42,13 +49,14 @@ class IndexFeed:
 
     def _subscribe(self, worker: Worker) -> StateSubscriber | None:
         """A subscriber for `worker`'s state stream (None: it has none)."""
+        self.health.joined(worker.name, bool(worker.config.events))
         if not worker.config.events:
             return None
         sub = self.subscribers[worker.name] = StateSubscriber(
             worker.name,
             worker.config.events,
             self.on_batch,
-            self.on_stale,
+            self.resync,
             replay_endpoint=worker.config.replay,
             topic=worker.config.topic.encode(),
             bind=worker.config.bind,
@@ -75,11 +83,13 @@ class IndexFeed:
             self._start(sub)
         except zmq.ZMQError:
             del self.subscribers[worker.name]
+            self.health.left(worker.name)
             raise
 
     async def remove(self, worker: str) -> None:
         """Stop reading a worker's stream (it is leaving); its index entries stay to the caller."""
         self.subscribers.pop(worker, None)
+        self.health.left(worker)
         self._lost.discard(worker)
         task = self._tasks.pop(worker, None)
         if task is not None:
@@ -92,6 +102,7 @@ class IndexFeed:
 
     async def on_batch(self, worker: str, batch: DecodedBatch) -> None:
         """Apply one decoded batch of `worker`'s stream."""
+        self.health.batch(worker)
         if worker in self._lost:
             await self.on_stale(worker)
         if worker not in self._lost:
@@ -109,6 +120,32 @@ class IndexFeed:
                 self._metrics.engine_removed(worker, len(ev.block_hashes))
             elif isinstance(ev, PrefixHit):
                 self._metrics.engine_hit(worker, ev.hit_tokens)
+            elif isinstance(ev, BlockStored):
+                member = self._workers.get(worker)
+                if member is not None and ev.block_size != member.pool.block_size:
+                    self.health.block_size(worker, ev.block_size, member.pool.block_size)
+
+    async def resync(self, worker: str) -> None:
+        """The subscriber dropped the worker's stream state (gap it could not fill, publisher
+        restart): drop its entries, `fallback` while the stream rebuilds them."""
+        self.health.resynced(worker)
+        await self.on_stale(worker)
+
+    async def worker_down(self, worker: str) -> None:
+        """The worker refuses connections (its engine crashed): its entries go now, and its
+        restarted engine's stream is taken as a new sequence."""
+        self.health.down(worker)
+        if (sub := self.subscribers.get(worker)) is not None:
+            sub.restarted()
+        await self.on_stale(worker)
+
+    async def age_out(self) -> list[str]:
+        """Drop the entries of workers whose stream went silent while they stored blocks
+        (`IndexHealth.expired`); returns their names."""
+        names = self.health.expired()
+        for name in names:
+            await self.on_stale(name)
+        return names
 
     async def on_stale(self, worker: str) -> None:
         """Drop the worker's entries (its stream went stale, or a write to the store failed);

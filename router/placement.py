@@ -13,7 +13,9 @@ disaggregation) or no prefill worker is available; then the decode worker prefil
 SGLang decode workers cannot prefill alone (`PoolConfig.local_prefill`): they always get a
 prefill worker, and compete only while one is available.
 A network index store that cannot answer never stops placement: its workers then count as
-holding nothing (load decides), and the failure is counted in `PrefixIndex.outage`.
+holding nothing (load decides), and the failure is counted in `PrefixIndex.outage`. Matches are
+weighed by each worker's index health (`IndexHealth.trim`): a degraded worker's match counts
+for half its blocks, a fallback worker's for none.
 
 `explain` runs the same choice without changing anything (no strategy state, no turn taken):
 each pool's strategy previews its pick with the scores behind it (`Strategy.preview`), for
@@ -29,6 +31,7 @@ from typing import Literal
 
 from router.config import RouterConfig
 from router.index import PrefixIndex, WorkerMatch
+from router.index_health import IndexHealth
 from router.strategies import (
     NO_MATCH,
     NoCandidate,
@@ -159,12 +162,15 @@ class Placement:
         workers: Workers,
         strategies: Mapping[str, Strategy] | None = None,
         ranker: Strategy | None = None,
+        health: IndexHealth | None = None,
     ) -> None:
         """`strategies`: pool name → the strategy instance to use instead of one built from the
         config (the trace replayer passes its own, baselines included); `ranker`: the one that
-        compares the pools' picks instead of the router's `strategy`."""
+        compares the pools' picks instead of the router's `strategy`; `health`: how far each
+        worker's matches are trusted (None: fully)."""
         self.model = config.model
         self.index = index
+        self.health = health
         self.workers = workers
         self.local_prefill_tokens = config.pd.local_prefill_tokens
         self._ranker = ranker or make_strategy(config.strategy)
@@ -304,6 +310,8 @@ class Placement:
                 continue
             keys = prefix_keys(tokens, pool.block_size, self.model, namespace)
             matches = await self.index.match(keys, [w.name for w in candidates])
+            if self.health is not None:
+                matches = self.health.trim(matches)
             if early and any(m.blocks >= len(keys) for m in matches.values()):
                 raise _GiveUp
             picks.append((pool, keys, matches, candidates))

@@ -79,6 +79,7 @@ class Proxy:
         adapters: Collection[str] = (),
         prefill_timeout_s: float = 60.0,
         lost_after_s: float = 10.0,
+        idle_timeout_s: float | None = None,
     ) -> None:
         self.model = model
         self._served = {model, *adapters}
@@ -87,7 +88,9 @@ class Proxy:
         self._tokenizer = tokenizer
         self._placement = placement
         self._metrics = metrics
-        self._timeout = aiohttp.ClientTimeout(total=timeout_s, sock_connect=5)
+        self._timeout = aiohttp.ClientTimeout(
+            total=timeout_s, sock_connect=5, sock_read=idle_timeout_s
+        )
         self._session: aiohttp.ClientSession | None = None
         self._dispatch = Dispatcher(lambda: self.session, prefill_timeout_s, lost_after_s)
         # One thread: the chunk cache is not shared between threads, and a cold 8k-token prompt

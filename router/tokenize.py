@@ -168,6 +168,10 @@ class RouterTokenizer:
         reusing cached chunks of earlier prompts (`router.token_cache`)."""
         return self.finish(self.start(text, add_special_tokens)).tokens
 
+    def whole(self, text: str, add_special_tokens: bool) -> list[int]:
+        """Token ids of `text` encoded in one piece, past the chunk cache (probes)."""
+        return list(self._tok.encode(text, add_special_tokens=add_special_tokens).ids)
+
     def start(self, text: str, add_special_tokens: bool) -> Prompt:
         """Token ids of `text` up to its second never-seen chunk (`ChunkCache.begin`)."""
         head: list[int] = []

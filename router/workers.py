@@ -6,13 +6,16 @@ goes on over the membership it started with.
 
 Health comes from two places, both through `Worker.set_health`: the periodic `/health` probe
 (`Workers.check`) and the proxy, which marks a worker unhealthy when it refuses a connection
-(the next probe brings it back). Load per worker = the router's own in-flight requests / tokens
-(`Worker.book` → `Booking`, one per request attempt) + the engine's last `LoadSnapshot`.
+(the next probe brings it back). A circuit breaker (`Breaker`) counts each worker's failed
+requests in a row and takes it out of placement while open. Load per worker = the router's
+own in-flight requests / tokens (`Worker.book` → `Booking`, one per request attempt) + the
+engine's last `LoadSnapshot`.
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
 from collections.abc import Iterator, Mapping
@@ -20,12 +23,56 @@ from dataclasses import dataclass
 
 import aiohttp
 
-from router.config import PoolConfig, WorkerConfig
+from router.config import BreakerConfig, PoolConfig, WorkerConfig
 from router.strategies import WorkerLoad
 from warply.protocol import LoadSnapshot
-from warply.protocol.api import Role, StreamStats, WorkerView
+from warply.protocol.api import BreakerState, IndexHealthView, Role, StreamStats, WorkerView
 
 _log = logging.getLogger("warply.router")
+
+
+class Breaker:
+    """One worker's circuit breaker. `closed`: placed as usual. `open` after `failures` failed
+    requests in a row: not placed for `open_s`. `half_open` then: placed only while it has no
+    request in flight (one trial at a time); a success closes it, a failure opens it again."""
+
+    __slots__ = ("_config", "_open_until", "failures", "trips")
+
+    def __init__(self, config: BreakerConfig) -> None:
+        self._config = config
+        self.failures = 0
+        """Failed requests in a row."""
+        self.trips = 0
+        """Times it opened."""
+        self._open_until: float | None = None
+
+    @property
+    def state(self) -> BreakerState:
+        if self._open_until is None:
+            return "closed"
+        return "open" if time.monotonic() < self._open_until else "half_open"
+
+    def allows(self, in_flight: int) -> bool:
+        """May placement choose the worker now (`in_flight`: its requests under way)?"""
+        state = self.state
+        return state == "closed" or (state == "half_open" and in_flight == 0)
+
+    def succeeded(self) -> None:
+        self.failures = 0
+        self._open_until = None
+
+    def failed(self, worker: str) -> None:
+        self.failures += 1
+        if self._open_until is not None or self.failures >= self._config.failures:
+            if self._open_until is None or self.state == "half_open":
+                self.trips += 1
+                _log.warning(
+                    "worker %s: circuit breaker open for %.1f s after %d failed requests",
+                    worker, self._config.open_s, self.failures,
+                )
+            self._open_until = time.monotonic() + self._config.open_s
+
+
 class Booking:
     """One request attempt's load on its worker, from placement until it ends."""
 
@@ -85,6 +132,7 @@ class Worker:
     """Its last failure was a refused connection."""
     failed_probes: int = 0
     """`/health` probes failed in a row (not counting refused connections)."""
+    breaker: Breaker = dataclasses.field(default_factory=lambda: Breaker(BreakerConfig()))
 
     @property
     def name(self) -> str:
@@ -92,7 +140,20 @@ class Worker:
 
     @property
     def available(self) -> bool:
-        return self.healthy and self.enabled and not self.leaving
+        return (
+            self.healthy
+            and self.enabled
+            and not self.leaving
+            and self.breaker.allows(self.load.in_flight)
+        )
+
+    def answered(self, ok: bool) -> None:
+        """A request to this worker ended: answered (`ok`), or failed on the worker's side
+        (refused, broken, timed out, 5xx); feeds its circuit breaker."""
+        if ok:
+            self.breaker.succeeded()
+        else:
+            self.breaker.failed(self.name)
 
     def set_health(self, healthy: bool, refused: bool = False) -> None:
         """The last probe or request succeeded, or failed (`refused`: nothing listens on the
@@ -128,7 +189,7 @@ class Worker:
         self.load.engine_waiting = snapshot.waiting
         self.load.kv_usage = snapshot.kv_usage
 
-    def view(self, stream: StreamStats | None) -> WorkerView:
+    def view(self, stream: StreamStats | None, index: IndexHealthView) -> WorkerView:
         """This worker as `/warply/workers` shows it."""
         snap = self.snapshot
         return WorkerView(
@@ -148,6 +209,9 @@ class Worker:
             failed_probes=self.failed_probes,
             kv_bytes_per_block=snap.kv_bytes_per_block if snap is not None else 0,
             leaving=self.leaving,
+            breaker=self.breaker.state,
+            breaker_trips=self.breaker.trips,
+            index=index,
         )
 
 
@@ -175,15 +239,19 @@ def _load(worker: WorkerConfig, pool: PoolConfig) -> WorkerLoad:
 class Workers(Mapping[str, Worker]):
     """Every configured worker by name (configuration order), and by pool."""
 
-    def __init__(self, pools: list[PoolConfig]) -> None:
+    def __init__(self, pools: list[PoolConfig], breaker: BreakerConfig | None = None) -> None:
         self.pools: list[Pool] = []
         self._by_name: dict[str, Worker] = {}
+        self._breaker = breaker or BreakerConfig()
         for pool in pools:
-            members = [
-                Worker(wc, pool, _load(wc, pool), role=pool.role) for wc in pool.workers
-            ]
+            members = [self._new(wc, pool) for wc in pool.workers]
             self.pools.append(Pool(pool, members))
             self._by_name.update((w.name, w) for w in members)
+
+    def _new(self, config: WorkerConfig, pool: PoolConfig) -> Worker:
+        return Worker(
+            config, pool, _load(config, pool), role=pool.role, breaker=Breaker(self._breaker)
+        )
 
     def __getitem__(self, name: str) -> Worker:
         return self._by_name[name]
@@ -201,7 +269,7 @@ class Workers(Mapping[str, Worker]):
     def add(self, pool: Pool, config: WorkerConfig) -> Worker:
         """A worker joining `pool` at runtime (unhealthy until its first probe succeeds); the
         caller checked that its name is free."""
-        worker = Worker(config, pool.config, _load(config, pool.config), role=pool.role)
+        worker = self._new(config, pool.config)
         pool.workers = [*pool.workers, worker]
         self._by_name = {**self._by_name, worker.name: worker}
         return worker

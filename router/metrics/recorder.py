@@ -18,7 +18,7 @@ from router.metrics.registry import Series
 from router.metrics.stats import Stats, bytes_by_pool_tier, index_view
 from router.token_cache import ChunkStats
 from router.workers import Worker, Workers
-from warply.protocol.api import CacheStats, KvTransferStats, StrategyState
+from warply.protocol.api import CacheStats, IndexHealthView, KvTransferStats, StrategyState
 
 
 class RouterMetrics:
@@ -141,7 +141,12 @@ class RouterMetrics:
 
     # -- reading ---------------------------------------------------------------------------------
 
-    def render(self, index: IndexStats, strategies: Mapping[str, StrategyState]) -> bytes:
+    def render(
+        self,
+        index: IndexStats,
+        strategies: Mapping[str, StrategyState],
+        health: Mapping[str, IndexHealthView],
+    ) -> bytes:
         """Prometheus text exposition of the router's registry."""
         by_pool_tier = bytes_by_pool_tier(index, self._workers)
         self.series.refresh(
@@ -153,13 +158,18 @@ class RouterMetrics:
             self.stats.transfers,
             strategies,
         )
+        self.series.refresh_health(self._workers.values(), health, self.stats)
         return self.series.render()
 
     def cache_stats(
-        self, index: IndexStats, strategies: Mapping[str, StrategyState], top: int = 20
+        self,
+        index: IndexStats,
+        strategies: Mapping[str, StrategyState],
+        health: Mapping[str, IndexHealthView],
+        top: int = 20,
     ) -> CacheStats:
         """The JSON view: hit rates, bytes, evictions, per-worker numbers, affinity, latencies."""
         view = index_view(index, bytes_by_pool_tier(index, self._workers), self._workers)
-        stats = self.stats.build(view, self._tokenizer_cache, self.alert, top)
+        stats = self.stats.build(view, self._tokenizer_cache, self.alert, health, top)
         stats.strategy_state = dict(strategies)
         return stats

@@ -15,9 +15,13 @@ from prometheus_client.exposition import generate_latest
 
 from router.index import IndexStats
 from router.metrics.alerts import HitAlert
+from router.metrics.stats import Stats
 from router.token_cache import ChunkStats
 from router.workers import Worker
-from warply.protocol.api import KvTransferStats, StrategyState
+from warply.protocol.api import IndexHealthView, KvTransferStats, StrategyState
+
+_INDEX_STATES = ("exact", "degraded", "fallback")
+_BREAKER_STATES = ("closed", "open", "half_open")
 
 _OVERHEAD_BUCKETS = (5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 0.1)
 _TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
@@ -209,6 +213,54 @@ class Series:
             ["pool", "worker", "name"],
             registry=r,
         )
+        self.index_state = Gauge(
+            "warply_index_state",
+            "1 for the state a worker's index is in (exact; degraded: gap being replayed or "
+            "evictions lagging, its matches count for half; fallback: not trusted, placed by load)",
+            ["worker", "state"],
+            registry=r,
+        )
+        self.index_aged_out = Gauge(
+            "warply_index_aged_out",
+            "Times a worker's index entries were aged out: its state stream stayed silent "
+            "index.stale_after_s after it stored blocks, since start-up",
+            ["worker"],
+            registry=r,
+        )
+        self.parity_mismatch = Gauge(
+            "warply_index_parity_mismatch",
+            "1 while a worker's engine tokenizes the probes differently (tokenizer) or stores "
+            "blocks of another size (block_size) than the router: its matches are not used",
+            ["worker", "kind"],
+            registry=r,
+        )
+        self.breaker_state = Gauge(
+            "warply_worker_breaker_state",
+            "1 for the state of a worker's circuit breaker (closed, open, half_open)",
+            ["worker", "state"],
+            registry=r,
+        )
+        self.breaker_trips = Gauge(
+            "warply_worker_breaker_trips",
+            "Times a worker's circuit breaker opened since start-up",
+            ["worker"],
+            registry=r,
+        )
+        self.worker_tokens = Gauge(
+            "warply_router_worker_tokens",
+            "Per worker, prompts it computed: prompt tokens, tokens the index predicted cached, "
+            "cached tokens its engine reported, and prompt tokens of the requests that reported "
+            "usage (kind: prompt, predicted_cached, engine_cached, engine_prompt)",
+            ["worker", "kind"],
+            registry=r,
+        )
+        self.tenant_tokens = Gauge(
+            "warply_router_tenant_tokens",
+            "Per tenant (cache namespace; the most recently active ones): prompt tokens, tokens "
+            "predicted cached, engine-reported cached tokens, prompt tokens that reported usage",
+            ["tenant", "kind"],
+            registry=r,
+        )
 
         self.tiering_rounds = PromCounter(
             "warply_tiering_rounds", "Tier-policy rounds run", registry=r
@@ -238,6 +290,12 @@ class Series:
             self.in_flight,
             self.healthy,
             self.strategy_worker_state,
+            self.index_state,
+            self.index_aged_out,
+            self.parity_mismatch,
+            self.breaker_state,
+            self.breaker_trips,
+            self.worker_tokens,
         ):
             _remove_worker(metric, worker)
 
@@ -286,6 +344,42 @@ class Series:
         if predicted is not None:
             self.hit_ratio.labels("predicted").set(predicted)
         self.alert.set(1 if alert.firing else 0)
+
+    def refresh_health(
+        self, workers: Iterable[Worker], health: Mapping[str, IndexHealthView], stats: Stats
+    ) -> None:
+        """Set the per-worker index health, breaker and hit gauges and the per-tenant ones."""
+        for w in workers:
+            name = w.name
+            view = health.get(name)
+            if view is not None:
+                for state in _INDEX_STATES:
+                    self.index_state.labels(name, state).set(1 if view.state == state else 0)
+                self.index_aged_out.labels(name).set(view.aged_out)
+                for kind in ("tokenizer", "block_size"):
+                    self.parity_mismatch.labels(name, kind).set(
+                        1 if view.reason == f"parity_{kind}" else 0
+                    )
+            state = w.breaker.state
+            for each in _BREAKER_STATES:
+                self.breaker_state.labels(name, each).set(1 if state == each else 0)
+            self.breaker_trips.labels(name).set(w.breaker.trips)
+            counts = stats.per_worker.get(name)
+            if counts is not None:
+                self.worker_tokens.labels(name, "prompt").set(counts.prompt_tokens)
+                self.worker_tokens.labels(name, "predicted_cached").set(
+                    counts.predicted_cached_tokens
+                )
+                self.worker_tokens.labels(name, "engine_cached").set(counts.engine_cached_tokens)
+                self.worker_tokens.labels(name, "engine_prompt").set(
+                    stats.engine_prompt_tokens(name)
+                )
+        self.tenant_tokens.clear()
+        for tenant, t in stats.tenants.items():
+            self.tenant_tokens.labels(tenant, "prompt").set(t.prompt_tokens)
+            self.tenant_tokens.labels(tenant, "predicted_cached").set(t.predicted_cached_tokens)
+            self.tenant_tokens.labels(tenant, "engine_cached").set(t.engine_cached_tokens)
+            self.tenant_tokens.labels(tenant, "engine_prompt").set(t.engine_prompt_tokens)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -2,7 +2,8 @@
 
 Lifetime totals (requests, prompt / predicted / engine-reported cached tokens), the same per
 worker (summed per pool and per role when read), engine evictions by pool, the affinity map
-((namespace, first block) → workers that served it, LRU-capped), windows of TTFT and router
+((namespace, first block) → workers that served it, LRU-capped), the same client view per
+tenant (cache namespace, the most recently active ones), windows of TTFT and router
 overhead for p50 / p99, and the P/D hand-off: decisions, prefill failures, the TTFT parts of
 handed-off requests and the decode workers' KV transfer counters.
 """
@@ -25,17 +26,21 @@ from warply.protocol.api import (
     AlertState,
     CacheStats,
     HitRates,
+    IndexHealthView,
     IndexView,
     KvTransferStats,
     PdStats,
     PoolStats,
     Quantiles,
+    TenantStats,
     TokenizerCacheStats,
     TtftBreakdown,
     WorkerStats,
 )
 
 _AFFINITY_CAP = 4096
+TENANT_CAP = 256
+"""Tenants (cache namespaces) tallied at once; the least recently active one goes first."""
 _QUANTILE_WINDOW = 2048
 
 
@@ -114,6 +119,7 @@ class Stats:
         """Per worker: prompt tokens of the requests it computed that reported usage."""
         self.engine_evictions: Counter[str] = Counter()
         self._affinity: OrderedDict[tuple[str, int], Counter[str]] = OrderedDict()
+        self.tenants: OrderedDict[str, TenantStats] = OrderedDict()
         self.ttft: deque[float] = deque(maxlen=_QUANTILE_WINDOW)
         self.overhead: deque[float] = deque(maxlen=_QUANTILE_WINDOW)
         self.decisions: Counter[str] = Counter()
@@ -137,9 +143,20 @@ class Stats:
         self.totals["requests"] += 1
         self.totals["prompt_tokens"] += prompt_tokens
         self.totals["predicted_cached_tokens"] += reported_cached
+        tenant = self.tenants.get(namespace)
+        if tenant is None:
+            tenant = self.tenants[namespace] = TenantStats()
+            if len(self.tenants) > TENANT_CAP:
+                self.tenants.popitem(last=False)
+        self.tenants.move_to_end(namespace)
+        tenant.requests += 1
+        tenant.prompt_tokens += prompt_tokens
+        tenant.predicted_cached_tokens += reported_cached
         if cached is not None:
             self.totals["engine_cached_tokens"] += cached
             self.totals["engine_prompt_tokens"] += prompt_tokens
+            tenant.engine_cached_tokens += cached
+            tenant.engine_prompt_tokens += prompt_tokens
         if first_key is not None:
             slot = (namespace, first_key)
             self._affinity.setdefault(slot, Counter())[worker] += 1
@@ -205,10 +222,22 @@ class Stats:
             w.engine_prefix_hits += 1
             w.engine_prefix_hit_tokens += hit_tokens
 
-    def _worker_view(self, name: str, counts: WorkerStats) -> WorkerStats:
+    def engine_prompt_tokens(self, worker: str) -> int:
+        """Prompt tokens `worker` computed for requests whose engine reported usage."""
+        return self._engine_prompt[worker]
+
+    def _worker_view(
+        self, name: str, counts: WorkerStats, health: Mapping[str, IndexHealthView]
+    ) -> WorkerStats:
         worker = self._workers[name]
+        view = health.get(name)
         return struct_replace(
-            counts, in_flight=worker.load.in_flight, healthy=worker.healthy
+            counts,
+            in_flight=worker.load.in_flight,
+            healthy=worker.healthy,
+            index_state=view.state if view is not None else "exact",
+            predicted_hit_rate=ratio(counts.predicted_cached_tokens, counts.prompt_tokens),
+            engine_hit_rate=ratio(counts.engine_cached_tokens, self._engine_prompt[name]),
         )
 
     def _by(self, key: str) -> dict[str, PoolStats]:
@@ -237,11 +266,22 @@ class Stats:
         index: IndexView,
         tokenizer_cache: ChunkStats | None,
         alert: HitAlert,
+        health: Mapping[str, IndexHealthView],
         top: int = 20,
     ) -> CacheStats:
         t = self.totals
         affinity = sorted(self._affinity.items(), key=lambda kv: -sum(kv[1].values()))[:top]
-        workers = {name: self._worker_view(name, w) for name, w in self.per_worker.items()}
+        workers = {
+            name: self._worker_view(name, w, health) for name, w in self.per_worker.items()
+        }
+        tenants = {
+            ns: struct_replace(
+                ts,
+                predicted_hit_rate=ratio(ts.predicted_cached_tokens, ts.prompt_tokens),
+                engine_hit_rate=ratio(ts.engine_cached_tokens, ts.engine_prompt_tokens),
+            )
+            for ns, ts in self.tenants.items()
+        }
         tok = tokenizer_cache
         pd = None
         if self.pd:
@@ -284,4 +324,5 @@ class Stats:
             pools=self._by("pool"),
             roles=self._by("role"),
             pd=pd,
+            tenants=tenants,
         )

@@ -16,6 +16,17 @@ import msgspec
 Role = Literal["prefill", "decode", "both"]
 """What a worker serves: the prompt's prefill, the decode after a hand-off, or both."""
 
+IndexState = Literal["exact", "degraded", "fallback"]
+"""How far the router trusts a worker's index entries. `exact`: its stream is in order and
+nothing lags; `degraded`: a gap is being replayed, or its engine lately reported fewer cached
+tokens than predicted (evictions lag), so its matches count for less; `fallback`: no usable
+stream (none configured, resynced and not yet rebuilt, silent while the worker answers, the
+engine down, or a tokenizer / block-size mismatch): it is placed by load alone."""
+
+BreakerState = Literal["closed", "open", "half_open"]
+"""A worker's circuit breaker: `open` takes it out of placement; `half_open` lets one request
+at a time try it."""
+
 
 class Overrides(msgspec.Struct, forbid_unknown_fields=True):
     """`extra_body={"warply": {...}}`: per-request cache namespace and reuse switch."""
@@ -72,6 +83,11 @@ class WorkerStats(msgspec.Struct):
     """Prompt tokens those requests reused (engine-confirmed, beside the router's prediction)."""
     in_flight: int = 0
     healthy: bool = False
+    index_state: IndexState = "exact"
+    predicted_hit_rate: float | None = None
+    """predicted_cached_tokens / prompt_tokens of the prompts it computed."""
+    engine_hit_rate: float | None = None
+    """engine_cached_tokens / prompt tokens of the prompts it computed that reported usage."""
     handoffs: int = 0
     """Requests it decoded after a prefill worker computed their prompt (P/D hand-off); they
     are not in `requests`, which counts the prompts it computed itself."""
@@ -102,6 +118,20 @@ class PoolStats(msgspec.Struct):
     """Decode-side reuse: prompt tokens of hand-offs the decode worker already held."""
     engine_prefix_hit_tokens: int = 0
     """Prompt tokens its engines reported reusing (`PrefixHit`), on either path."""
+
+
+class TenantStats(msgspec.Struct):
+    """One cache namespace's (`cache_key`, LoRA adapter) prompts: predicted against
+    engine-delivered hits."""
+
+    requests: int = 0
+    prompt_tokens: int = 0
+    predicted_cached_tokens: int = 0
+    engine_cached_tokens: int = 0
+    engine_prompt_tokens: int = 0
+    """Prompt tokens of its requests whose engine reported usage."""
+    predicted_hit_rate: float | None = None
+    engine_hit_rate: float | None = None
 
 
 class KvTransferStats(msgspec.Struct):
@@ -231,6 +261,9 @@ class CacheStats(msgspec.Struct):
     """Per pool, its strategy's measured state (`Strategy.gauges` / `worker_gauges`)."""
     tiering: TieringStats | None = None
     """None unless a tier policy runs (`tiering` in the router config)."""
+    tenants: dict[str, TenantStats] = msgspec.field(default_factory=dict)
+    """Per cache namespace ("" for requests without one; the most recently active ones, capped),
+    the client's view: what the index predicted cached against what the engines reported."""
 
 
 # -- /warply/workers ------------------------------------------------------------------------------
@@ -246,6 +279,20 @@ class StreamStats(msgspec.Struct):
     resyncs: int
     rejected: dict[str, int]
     """Frames dropped, by reason."""
+
+
+class IndexHealthView(msgspec.Struct):
+    """How far the router trusts a worker's index entries, and why (`IndexState`)."""
+
+    state: IndexState
+    reason: str = ""
+    """Why it is not `exact` (e.g. replaying, lagging_evictions, resync, no_stream,
+    stream_silent, worker_down, parity_tokenizer, parity_block_size)."""
+    parity: str = "pending"
+    """The tokenizer parity check: pending, ok, mismatch, unchecked (the engine has no
+    /tokenize), or off."""
+    aged_out: int = 0
+    """Times its entries were aged out (stream silent while it answered requests)."""
 
 
 class WorkerView(msgspec.Struct):
@@ -275,6 +322,10 @@ class WorkerView(msgspec.Struct):
     """KV bytes per block as the engine reports it (0: not reported)."""
     leaving: bool = False
     """Being removed (DELETE /warply/workers/{name}): it takes no new request."""
+    breaker: BreakerState = "closed"
+    breaker_trips: int = 0
+    """Times its circuit breaker opened."""
+    index: IndexHealthView | None = None
 
 
 class WorkerList(msgspec.Struct):
