@@ -139,8 +139,9 @@ class Router:
             if w.refused and w.name not in self._down:
                 self._down.add(w.name)
                 await self.feed.worker_down(w.name)
-            elif w.healthy:
+            elif w.healthy and w.name in self._down:
                 self._down.discard(w.name)
+                self.health.up(w.name)
         await self.feed.age_out()
         if self._probes is not None:
             pending = [

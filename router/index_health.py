@@ -110,6 +110,12 @@ class IndexHealth:
             if w.parity != "off":
                 w.parity = "pending"
 
+    def up(self, worker: str) -> None:
+        """Its engine answers again after it was down: a new process, whose cache (and stream)
+        start empty, as its index entries now are."""
+        if (w := self._get(worker)) is not None and w.fallback == "worker_down":
+            w.fallback = ""
+
     def block_size(self, worker: str, engine: int, pool: int) -> None:
         """Its engine stores blocks of another size than its pool's `block_size`."""
         if (w := self._get(worker)) is not None and not w.parity_failure:

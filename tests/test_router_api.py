@@ -174,9 +174,13 @@ Client = Callable[..., Awaitable[tuple[int, Any]]]
 
 @asynccontextmanager
 async def running(
-    tokenizer_dir: Path, engines: list[FakeEngine], **overrides: Any
+    tokenizer_dir: Path,
+    engines: Sequence[FakeEngine],
+    streams: dict[str, dict[str, Any]] | None = None,
+    **overrides: Any,
 ) -> AsyncIterator[tuple[Router, Client, aiohttp.ClientSession, str]]:
-    """Fake engines + a router in this event loop; yields (router, call, session, base url)."""
+    """Fake engines + a router in this event loop; yields (router, call, session, base url).
+    `streams`: per engine name, more worker fields (`events`, `replay`, ...)."""
     runners = await serve_engines(engines)
     config = RouterConfig.model_validate(
         {
@@ -187,7 +191,10 @@ async def running(
                     "name": "p",
                     "block_size": BS,
                     "kv_bytes_per_token": 100,
-                    "workers": [{"name": e.name, "url": e.url} for e in engines],
+                    "workers": [
+                        {"name": e.name, "url": e.url, **(streams or {}).get(e.name, {})}
+                        for e in engines
+                    ],
                 }
             ],
             "health_interval_s": 0.1,

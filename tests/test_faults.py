@@ -1,0 +1,368 @@
+"""Faults the router survives, against simulated engines (the labelled fakes of
+tests/test_router_api.py) and the project's real state publisher over ZMQ: a worker that
+accepts connections but never answers, a slow one, a lost stream batch, a restarted publisher
+whose first batches were lost, a stream that goes silent while HTTP answers, tokenizer and
+block-size mismatches, and the index health each shows. The same faults on real vLLM engines:
+tests/vllm/test_faults.py."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+from collections import Counter
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+import zmq
+from aiohttp import web
+
+from router.config import IndexConfig
+from router.index import WorkerMatch
+from router.index_health import IndexHealth
+from router.tokenize import RouterTokenizer
+from tests.test_router_api import (  # noqa: F401
+    BS,
+    HOST,
+    Client,
+    FakeEngine,
+    _run,
+    running,
+    tokenizer_dir,
+)
+from warply.launch import free_port
+from warply.protocol import BlockStored, DecodedBatch, LoadSnapshot, Tier, prefix_keys
+from warply.protocol.publisher import StatePublisher
+
+PROMPT = "the cache holds a prefix of tokens the cache holds a prefix of tokens"
+
+
+@dataclass
+class FaultyEngine(FakeEngine):
+    """A fake engine that can stall (accept, never answer), answer late, and tokenize."""
+
+    stall: bool = False
+    delay_s: float = 0.0
+    tokens: Callable[[dict[str, Any]], list[int]] | None = None
+    """What its /tokenize answers (None: no /tokenize, 404)."""
+
+    def app(self) -> web.Application:
+        app = super().app()
+        app.router.add_post("/tokenize", self._tokenize)
+        return app
+
+    async def _tokenize(self, request: web.Request) -> web.Response:
+        if self.tokens is None:
+            raise web.HTTPNotFound()
+        return web.json_response({"tokens": self.tokens(await request.json())})
+
+    async def _generate(self, request: web.Request) -> web.StreamResponse:
+        while self.stall:
+            await asyncio.sleep(0.02)
+        await asyncio.sleep(self.delay_s)
+        return await super()._generate(request)
+
+
+async def _until(cond: Callable[[], Any], what: str, timeout_s: float = 10) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not cond():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        await asyncio.sleep(0.02)
+
+
+def _stored(folder: Path, prompt: str = PROMPT, first_hash: int = 1) -> BlockStored:
+    """The full blocks of `prompt` as an engine reports storing them."""
+    ids = RouterTokenizer(folder).encode(prompt, True)
+    n = len(ids) // BS * BS
+    return BlockStored(list(range(first_hash, first_hash + n // BS)), None, ids[:n], BS)
+
+
+def _router_counts(text: str) -> Counter[str]:
+    """`warply_router_requests_total` summed as completed (200) and failed (anything else)."""
+    out: Counter[str] = Counter()
+    for line in text.splitlines():
+        if line.startswith("warply_router_requests_total{"):
+            labels, value = line.rsplit(" ", 1)
+            out["ok" if 'status="200"' in labels else "failed"] += int(float(value))
+    return out
+
+
+async def _ledger(call: Client, prompts: list[dict[str, Any]], ledger: Counter[str]) -> list[Any]:
+    """Send each body; count it at the client as completed (200) or failed with an error."""
+    out = []
+    for body in prompts:
+        status, answer = await call("POST", "/v1/completions", body)
+        failed = status != 200
+        assert not failed or set(answer["error"]) == {"message", "type", "param", "code"}
+        ledger["failed" if failed else "ok"] += 1
+        out.append((status, answer))
+    return out
+
+
+def test_a_hung_worker_times_out_opens_its_breaker_and_is_no_longer_chosen(
+    tokenizer_dir: Path,  # noqa: F811
+) -> None:
+    """"a" holds the prompt's prefix but accepts connections and never answers: two requests
+    time out (504), its breaker opens and the slow but answering "b" takes the next ones; once
+    open_s has passed, one trial request finds "a" answering again and closes the breaker.
+    Every request is accounted for, at the client and in the router's counter."""
+
+    async def scenario() -> None:
+        a, b = FaultyEngine("a", stall=True), FaultyEngine("b", delay_s=0.05)
+        cfg = {"upstream_idle_timeout_s": 0.3, "breaker": {"failures": 2, "open_s": 0.5},
+               "health_interval_s": 60}  # fmt: skip
+        async with running(tokenizer_dir, [a, b], **cfg) as (router, call, _s, _b):
+            await router.index.apply("a", [_stored(tokenizer_dir)])
+            ledger: Counter[str] = Counter()
+            body = {"prompt": PROMPT, "max_tokens": 2}
+            hung = await _ledger(call, [body, body], ledger)
+            assert [status for status, _ in hung] == [504, 504], hung
+            assert router.workers["a"].breaker.state == "open"
+            served = await _ledger(call, [body, body], ledger)  # slow b answers in time
+            assert [(s, r["choices"][0]["text"]) for s, r in served] == [(200, "b")] * 2
+            a.stall = False
+            await _until(lambda: router.workers["a"].breaker.state == "half_open", "half-open")
+            trial = await _ledger(call, [body], ledger)
+            assert trial[0][1]["choices"][0]["text"] == "a"
+            _, workers = await call("GET", "/warply/workers")
+            view = {w["name"]: w for w in workers["workers"]}["a"]
+            assert (view["breaker"], view["breaker_trips"]) == ("closed", 1)
+            _, text = await call("GET", "/metrics")
+            assert 'warply_worker_breaker_trips{worker="a"} 1.0' in text
+            assert _router_counts(text) == ledger == Counter(ok=3, failed=2)
+
+    _run(scenario())
+
+
+class _LossyLink:
+    """Forwards a publisher's frames to the router, dropping the sequence numbers in `drop`:
+    a network that loses messages (the replay socket is reached directly)."""
+
+    def __init__(self, upstream: str) -> None:
+        self.endpoint = f"tcp://{HOST}:{free_port()}"
+        self.drop: set[int] = set()
+        ctx = zmq.Context.instance()
+        self._sub = ctx.socket(zmq.SUB)
+        self._sub.setsockopt(zmq.SUBSCRIBE, b"")
+        self._sub.setsockopt(zmq.LINGER, 0)
+        self._sub.connect(upstream)
+        self._pub = ctx.socket(zmq.PUB)
+        self._pub.setsockopt(zmq.LINGER, 0)
+        self._pub.bind(self.endpoint)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            if self._sub.poll(20):
+                frames = self._sub.recv_multipart()
+                if int.from_bytes(frames[1], "big") not in self.drop:
+                    self._pub.send_multipart(frames)
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(2)
+        self._sub.close()
+        self._pub.close()
+
+
+def _publisher(events: str, replay: str) -> StatePublisher:
+    """A publisher on these endpoints (the port of a closed one may take a moment to free)."""
+    deadline = time.monotonic() + 5
+    while True:
+        try:
+            return StatePublisher(events, replay_endpoint=replay, topic="kv", bind=True)
+        except zmq.ZMQError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.05)
+
+
+@pytest.fixture
+def link() -> Iterator[tuple[str, str, _LossyLink]]:
+    events, replay = f"tcp://{HOST}:{free_port()}", f"tcp://{HOST}:{free_port()}"
+    lossy = _LossyLink(events)
+    yield events, replay, lossy
+    lossy.close()
+
+
+def test_a_lost_batch_is_replayed_and_a_restarted_publisher_resyncs(
+    tokenizer_dir: Path,  # noqa: F811
+    link: tuple[str, str, _LossyLink],
+) -> None:
+    """Batch 1 is lost on the way: batch 2 reveals the gap and 1 is replayed (the index stays
+    `exact`). Then the publisher restarts and its batches 0 and 1 are lost: its batch 2, not
+    newer in number than the last one applied but newer in time, is a restart: the worker's
+    entries are dropped (`fallback`, resync), 0 and 1 are replayed from the new publisher, and
+    the index holds what the new process stored, none of what the old one did."""
+    events, replay, lossy = link
+    prompts = [f"{word} {PROMPT}" for word in ("alpha", "beta", "gamma", "delta")]
+
+    async def scenario() -> None:
+        streams = {"a": {"events": lossy.endpoint, "replay": replay, "topic": "kv"}}
+        async with running(
+            tokenizer_dir, [FakeEngine("a")], streams, index={"degraded_s": 0.3}
+        ) as (router, _call, _s, _b):
+            sub = router.feed.subscribers["a"]
+            tok = RouterTokenizer(tokenizer_dir)
+            keys = [prefix_keys(tok.encode(p, True), BS, "m") for p in prompts]
+
+            async def held(i: int) -> int:
+                return (await router.index.match(keys[i], ["a"]))["a"].blocks
+
+            pub = _publisher(events, replay)
+            await asyncio.sleep(0.5)  # the link and the router's SUB connect
+            lossy.drop = {1}
+            pub.publish([_stored(tokenizer_dir, prompts[0], 100)])
+            pub.publish([_stored(tokenizer_dir, prompts[1], 200)])
+            pub.publish([LoadSnapshot(running=0, waiting=0, kv_usage=0.0)])
+            await _until(lambda: sub.last_seq == 2, "the replayed gap")
+            assert (sub.gaps, sub.replayed, sub.resyncs) == (1, 1, 0)
+            assert await held(0) and await held(1)
+            assert router.health.view("a").state == "exact"
+
+            pub.close()
+            pub = _publisher(events, replay)
+            await asyncio.sleep(0.5)
+            lossy.drop = {0, 1}
+            pub.publish([_stored(tokenizer_dir, prompts[2], 300)])
+            pub.publish([_stored(tokenizer_dir, prompts[3], 400)])
+            pub.publish([LoadSnapshot(running=1, waiting=0, kv_usage=0.0)])
+            await _until(lambda: sub.resyncs == 1 and sub.last_seq == 2, "the resync")
+            assert router.health.view("a").state == "fallback"
+            assert router.health.view("a").reason == "resync"
+            assert [await held(i) for i in range(4)] == [0, 0, len(keys[2]), len(keys[3])]
+            assert (sub.gaps, sub.replayed) == (2, 3)
+            await _until(lambda: router.health.view("a").state == "exact", "exact again")
+            pub.close()
+
+    _run(scenario())
+
+
+def test_a_silent_stream_ages_out_its_workers_entries(
+    tokenizer_dir: Path,  # noqa: F811
+    link: tuple[str, str, _LossyLink],
+) -> None:
+    """"a" answers a request that stored new blocks there, but its stream says nothing for
+    `index.stale_after_s`: its entries are dropped, its index is `fallback` (stream_silent)
+    and counted on /metrics, until a batch arrives."""
+    events, replay, lossy = link
+
+    async def scenario() -> None:
+        streams = {"a": {"events": lossy.endpoint, "replay": replay, "topic": "kv"}}
+        index = {"stale_after_s": 0.3}
+        async with running(
+            tokenizer_dir, [FakeEngine("a", cached_tokens=0)], streams, index=index
+        ) as (router, call, _s, _b):
+            pub = _publisher(events, replay)
+            await asyncio.sleep(0.5)
+            pub.publish([_stored(tokenizer_dir)])
+            keys = prefix_keys(RouterTokenizer(tokenizer_dir).encode(PROMPT, True), BS, "m")
+            await _until(lambda: router.feed.subscribers["a"].last_seq == 0, "the first batch")
+            await asyncio.sleep(0.05)
+            other = {"prompt": "a prefix of tokens the cache holds, and more of them"}
+            status, _ = await call("POST", "/v1/completions", other)  # stores blocks on "a"
+            assert status == 200
+            await _until(lambda: router.health.view("a").reason == "stream_silent", "ageing")
+            assert (await router.index.match(keys, ["a"]))["a"].blocks == 0
+            _, text = await call("GET", "/metrics")
+            assert 'warply_index_aged_out{worker="a"} 1.0' in text
+            assert 'warply_index_state{state="fallback",worker="a"} 1.0' in text
+            pub.publish([LoadSnapshot(running=0, waiting=0, kv_usage=0.0)])
+            await _until(lambda: router.health.view("a").state == "exact", "the stream back")
+            pub.close()
+
+    _run(scenario())
+
+
+def test_a_tokenizer_or_block_size_mismatch_falls_back_to_load_loudly(
+    tokenizer_dir: Path,  # noqa: F811
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """"a" tokenizes the probes its own way, "b" as the router does, "c" has no /tokenize and
+    stores blocks of twice the pool's size: "a" and "c" are `fallback` (an error logged, a
+    metric set) and their matches count for nothing; "b" stays `exact`."""
+    tok = RouterTokenizer(tokenizer_dir)
+
+    def same(body: dict[str, Any]) -> list[int]:
+        if "messages" in body:
+            return tok.whole(tok.render_chat(body), False)
+        return tok.whole(body["prompt"], body.get("add_special_tokens", True))
+
+    async def scenario() -> None:
+        engines = [
+            FaultyEngine("a", tokens=lambda body: same(body)[::-1]),
+            FaultyEngine("b", tokens=same),
+            FaultyEngine("c"),
+        ]
+        streams = {e.name: {"events": f"tcp://{HOST}:{free_port()}"} for e in engines}
+        with caplog.at_level(logging.ERROR, logger="warply.router"):
+            async with running(tokenizer_dir, engines, streams) as (router, call, _s, _b):
+                stored = _stored(tokenizer_dir)
+                for name in ("a", "b"):
+                    await router.index.apply(name, [stored])
+                wide = BlockStored([9], None, stored.token_ids[: 2 * BS], 2 * BS)
+                await router.feed.on_batch("c", DecodedBatch(0, 1.0, [wide], "engine"))
+                views = {n: router.health.view(n) for n in ("a", "b", "c")}
+                assert [(v.state, v.reason, v.parity) for v in views.values()] == [
+                    ("fallback", "parity_tokenizer", "mismatch"),
+                    ("exact", "", "ok"),
+                    ("fallback", "parity_block_size", "unchecked"),
+                ]
+                keys = prefix_keys(tok.encode(PROMPT, True), BS, "m")
+                trimmed = router.health.trim(await router.index.match(keys, ["a", "b"]))
+                assert trimmed["a"].blocks == 0 and trimmed["b"].blocks == len(keys)
+                _, text = await call("GET", "/metrics")
+                assert 'warply_index_parity_mismatch{kind="tokenizer",worker="a"} 1.0' in text
+                assert 'warply_index_parity_mismatch{kind="block_size",worker="c"} 1.0' in text
+                _, listed = await call("GET", "/warply/workers")
+                assert {w["name"]: w["index"]["state"] for w in listed["workers"]} == {
+                    "a": "fallback", "b": "exact", "c": "fallback"
+                }  # fmt: skip
+        logged = " ".join(r.getMessage() for r in caplog.records)
+        assert "worker a: the engine tokenizes probe prompts differently" in logged
+        assert "worker c: engine blocks have 8 tokens" in logged
+
+    _run(scenario())
+
+
+def test_a_degraded_workers_match_counts_for_half() -> None:
+    """After its engine reported fewer cached tokens than predicted, a worker's match counts
+    for half its blocks (slowest tiers dropped first) for `degraded_s`; others are unchanged."""
+    health = IndexHealth(IndexConfig(degraded_s=60))
+    for name in ("a", "b"):
+        health.joined(name, has_stream=True)
+    health.lagging("a")
+    match = WorkerMatch(5, {Tier.GPU: 2, Tier.CPU: 3})
+    trimmed = health.trim({"a": match, "b": match})
+    assert trimmed["a"] == WorkerMatch(2, {Tier.GPU: 2}) and trimmed["b"] == match
+    assert (health.view("a").state, health.view("a").reason) == ("degraded", "lagging_evictions")
+
+
+def test_predicted_and_engine_hit_rates_per_worker_and_tenant(
+    tokenizer_dir: Path,  # noqa: F811
+) -> None:
+    async def scenario() -> None:
+        engine = FakeEngine("a", cached_tokens=4)
+        async with running(tokenizer_dir, [engine]) as (router, call, _s, _b):
+            await router.index.apply("a", [_stored(tokenizer_dir)])
+            for key in ("t1", "t1", "t2"):
+                body = {"prompt": PROMPT, "warply": {"cache_key": key}}
+                assert (await call("POST", "/v1/completions", body))[0] == 200
+            stats = await router.cache_stats()
+            t1, t2 = stats.tenants["t1"], stats.tenants["t2"]
+            assert (t1.requests, t1.engine_cached_tokens, t2.requests) == (2, 8, 1)
+            assert t1.engine_hit_rate == 8 / t1.engine_prompt_tokens
+            assert t1.predicted_hit_rate == 0.0  # t1's keys differ from the unsalted blocks
+            w = stats.workers["a"]
+            assert w.engine_hit_rate == 12 / w.prompt_tokens and w.index_state == "fallback"
+            _, text = await call("GET", "/metrics")
+            assert 'warply_router_tenant_tokens{kind="engine_cached",tenant="t1"} 8.0' in text
+            assert 'warply_router_worker_tokens{kind="engine_cached",worker="a"} 12.0' in text
+
+    _run(scenario())
