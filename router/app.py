@@ -42,6 +42,8 @@ from warply.protocol import Directive
 from warply.protocol.api import CacheStats, IndexHealthView, WorkerList
 
 _MODELS_TIMEOUT = aiohttp.ClientTimeout(total=2)
+_CATCH_UP_S = 5.0
+"""Longest wait at start-up for the streams' replayed history before serving."""
 _Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 
@@ -110,6 +112,7 @@ class Router:
 
     async def _startup(self, _: web.Application) -> None:
         self.feed.start()
+        await self.feed.caught_up(_CATCH_UP_S)
         await self.check_health()
         if self.proxy.max_model_len is None:
             self.proxy.max_model_len = await self._discover_max_model_len()

@@ -68,6 +68,15 @@ class IndexFeed:
         for sub in self.subscribers.values():
             self._start(sub)
 
+    async def caught_up(self, timeout_s: float) -> None:
+        """Wait (at most `timeout_s`) until every stream has applied its publisher's buffered
+        history, so the first requests are placed on a rebuilt index."""
+        waits = [asyncio.ensure_future(s.ready.wait()) for s in self.subscribers.values()]
+        if waits:
+            _, pending = await asyncio.wait(waits, timeout=timeout_s)
+            for w in pending:
+                w.cancel()
+
     def _start(self, sub: StateSubscriber) -> None:
         """Open its socket and read it (a stream with a replay endpoint catches up first)."""
         sub.open()

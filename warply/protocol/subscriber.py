@@ -13,6 +13,7 @@ socket reconnected: they are replayed from the new publisher like any gap).
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import Awaitable, Callable
 
@@ -52,6 +53,8 @@ class StateSubscriber:
         self._last_ts = float("-inf")
         self.replaying = False
         """A gap (or the start-up history) is being fetched from the replay socket."""
+        self.ready = asyncio.Event()
+        """Set once the start-up history is applied (or there is none to take)."""
         self.gaps = 0
         self.replayed = 0
         self.resyncs = 0
@@ -79,6 +82,7 @@ class StateSubscriber:
         try:
             if self.replay_endpoint and self.last_seq is None:
                 await self._catch_up()
+            self.ready.set()
             while True:
                 frames = await self._sub.recv_multipart()
                 batch = self.decoder.decode_frames(frames)

@@ -1,0 +1,343 @@
+"""Faults through `warply-router` in front of two real vLLM CPU engines (stock KV event streams).
+
+One stack serves the module and the tests run in order, each leaving it as the next expects:
+
+  1. the router restarted under load: its index is rebuilt from the engines' replay buffers
+     (the hit rate before and after is printed, the first requests after it hit);
+  2. an engine that accepts connections but never answers (SIGSTOP): requests time out
+     (504), its circuit breaker opens after `breaker.failures` of them, placement stops
+     choosing it, and it is closed again once the engine answers (SIGCONT);
+  3. an engine SIGKILLed with one stream started and one request queued: the stream ends
+     with an error event, the queued request is answered by the other engine, the dead
+     worker's index entries are dropped (`fallback`, worker_down);
+  4. the engine restarted on the same ports: parity checked again, and a prompt its old
+     process held is predicted cached nowhere (stale blocks attract nothing);
+  5. zero lost requests: every request sent since the router restart is completed or failed
+     with an error at the client, and the counts equal the router's `warply_router_requests`.
+
+~3 min on 2 cores.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+from collections import Counter
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+from conftest import HOST, free_port
+
+from warply.launch import EngineProcess, VllmServer
+
+pytestmark = pytest.mark.timeout(600)
+
+ROOT = Path(__file__).resolve().parents[2]
+VLLM_BIN = Path(sys.executable).parent / "vllm"
+BLOCK = 32
+IDLE_TIMEOUT_S = 10
+BREAKER_FAILURES = 2
+LEDGER: Counter[str] = Counter()
+"""Client-side outcomes (`ok`, `failed`) of the requests sent to the current router process."""
+_ROUTER = [0]
+"""Which router process requests are sent to now (a request sent to an earlier one is not
+counted: that process and its counters are gone)."""
+
+
+def _record(sent_to: int, failed: bool) -> None:
+    if sent_to == _ROUTER[0]:
+        LEDGER["failed" if failed else "ok"] += 1
+
+
+def _engine(model: str, logs: Path, i: int, pub: int, replay: int) -> VllmServer:
+    return VllmServer(
+        VLLM_BIN, model, log_path=logs / f"vllm{i}.log", served_name="tiny", cpu_core=i,
+        args=["--block-size", str(BLOCK), "--max-model-len", "2048", "--max-num-seqs", "1",
+              "--enable-prefix-caching", "--enable-prompt-tokens-details", "--seed", "0"],
+        kv_events_config={"enable_kv_cache_events": True, "publisher": "zmq",
+                          "endpoint": f"tcp://*:{pub}",
+                          "replay_endpoint": f"tcp://{HOST}:{replay}", "topic": "kv"},
+    )  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def stack(tiny_model: str, server_logs: Path) -> Iterator[dict[str, Any]]:
+    """Engines w0 (core 0) and w1 (core 1), max one sequence each (a second request waits in
+    the engine's queue), and the router as a subprocess; all stopped by PID."""
+    engines, workers = [], []
+    for i in range(2):
+        pub, replay = free_port(), free_port()
+        engines.append(_engine(tiny_model, server_logs, i, pub, replay))
+        workers.append({"name": f"w{i}", "url": engines[-1].url, "topic": "kv",
+                        "events": f"tcp://{HOST}:{pub}",
+                        "replay": f"tcp://{HOST}:{replay}"})  # fmt: skip
+    port = free_port()
+    config = {
+        "model": "tiny",
+        "tokenizer": tiny_model,
+        "port": port,
+        "strategy": {"name": "prefix_affinity"},
+        "health_interval_s": 0.5,
+        "health_timeout_s": 1,
+        "unhealthy_after": 1000,  # a hung engine is taken out by its breaker, not its probe
+        "upstream_idle_timeout_s": IDLE_TIMEOUT_S,
+        "breaker": {"failures": BREAKER_FAILURES, "open_s": 4},
+        "index": {"degraded_s": 2},
+        "pools": [{"name": "cpu", "block_size": BLOCK, "workers": workers}],
+    }
+    (server_logs / "faults-router.yaml").write_text(yaml.safe_dump(config))
+    router = EngineProcess(
+        [sys.executable, "-m", "router", "--config", str(server_logs / "faults-router.yaml")],
+        url=f"http://{HOST}:{port}",
+        log_path=server_logs / "faults-router.log",
+        env={"PYTHONPATH": str(ROOT)},
+    )
+    try:
+        for e in engines:
+            e.start()
+        for e in engines:
+            e.wait_healthy(240)
+        router.start()
+        router.wait_healthy(60)
+        yield {"router": router, "url": router.url, "engines": engines, "logs": server_logs,
+               "held": {}}  # fmt: skip
+    finally:
+        router.stop()
+        for e in engines:
+            e.stop()
+
+
+def _get(url: str) -> Any:
+    with urllib.request.urlopen(url, timeout=10) as r:
+        return json.loads(r.read()) if "json" in r.headers.get("Content-Type", "") else r.read()
+
+
+def _workers(url: str) -> dict[str, dict[str, Any]]:
+    return {w["name"]: w for w in _get(url + "/warply/workers")["workers"]}
+
+
+def _wait(cond: Callable[[], bool], timeout_s: float, what: str) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not cond():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.2)
+
+
+def _complete(url: str, prompt: str, max_tokens: int = 8) -> dict[str, Any]:
+    """One non-streamed completion; its outcome goes to the ledger."""
+    sent_to = _ROUTER[0]
+    body = {"model": "tiny", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0}
+    req = urllib.request.Request(
+        url + "/v1/completions", data=json.dumps(body).encode(),
+        headers={"Content-Type": "application/json"},
+    )  # fmt: skip
+    try:
+        with urllib.request.urlopen(req, timeout=120) as r:
+            out = json.loads(r.read())
+            _record(sent_to, failed=False)
+            details = out["usage"].get("prompt_tokens_details") or {}
+            return {"status": r.status, "worker": r.headers["X-Warply-Worker"],
+                    "predicted": int(r.headers["X-Warply-Predicted-Cached"]),
+                    "cached": details.get("cached_tokens", 0),
+                    "prompt_tokens": out["usage"]["prompt_tokens"]}  # fmt: skip
+    except urllib.error.HTTPError as err:
+        _record(sent_to, failed=True)
+        return {"status": err.code, "error": json.loads(err.read())["error"]}
+
+
+def _stream(url: str, prompt: str, max_tokens: int, out: dict[str, Any]) -> None:
+    """A streamed completion (ignore_eos): `out` gets status, worker and the events as they
+    come; its outcome goes to the ledger."""
+    body = {"model": "tiny", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
+            "ignore_eos": True, "stream": True}  # fmt: skip
+    req = urllib.request.Request(
+        url + "/v1/completions", data=json.dumps(body).encode(),
+        headers={"Content-Type": "application/json"},
+    )  # fmt: skip
+    out["events"] = []
+    sent_to = _ROUTER[0]
+    try:
+        with urllib.request.urlopen(req, timeout=120) as r:
+            out["status"], out["worker"] = r.status, r.headers["X-Warply-Worker"]
+            for line in r:
+                if line.startswith(b"data: "):
+                    out["events"].append(line[6:].strip().decode())
+    except urllib.error.HTTPError as err:
+        out["status"], out["error"] = err.code, json.loads(err.read())["error"]
+    failed = out["status"] != 200 or any('"error"' in e for e in out["events"])
+    _record(sent_to, failed)
+    out["done"] = True
+
+
+def _prompt(n: int) -> str:
+    return f"Conversation {n}: the router keeps prefix blocks of cache {n * 7} warm. " * 12
+
+
+def _hit_rate(results: list[dict[str, Any]]) -> float:
+    ok = [r for r in results if r["status"] == 200]
+    return float(sum(r["cached"] for r in ok) / max(1, sum(r["prompt_tokens"] for r in ok)))
+
+
+def test_router_restart_rebuilds_the_index_from_replay(stack: dict[str, Any]) -> None:
+    url, router = stack["url"], stack["router"]
+    for n in range(6):  # warm: each prompt once, then again (a hit on its worker)
+        for _ in range(2):
+            out = _complete(url, _prompt(n))
+            assert out["status"] == 200, out
+        stack["held"][n] = out["worker"]
+        assert out["predicted"] == out["cached"] > 0, out
+    assert set(stack["held"].values()) == {"w0", "w1"}, stack["held"]
+
+    results: list[tuple[str, float, dict[str, Any]]] = []
+    stop = threading.Event()
+    phase = ["before"]
+
+    def load() -> None:  # one client resending the warm prompts, through the restart
+        n = 0
+        while not stop.is_set():
+            try:
+                out = _complete(url, _prompt(n % 6))
+            except OSError:  # the router is down: nothing reached it
+                time.sleep(0.05)
+                continue
+            results.append((phase[0], time.monotonic(), out))
+            n += 1
+
+    client = threading.Thread(target=load)
+    client.start()
+    try:
+        _wait(lambda: len(results) >= 6, 120, "requests before the restart")
+        router.stop()
+        _ROUTER[0] += 1  # the new process counts from zero; so does the ledger
+        LEDGER.clear()
+        phase[0] = "after"
+        restarted = time.monotonic()
+        router.start()
+        router.wait_healthy(60)
+        _wait(lambda: sum(p == "after" for p, _, _ in results) >= 12, 120, "requests after")
+    finally:
+        stop.set()
+        client.join(150)
+    before = [r for p, _, r in results if p == "before"]
+    after = [(t, r) for p, t, r in results if p == "after"]
+    first_hit = next((t - restarted for t, r in after if r["predicted"] > 0), None)
+    print(
+        f"\nrouter restart: engine hit rate {_hit_rate(before):.3f} over {len(before)} requests "
+        f"before, {_hit_rate([r for _, r in after[:6]]):.3f} over the first 6 after and "
+        f"{_hit_rate([r for _, r in after]):.3f} over {len(after)}; first predicted hit "
+        f"{first_hit:.2f} s after the new process started (its start-up included)"
+        if first_hit is not None else "\nrouter restart: no predicted hit after the restart"
+    )
+    assert first_hit is not None
+    assert all(r["predicted"] == r["cached"] for _, r in after), after  # the index is exact
+
+
+def _enable(url: str, worker: str, on: bool) -> None:
+    body = json.dumps({"enabled": on}).encode()
+    req = urllib.request.Request(
+        url + f"/warply/workers/{worker}", data=body, headers={"Content-Type": "application/json"}
+    )
+    urllib.request.urlopen(req, timeout=10).close()
+
+
+def test_a_hung_engine_times_out_and_its_breaker_opens(stack: dict[str, Any]) -> None:
+    url, engines = stack["url"], stack["engines"]
+    hung, trial = _prompt(100), _prompt(101)
+    _enable(url, "w0", False)  # both prompts cached on w1 alone
+    try:
+        for prompt in (hung, trial):
+            assert _complete(url, prompt)["worker"] == "w1"
+    finally:
+        _enable(url, "w0", True)
+    time.sleep(0.5)  # the engine's KV events reach the router
+    os.killpg(engines[1].pid, signal.SIGSTOP)  # accepts connections, never answers
+    try:
+        timed_out = [_complete(url, hung) for _ in range(BREAKER_FAILURES)]
+        assert [r["status"] for r in timed_out] == [504] * BREAKER_FAILURES, timed_out
+        assert _workers(url)["w1"]["breaker"] == "open"
+        out = _complete(url, hung)  # w1 holds its prefix, but is not chosen
+        assert (out["status"], out["worker"]) == (200, "w0"), out
+    finally:
+        os.killpg(engines[1].pid, signal.SIGCONT)
+    _wait(lambda: _workers(url)["w1"]["breaker"] == "half_open", 30, "the breaker half-open")
+    out = _complete(url, trial)  # the one trial request: w1 answers again
+    assert (out["status"], out["worker"]) == (200, "w1"), out
+    view = _workers(url)["w1"]
+    assert view["breaker"] == "closed" and view["breaker_trips"] >= 1, view
+    metrics = _get(url + "/metrics").decode()
+    assert 'warply_worker_breaker_state{state="closed",worker="w1"} 1.0' in metrics
+
+
+def test_a_killed_engine_fails_started_streams_and_retries_queued_requests(
+    stack: dict[str, Any],
+) -> None:
+    url, engines = stack["url"], stack["engines"]
+    _enable(url, "w1", False)  # both requests go to w0
+    started: dict[str, Any] = {}
+    queued: dict[str, Any] = {}
+    threads = [
+        threading.Thread(target=_stream, args=(url, "Long story: ", 1800, started)),
+        threading.Thread(target=_stream, args=(url, "Queued behind it: ", 16, queued)),
+    ]
+    try:
+        threads[0].start()
+        _wait(lambda: bool(started.get("events")), 120, "the first stream's first event")
+        threads[1].start()
+        _wait(lambda: _workers(url)["w0"]["in_flight"] == 2, 30, "the second request on w0")
+    finally:
+        _enable(url, "w1", True)
+    os.killpg(engines[0].pid, signal.SIGKILL)
+    engines[0].proc.wait(30)
+    for t in threads:
+        t.join(120)
+    assert started.get("done") and queued.get("done"), (started, queued)
+    assert started["status"] == 200 and started["events"][-1] == "[DONE]", started
+    error = json.loads(started["events"][-2])["error"]
+    assert error["code"] == 502 and "w0" in error["message"], error
+    assert (queued["status"], queued["worker"]) == (200, "w1"), queued
+    assert not any('"error"' in e for e in queued["events"]), queued
+    _wait(lambda: _workers(url)["w0"]["index"]["reason"] == "worker_down", 30, "w0 dropped")
+    view = _workers(url)["w0"]
+    assert not view["healthy"] and view["index"]["state"] == "fallback", view
+
+
+def test_a_restarted_engine_rejoins_resynced(stack: dict[str, Any]) -> None:
+    url, engines, held, logs = stack["url"], stack["engines"], stack["held"], stack["logs"]
+    w0 = engines[0]
+    w0.log_path = logs / "vllm0-restarted.log"
+    w0.start()
+    w0.wait_healthy(240)
+    _wait(lambda: _workers(url)["w0"]["healthy"], 30, "w0 healthy in the router")
+    _wait(lambda: _workers(url)["w0"]["index"]["parity"] == "ok", 30, "w0's parity check")
+    assert _workers(url)["w0"]["index"]["state"] == "exact"
+    on_w0 = [n for n, w in held.items() if w == "w0"]
+    for n in on_w0:  # held by the killed process: never credited to the restarted one
+        out = _complete(url, _prompt(n))
+        assert out["status"] == 200 and out["predicted"] == out["cached"], (n, out)
+        assert out["worker"] != "w0" or out["predicted"] == 0, (n, out)
+    time.sleep(0.5)  # the engine's KV events reach the router
+    again = _complete(url, _prompt(on_w0[0]))  # the restarted engine's stream feeds the index
+    assert again["predicted"] == again["cached"] > 0, again
+
+
+def test_no_request_is_lost(stack: dict[str, Any]) -> None:
+    """Every request sent to this router process ended at the client as completed or failed
+    with an error, and the router's own request counter says the same."""
+    metrics = _get(stack["url"] + "/metrics").decode()
+    router: Counter[str] = Counter()
+    for line in metrics.splitlines():
+        if line.startswith("warply_router_requests_total{"):
+            labels, value = line.rsplit(" ", 1)
+            router["ok" if 'status="200"' in labels else "failed"] += int(float(value))
+    print(f"\nclient ledger {dict(LEDGER)}, router counter {dict(router)}")
+    assert LEDGER["failed"] >= BREAKER_FAILURES + 1  # the timeouts and the broken stream
+    assert router == LEDGER
