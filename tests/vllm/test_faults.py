@@ -15,7 +15,7 @@ One stack serves the module and the tests run in order, each leaving it as the n
   5. zero lost requests: every request sent since the router restart is completed or failed
      with an error at the client, and the counts equal the router's `warply_router_requests`.
 
-~3 min on 2 cores.
+~5 min on 2 cores shared with other jobs.
 """
 
 from __future__ import annotations
