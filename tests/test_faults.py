@@ -21,10 +21,11 @@ import pytest
 import zmq
 from aiohttp import web
 
-from router.config import IndexConfig
+from router.config import BreakerConfig, IndexConfig
 from router.index import WorkerMatch
 from router.index_health import IndexHealth
 from router.tokenize import RouterTokenizer
+from router.workers import Breaker
 from tests.test_router_api import (  # noqa: F401
     BS,
     HOST,
@@ -366,3 +367,18 @@ def test_predicted_and_engine_hit_rates_per_worker_and_tenant(
             assert 'warply_router_worker_tokens{kind="engine_cached",worker="a"} 12.0' in text
 
     _run(scenario())
+
+
+def test_a_half_open_breaker_lets_one_trial_through_and_a_failed_trial_reopens_it() -> None:
+    breaker = Breaker(BreakerConfig(failures=2, open_s=0.05))
+    breaker.failed("a")
+    assert (breaker.state, breaker.allows(0)) == ("closed", True)  # one failure: still placed
+    breaker.failed("a")
+    assert (breaker.state, breaker.allows(0), breaker.trips) == ("open", False, 1)
+    time.sleep(0.06)
+    assert breaker.state == "half_open" and breaker.allows(0) and not breaker.allows(1)
+    breaker.failed("a")  # the trial failed: open again at once
+    assert (breaker.state, breaker.trips) == ("open", 2)
+    time.sleep(0.06)
+    breaker.succeeded()
+    assert (breaker.state, breaker.failures, breaker.allows(3)) == ("closed", 0, True)
