@@ -148,13 +148,11 @@ class IndexFeed:
             sub.restarted()
         await self.on_stale(worker)
 
-    async def age_out(self) -> list[str]:
+    async def age_out(self) -> None:
         """Drop the entries of workers whose stream went silent while they stored blocks
-        (`IndexHealth.expired`); returns their names."""
-        names = self.health.expired()
-        for name in names:
+        (`IndexHealth.expired`)."""
+        for name in self.health.expired():
             await self.on_stale(name)
-        return names
 
     async def on_stale(self, worker: str) -> None:
         """Drop the worker's entries (its stream went stale, or a write to the store failed);
