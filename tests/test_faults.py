@@ -114,7 +114,9 @@ def test_a_hung_worker_times_out_opens_its_breaker_and_is_no_longer_chosen(
 
     async def scenario() -> None:
         a, b = FaultyEngine("a", stall=True), FaultyEngine("b", delay_s=0.05)
-        cfg = {"upstream_idle_timeout_s": 0.3, "breaker": {"failures": 2, "open_s": 0.5},
+        # margins for a loaded machine: b's 0.05 s is far inside the idle timeout, and the
+        # breaker stays open while b serves two requests
+        cfg = {"upstream_idle_timeout_s": 1.0, "breaker": {"failures": 2, "open_s": 3.0},
                "health_interval_s": 60}  # fmt: skip
         async with running(tokenizer_dir, [a, b], **cfg) as (router, call, _s, _b):
             await router.index.apply("a", [_stored(tokenizer_dir)])
