@@ -33,6 +33,7 @@ from tests.test_router_api import (  # noqa: F401
     FakeEngine,
     _run,
     running,
+    serve_engines,
     tokenizer_dir,
 )
 from warply.launch import free_port
@@ -330,6 +331,29 @@ def test_a_tokenizer_or_block_size_mismatch_falls_back_to_load_loudly(
         logged = " ".join(r.getMessage() for r in caplog.records)
         assert "worker a: the engine tokenizes probe prompts differently" in logged
         assert "worker c: engine blocks have 8 tokens" in logged
+
+    _run(scenario())
+
+
+def test_a_joining_worker_is_checked_for_parity_once_healthy(
+    tokenizer_dir: Path,  # noqa: F811
+) -> None:
+    """A worker joining at runtime whose engine tokenizes differently is `fallback` as soon as
+    the health loop finds it healthy."""
+
+    async def scenario() -> None:
+        async with running(tokenizer_dir, [FakeEngine("a")]) as (router, call, _s, _b):
+            late = FaultyEngine("late", tokens=lambda body: [1, 2, 3])
+            runners = await serve_engines([late])
+            try:
+                entry = {"name": "late", "url": late.url, "events": f"tcp://{HOST}:{free_port()}"}
+                status, _ = await call("POST", "/warply/pools/p/workers", entry)
+                assert status == 201
+                await _until(lambda: router.health.view("late").parity == "mismatch", "parity")
+                assert router.health.view("late").reason == "parity_tokenizer"
+            finally:
+                for runner in runners:
+                    await runner.cleanup()
 
     _run(scenario())
 
