@@ -1,6 +1,7 @@
 """The router's aiohttp application: routes, admin auth, worker health, start-up and shutdown.
 
-Client API: /v1/completions, /v1/chat/completions, /v1/models, /health, /metrics.
+Client API: /v1/completions, /v1/chat/completions, /v1/models, /health, /metrics, and the
+OpenAPI document of all of them, /openapi.json (`router.openapi`).
 Admin API (Bearer token when `auth_token` is set): /warply/cache_stats, /warply/workers,
 POST /warply/workers/{name} (`{"enabled": false}` drains a worker), POST /warply/directives,
 POST /warply/pools/{pool}/workers and DELETE /warply/workers/{name} (workers join and leave),
@@ -13,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hmac
+import logging
 import time
 from collections.abc import Awaitable, Callable
 from typing import Any
@@ -23,12 +25,13 @@ from aiohttp import web
 
 from router.config import RouterConfig
 from router.control import send_directive
-from router.errors import ApiError, json_object
+from router.errors import ApiError, read_object
 from router.feed import IndexFeed
 from router.index import PrefixIndex, open_store
 from router.index_health import IndexHealth
 from router.membership import Membership
 from router.metrics import RouterMetrics, kv_transfer_stats
+from router.openapi import openapi_document
 from router.parity import Probes
 from router.parity import check as check_parity
 from router.placement import Placement
@@ -41,6 +44,7 @@ from router.workers import Worker, Workers
 from warply.protocol import Directive
 from warply.protocol.api import CacheStats, IndexHealthView, WorkerList
 
+_log = logging.getLogger(__name__)
 _MODELS_TIMEOUT = aiohttp.ClientTimeout(total=2)
 _CATCH_UP_S = 5.0
 """Longest wait at start-up for the streams' replayed history before serving."""
@@ -80,6 +84,7 @@ class Router:
             config.pd.prefill_timeout_s,
             config.pd.lost_after_s,
             config.upstream_idle_timeout_s,
+            config.limits,
         )
         self.proxy.max_model_len = config.max_model_len
         self.tiering: TierRunner | None = None
@@ -87,7 +92,9 @@ class Router:
             self.tiering = TierRunner(config.tiering, self.index, self.workers, self.metrics.series)
             self.metrics.on_request.append(self.tiering.observe)
         self._health_task: asyncio.Task[None] | None = None
-        self.app = web.Application(middlewares=[self._errors, self._auth])
+        self.app = web.Application(
+            middlewares=[self._errors, self._auth], client_max_size=config.limits.max_body_bytes
+        )
         self.app.add_routes(
             [
                 web.post("/v1/completions", self._completions),
@@ -95,6 +102,7 @@ class Router:
                 web.get("/v1/models", self._models),
                 web.get("/health", self._health),
                 web.get("/metrics", self._metrics),
+                web.get("/openapi.json", self._openapi),
                 web.get("/warply/cache_stats", self._cache_stats),
                 web.get("/warply/workers", self._workers),
                 web.get("/warply/where", self._where),
@@ -105,6 +113,7 @@ class Router:
                 web.post("/warply/directives", self._directive),
             ]
         )
+        self._openapi_doc = openapi_document(config)
         self.app.on_startup.append(self._startup)
         self.app.on_cleanup.append(self._cleanup)
 
@@ -202,15 +211,24 @@ class Router:
 
     @web.middleware
     async def _errors(self, request: web.Request, handler: _Handler) -> web.StreamResponse:
-        """Router errors and aiohttp's own (404 route, 405 method) in the OpenAI error shape."""
+        """Router errors, aiohttp's own (404 route, 405 method) and unexpected ones (500) in the
+        OpenAI error shape, each counted in `warply_router_errors_total`."""
         try:
             return await handler(request)
         except ApiError as err:
-            return err.response()
+            error = err
         except web.HTTPException as exc:
             if exc.status < 400:
                 raise
-            return ApiError(exc.status, exc.reason, exc.reason.lower().replace(" ", "_")).response()
+            allow = {"Allow": exc.headers["Allow"]} if "Allow" in exc.headers else None
+            code = exc.reason.lower().replace(" ", "_")
+            error = ApiError(exc.status, exc.reason, code, headers=allow)
+        except Exception:
+            # a router bug, not the client's mistake: logged with its traceback (not the body)
+            _log.exception("unhandled error on %s %s", request.method, request.path)
+            error = ApiError(500, "internal router error (logged)", "internal_error")
+        self.metrics.error(error.status, error.code)
+        return error.response()
 
     @web.middleware
     async def _auth(self, request: web.Request, handler: _Handler) -> web.StreamResponse:
@@ -255,10 +273,16 @@ class Router:
         return web.json_response(body, status=status)
 
     async def _metrics(self, _: web.Request) -> web.Response:
+        for name in self.workers:
+            if (stream := self.feed.stream_stats(name)) is not None:
+                self.metrics.stream_rejections(name, stream.rejected)
         body = self.metrics.render(
             await self.index.stats(), self.placement.strategy_state(), self.health_views()
         )
         return web.Response(body=body, content_type="text/plain", charset="utf-8")
+
+    async def _openapi(self, _: web.Request) -> web.Response:
+        return web.json_response(self._openapi_doc)
 
     # -- admin API -------------------------------------------------------------------------------
 
@@ -298,7 +322,7 @@ class Router:
 
     async def _set_worker(self, request: web.Request) -> web.Response:
         worker = self._worker(request.match_info["name"])
-        body = json_object(await request.read())
+        body = await read_object(request)
         enabled = body.get("enabled")
         if not isinstance(enabled, bool):
             raise ApiError(400, "'enabled' must be true or false", "invalid_value", "enabled")
@@ -310,7 +334,7 @@ class Router:
     async def _add_worker(self, request: web.Request) -> web.Response:
         """A worker joins a pool (the body is a worker entry of the config file): 201 with its
         view; it takes requests once healthy."""
-        body = json_object(await request.read())
+        body = await read_object(request)
         worker = self.membership.join(request.match_info["pool"], body)
         view = worker.view(self.feed.stream_stats(worker.name), self.health.view(worker.name))
         return web.Response(
@@ -329,7 +353,7 @@ class Router:
         return web.json_response(body, status=200 if task.done() else 202)
 
     async def _directive(self, request: web.Request) -> web.Response:
-        body = json_object(await request.read())
+        body = await read_object(request)
         worker = self._worker(str(body.get("worker", "")))
         if not worker.config.control:
             raise ApiError(400, f"worker {worker.name!r} has no control endpoint", "no_control")

@@ -228,6 +228,20 @@ class IndexConfig(_Strict):
         return self
 
 
+class LimitsConfig(_Strict):
+    """Largest client request the router takes; past a limit it answers 413 (body) or 400
+    (prompt, messages, batch) in the OpenAI error shape before tokenizing or placing anything."""
+
+    max_body_bytes: int = Field(16 << 20, gt=0)
+    """Request body bytes (a 128k-token prompt is ~0.5 MiB of text, ~0.9 MiB as token ids)."""
+    max_prompt_tokens: int = Field(1 << 20, gt=0)
+    """Tokens of one prompt, whatever `max_model_len` says (it is checked as well when known)."""
+    max_messages: int = Field(10_000, gt=0)
+    """Messages of one chat request."""
+    max_prompts: int = Field(1024, gt=0)
+    """Prompts in one batched completion request (`prompt` as a list of prompts)."""
+
+
 class RouterConfig(_Strict):
     """Everything `warply-router` needs."""
 
@@ -242,8 +256,13 @@ class RouterConfig(_Strict):
     port: int = Field(8000, ge=0, le=65535)
     pools: list[PoolConfig] = Field(min_length=1)
     strategy: StrategyConfig = StrategyConfig()
-    auth_token: str | None = None
+    auth_token: str | None = Field(None, min_length=1)
     """When set, /warply/* admin endpoints require `Authorization: Bearer <token>`."""
+    control_token: str | None = Field(None, min_length=16)
+    """When set, directives to the plugins' control sockets are signed with it (HMAC-SHA256,
+    timestamp and nonce: `warply.protocol.control`); give the plugins the same
+    `control_token`."""
+    limits: LimitsConfig = LimitsConfig()
     index: IndexConfig = IndexConfig()
     max_model_len: int | None = Field(None, gt=0)
     """Longest prompt accepted (None: ask the workers' /v1/models at start-up)."""
@@ -338,6 +357,7 @@ CLI_FIELDS: dict[str, type] = {
     "host": str,
     "port": int,
     "auth_token": str,
+    "control_token": str,
     "index_max_entries": int,
     "max_model_len": int,
 }

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 import msgspec
@@ -12,6 +13,7 @@ _TYPES = {
     401: "authentication_error",
     404: "invalid_request_error",
     409: "invalid_request_error",
+    413: "invalid_request_error",
     502: "upstream_error",
     503: "service_unavailable",
     504: "timeout",
@@ -22,13 +24,20 @@ class ApiError(Exception):
     """An error the router answers itself, before or instead of an engine."""
 
     def __init__(
-        self, status: int, message: str, code: str | None = None, param: str | None = None
+        self,
+        status: int,
+        message: str,
+        code: str | None = None,
+        param: str | None = None,
+        headers: Mapping[str, str] | None = None,
     ) -> None:
         super().__init__(message)
         self.status = status
         self.message = message
         self.code = code
         self.param = param
+        self.headers = dict(headers or {})
+        """Response headers beside the body (e.g. `Allow` on a 405)."""
 
     @property
     def type(self) -> str:
@@ -44,12 +53,24 @@ class ApiError(Exception):
                 "code": self.code,
             }
         }
-        headers = {"WWW-Authenticate": "Bearer"} if self.status == 401 else None
+        headers = dict(self.headers)
+        if self.status == 401:
+            headers["WWW-Authenticate"] = "Bearer"
         return web.json_response(body, status=self.status, headers=headers)
 
 
-def json_object(raw: bytes) -> dict[str, Any]:
-    """A request body that must be a JSON object; malformed JSON is a 400."""
+async def read_object(request: web.Request) -> dict[str, Any]:
+    """The request's body as a JSON object: 413 past the app's `client_max_size`
+    (`limits.max_body_bytes`), 400 when it is not a JSON object."""
+    try:
+        raw = await request.read()
+    except web.HTTPRequestEntityTooLarge:
+        raise ApiError(
+            413,
+            f"request body is larger than {request.client_max_size} bytes "
+            "(the router's limits.max_body_bytes)",
+            "request_too_large",
+        ) from None
     try:
         body = msgspec.json.decode(raw)
     except msgspec.DecodeError as exc:

@@ -22,8 +22,9 @@ import msgspec
 from aiohttp import web
 
 from router.accounting import RequestAccount
+from router.config import LimitsConfig
 from router.dispatch import Dispatcher, Retry
-from router.errors import ApiError, json_object
+from router.errors import ApiError, read_object
 from router.metrics import RouterMetrics
 from router.placement import Decision, Placement
 from router.strategies import NoCandidate
@@ -60,10 +61,50 @@ def _overrides(body: dict[str, Any]) -> Overrides:
         raise ApiError(400, f"invalid 'warply' options: {exc}", "invalid_value", "warply") from None
 
 
+_FIELD_TYPES: dict[str, tuple[type, ...]] = {
+    "model": (str,),
+    "stream": (bool,),
+    "stream_options": (dict,),
+    "n": (int,),
+    "max_tokens": (int,),
+    "max_completion_tokens": (int,),
+    "add_special_tokens": (bool,),
+    "chat_template_kwargs": (dict,),
+}
+"""Types of the fields the router itself reads (null allowed: the field's default); the rest
+of the body is the engine's to check."""
+
+
+def _count(value: Any) -> int | None:
+    """`value` as a count: an int, or a float without a fraction (JSON Schema's integer, and
+    what the engines' pydantic models accept); None otherwise."""
+    if isinstance(value, bool):
+        return None
+    if isinstance(value, int):
+        return value
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    return None
+
+
+def _check_fields(body: dict[str, Any]) -> None:
+    """400 `invalid_value` naming the first field the router reads that has the wrong type."""
+    for name, types in _FIELD_TYPES.items():
+        value = body.get(name)
+        if value is None:
+            continue
+        if int in types:
+            n = _count(value)
+            if n is None or n < 0:
+                raise ApiError(400, f"'{name}' must be an integer >= 0", "invalid_value", name)
+        elif not isinstance(value, types):
+            want = "an object" if types == (dict,) else types[0].__name__
+            raise ApiError(400, f"'{name}' must be {want}", "invalid_value", name)
+
+
 def _max_tokens(body: dict[str, Any]) -> int:
     """The output tokens a request asks for (0 when it sets no limit)."""
-    max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
-    return max_tokens if isinstance(max_tokens, int) else 0
+    return _count(body.get("max_completion_tokens", body.get("max_tokens"))) or 0
 
 
 class Proxy:
@@ -80,11 +121,13 @@ class Proxy:
         prefill_timeout_s: float = 60.0,
         lost_after_s: float = 10.0,
         idle_timeout_s: float | None = None,
+        limits: LimitsConfig | None = None,
     ) -> None:
         self.model = model
         self._served = {model, *adapters}
         """Names a request's `model` may take: the base model and its LoRA adapters."""
         self.max_model_len: int | None = None
+        self._limits = limits or LimitsConfig()
         self._tokenizer = tokenizer
         self._placement = placement
         self._metrics = metrics
@@ -120,7 +163,7 @@ class Proxy:
         account = RequestAccount(self._metrics, time.perf_counter())
         status = 500
         try:
-            prep = await self.prepare(json_object(await request.read()), kind)
+            prep = await self.prepare(await read_object(request), kind)
             headers = {h: request.headers[h] for h in _FORWARD_HEADERS if h in request.headers}
             tried: set[str] = set()
             while True:
@@ -141,6 +184,7 @@ class Proxy:
                 return answer.response
         except ApiError as err:
             status = err.status
+            self._metrics.error(err.status, err.code)
             return err.response()
         except asyncio.CancelledError:
             status = 499  # the client went away; leaving the upstream context closed its request
@@ -178,9 +222,11 @@ class Proxy:
     async def prepare(self, body: dict[str, Any], kind: str) -> _Prepared:
         """Validate and rewrite the body; tokenize its prompt the engine's way (a long single
         prompt only up to its second new chunk, unless its length must be checked)."""
+        _check_fields(body)
         model = body.get("model")
         if model is not None and model not in self._served:
             raise ApiError(404, f"The model `{model}` does not exist.", "model_not_found", "model")
+        self._check_counts(body)
         ov = _overrides(body)
         if ov.cache_key is not None:
             body["cache_salt"] = ov.cache_key
@@ -190,9 +236,19 @@ class Proxy:
         except PromptError as exc:
             raise ApiError(400, str(exc), "invalid_prompt") from None
         first = prompts[0]
-        if not first.complete and self._too_long(first.bound, body):
+        limit = self._limits.max_prompt_tokens
+        if not first.complete and (first.bound > limit or self._too_long(first.bound, body)):
             first = await self._tokenize(self._tokenizer.finish, first)
         longest = max(p.estimate for p in [first, *prompts[1:]])
+        param = "messages" if kind == "chat" else "prompt"
+        if longest > limit:
+            raise ApiError(
+                400,
+                f"the prompt has {longest} tokens; this router takes at most {limit} "
+                "(limits.max_prompt_tokens)",
+                "prompt_too_long",
+                param,
+            )
         if self._too_long(longest, body):
             raise ApiError(
                 400,
@@ -200,10 +256,10 @@ class Proxy:
                 f"your request has {longest} input tokens and asks for {_max_tokens(body)} "
                 "output tokens. Please reduce the length of the input.",
                 "context_length_exceeded",
-                "messages" if "messages" in body else "prompt",
+                param,
             )
         n = body.get("n")
-        single = len(prompts) == 1 and (n is None or n == 1)
+        single = len(prompts) == 1 and (n is None or _count(n) == 1)
         stream = bool(body.get("stream", False))
         options = body.get("stream_options")
         wants_usage = isinstance(options, dict) and bool(options.get("include_usage"))
@@ -220,6 +276,39 @@ class Proxy:
         if not prompt.complete:
             prompt = await self._tokenize(self._tokenizer.finish, prompt)
         return list(prompt.tokens), prep.namespace, prep.prefix_reuse
+    def _check_counts(self, body: dict[str, Any]) -> None:
+        """400 before any tokenizing when the body holds more messages, prompts or token ids
+        than `limits` allow."""
+        limits = self._limits
+        messages, prompt = body.get("messages"), body.get("prompt")
+        if isinstance(messages, list) and len(messages) > limits.max_messages:
+            raise ApiError(
+                400,
+                f"{len(messages)} messages; this router takes at most {limits.max_messages} "
+                "(limits.max_messages)",
+                "too_many_messages",
+                "messages",
+            )
+        if not isinstance(prompt, list) or not prompt:
+            return
+        if isinstance(prompt[0], (str, list)) and len(prompt) > limits.max_prompts:
+            raise ApiError(
+                400,
+                f"{len(prompt)} prompts in one request; this router takes at most "
+                f"{limits.max_prompts} (limits.max_prompts)",
+                "too_many_prompts",
+                "prompt",
+            )
+        longest = max(len(p) if isinstance(p, list) else 0 for p in prompt)
+        ids = len(prompt) if isinstance(prompt[0], int) else longest
+        if ids > limits.max_prompt_tokens:
+            raise ApiError(
+                400,
+                f"the prompt has {ids} tokens; this router takes at most "
+                f"{limits.max_prompt_tokens} (limits.max_prompt_tokens)",
+                "prompt_too_long",
+                "prompt",
+            )
 
     def _too_long(self, prompt_tokens: int, body: dict[str, Any]) -> bool:
         limit = self.max_model_len

@@ -113,6 +113,15 @@ def _default_template(folder: Path, config: Mapping[str, Any]) -> str | None:
     return template if isinstance(template, str) else None
 
 
+def _model_vocab(folder: Path) -> int:
+    """`vocab_size` of the model folder's config.json (0 when absent or unreadable)."""
+    try:
+        size = json.loads((Path(folder) / "config.json").read_text()).get("vocab_size")
+    except (OSError, ValueError, AttributeError):
+        return 0
+    return size if isinstance(size, int) else 0
+
+
 def _message_content(content: Any) -> Any:
     """vLLM's "string" content format: text parts joined by newlines; other parts rejected."""
     if content is None or isinstance(content, str):
@@ -122,7 +131,9 @@ def _message_content(content: Any) -> Any:
         for part in content:
             if not isinstance(part, Mapping) or part.get("type") != "text":
                 raise PromptError("only text content parts are supported by the router")
-            texts.append(str(part.get("text", "")))
+            if not isinstance(text := part.get("text"), str):
+                raise PromptError("a text content part needs a string 'text'")
+            texts.append(text)
         return "\n".join(texts)
     raise PromptError("message content must be a string or a list of text parts")
 
@@ -147,6 +158,10 @@ class RouterTokenizer:
         source = _default_template(self.folder, config)
         self._template = self._env.from_string(source) if source else None
         self.cache = ChunkCache(self._tok, cache_bytes)
+        tokenizer_vocab = self._tok.get_vocab_size(with_added_tokens=True)
+        self.vocab_size = max(tokenizer_vocab, _model_vocab(self.folder))
+        """Token ids a prompt may hold: 0 to vocab_size - 1 (the tokenizer's or the model's
+        vocabulary, whichever is larger, as vLLM 0.32's `validate_token_ids` allows)."""
         self._wrap = self._special_wrap()
 
     def _special_wrap(self) -> tuple[list[int], list[int]] | None:
@@ -206,7 +221,10 @@ class RouterTokenizer:
             conversation.append({**m, "content": _message_content(m.get("content"))})
         template = self._template
         if isinstance(body.get("chat_template"), str):
-            template = self._env.from_string(body["chat_template"])
+            try:
+                template = self._env.from_string(body["chat_template"])
+            except jinja2.TemplateError as exc:
+                raise PromptError(f"chat template error: {exc}") from None
         if template is None:
             raise PromptError("the model has no chat template")
         kwargs = body.get("chat_template_kwargs") or {}
@@ -223,8 +241,8 @@ class RouterTokenizer:
                 **self._special,
                 **kwargs,
             )
-        except jinja2.TemplateError as exc:
-            raise PromptError(f"chat template error: {exc}") from None
+        except Exception as exc:  # template code is the request's data: any error is a 400
+            raise PromptError(f"chat template error: {type(exc).__name__}: {exc}") from None
         if continue_final:  # transformers strips the end-of-turn after the final message
             final = conversation[-1].get("content")
             if isinstance(final, str) and final.strip() and final.strip() in rendered:
@@ -246,18 +264,31 @@ class RouterTokenizer:
         if isinstance(prompt, str):
             return [self.encode(prompt, special)]
         if isinstance(prompt, list) and prompt:
-            if all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
-                return [list(prompt)]
+            if all(type(t) is int for t in prompt):
+                return [self._token_ids(prompt)]
             out = []
             for p in prompt:
                 if isinstance(p, str):
                     out.append(self.encode(p, special))
-                elif isinstance(p, list) and all(isinstance(t, int) for t in p):
-                    out.append(list(p))
+                elif isinstance(p, list) and p and all(type(t) is int for t in p):
+                    out.append(self._token_ids(p))
                 else:
-                    raise PromptError("'prompt' items must be strings or lists of token ids")
+                    raise PromptError(
+                        "'prompt' items must be strings or non-empty lists of token ids"
+                    )
             return out
         raise PromptError("'prompt' must be a string, a list of token ids, or a list of those")
+
+    def _token_ids(self, ids: list[int]) -> list[int]:
+        """`ids` when every one is in the vocabulary; else `PromptError` with vLLM 0.32's
+        message (`Token id N is out of vocabulary`)."""
+        low, high = min(ids), max(ids)
+        if low < 0 or high >= self.vocab_size:
+            bad = low if low < 0 else high
+            raise PromptError(
+                f"Token id {bad} is out of vocabulary (ids are 0 to {self.vocab_size - 1})"
+            )
+        return ids
 
 
 def start_prompts(tokenizer: RouterTokenizer, kind: str, body: Mapping[str, Any]) -> list[Prompt]:

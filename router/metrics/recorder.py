@@ -111,6 +111,15 @@ class RouterMetrics:
             s.engine_tokens.labels(*labels).inc(cached)
         self.stats.computed(worker.name, prompt, predicted, cached)
 
+    def error(self, status: int, code: str | None) -> None:
+        """The router answered a request with an error of its own (`router.errors.ApiError`)."""
+        self.series.errors.labels(str(status), code or "").inc()
+
+    def stream_rejections(self, worker: str, rejected: Mapping[str, int]) -> None:
+        """A worker's subscriber's rejection counts so far (set before each scrape)."""
+        for reason, n in rejected.items():
+            self.series.stream_rejected.labels(worker, reason).set(n)
+
     def first_token(self, ttft_s: float) -> None:
         self.series.ttft.observe(ttft_s)
         self.stats.ttft.append(ttft_s)

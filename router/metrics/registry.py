@@ -49,6 +49,20 @@ class Series:
             "warply_router_requests", "Requests by worker and outcome", ["worker", "status"],
             registry=r,
         )
+        self.errors = PromCounter(
+            "warply_router_errors",
+            "Error answers the router made itself (not passed on from an engine), by status and "
+            "code: 4xx are rejected client input (invalid_json, invalid_prompt, "
+            "request_too_large, ...), 5xx the router's or the fleet's failures",
+            ["status", "code"],
+            registry=r,
+        )
+        self.stream_rejected = Gauge(
+            "warply_stream_rejected",
+            "State-stream frames (or events) a worker's subscriber rejected, by reason",
+            ["worker", "reason"],
+            registry=r,
+        )
         self.prompt_tokens = PromCounter(
             "warply_router_prompt_tokens",
             "Prompt tokens computed, by the pool and role of the worker that computed them",
@@ -296,6 +310,7 @@ class Series:
             self.breaker_state,
             self.breaker_trips,
             self.worker_tokens,
+            self.stream_rejected,
         ):
             _remove_worker(metric, worker)
 

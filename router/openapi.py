@@ -1,0 +1,235 @@
+"""The router's OpenAPI 3.1 document (`GET /openapi.json`), built from the shapes it already has.
+
+Response and admin shapes come from their definitions: the msgspec structs of
+`warply.protocol.api` and `warply.protocol.directives`, the pydantic `WorkerConfig` a joining
+worker's body is validated with. The two OpenAI request bodies are written here and declare only
+what the router itself checks (`router.proxy`): every other field passes to the engine unchanged,
+so the engine's own schema applies to it. The tests fuzz the router against this document.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+
+from router.config import RouterConfig, WorkerConfig
+from warply.protocol.api import CacheStats, Overrides, WorkerList, WorkerView
+from warply.protocol.directives import Directive
+from warply.protocol.events import DirectiveAck
+
+_REF = "#/components/schemas/{name}"
+_NULLABLE_INT = {"type": ["integer", "null"], "minimum": 0}
+
+_ERROR = {
+    "type": "object",
+    "required": ["error"],
+    "properties": {
+        "error": {
+            "type": "object",
+            "required": ["message", "type", "param", "code"],
+            "properties": {
+                "message": {"type": "string"},
+                "type": {"type": "string"},
+                "param": {"type": ["string", "null"]},
+                "code": {"type": ["string", "null"]},
+            },
+        }
+    },
+}
+
+_TOKEN_IDS = {"type": "array", "minItems": 1, "items": {"type": "integer", "minimum": 0}}
+
+_COMMON = {
+    "stream": {"type": ["boolean", "null"]},
+    "stream_options": {"type": ["object", "null"]},
+    "n": _NULLABLE_INT,
+    "max_tokens": _NULLABLE_INT,
+    "max_completion_tokens": _NULLABLE_INT,
+    "add_special_tokens": {"type": ["boolean", "null"]},
+    "warply": {"anyOf": [{"$ref": _REF.format(name="Overrides")}, {"type": "null"}]},
+}
+
+_COMPLETION: dict[str, Any] = {
+    "type": "object",
+    "required": ["prompt"],
+    "properties": {
+        **_COMMON,
+        "prompt": {
+            "anyOf": [
+                {"type": "string"},
+                _TOKEN_IDS,
+                {
+                    "type": "array",
+                    "minItems": 1,
+                    "items": {"anyOf": [{"type": "string"}, _TOKEN_IDS]},
+                },
+            ]
+        },
+    },
+}
+
+_MESSAGE = {
+    "type": "object",
+    "required": ["role"],
+    "properties": {
+        "role": {"type": "string"},
+        "content": {
+            "anyOf": [
+                {"type": "string"},
+                {"type": "null"},
+                {
+                    "type": "array",
+                    "items": {
+                        "type": "object",
+                        "required": ["type", "text"],
+                        "properties": {"type": {"const": "text"}, "text": {"type": "string"}},
+                    },
+                },
+            ]
+        },
+    },
+}
+
+_CHAT: dict[str, Any] = {
+    "type": "object",
+    "required": ["messages"],
+    "properties": {
+        **_COMMON,
+        "messages": {"type": "array", "minItems": 1, "items": _MESSAGE},
+        "chat_template_kwargs": {"type": ["object", "null"]},
+    },
+}
+
+
+def _json(schema: dict[str, Any] | str, description: str) -> dict[str, Any]:
+    ref = {"$ref": _REF.format(name=schema)} if isinstance(schema, str) else schema
+    return {"description": description, "content": {"application/json": {"schema": ref}}}
+
+
+def _errors(*statuses: int) -> dict[str, Any]:
+    return {str(s): _json("Error", "an error in the OpenAI shape") for s in statuses}
+
+
+def _body(schema: dict[str, Any] | str) -> dict[str, Any]:
+    return {"required": True, **_json(schema, "")}
+
+
+def _generation(body: str, summary: str) -> dict[str, Any]:
+    ok = _json({"type": "object"}, "the engine's answer (JSON, or SSE when streaming)")
+    event = {"type": "object", "required": ["data"], "properties": {"data": {"type": "string"}}}
+    ok["content"]["text/event-stream"] = {"schema": event}  # each server-sent event
+    return {
+        "post": {
+            "summary": summary,
+            "requestBody": _body(body),
+            "responses": {"200": ok, **_errors(400, 404, 413, 502, 503, 504)},
+        }
+    }
+
+
+def _admin(op: dict[str, Any]) -> dict[str, Any]:
+    return {**op, "security": [{"bearer": []}], "responses": {**op["responses"], **_errors(401)}}
+
+
+def _name(param: str) -> dict[str, Any]:
+    return {"name": param, "in": "path", "required": True, "schema": {"type": "string"}}
+
+
+def openapi_document(config: RouterConfig) -> dict[str, Any]:
+    """The document for a router with `config` (its model names are the `model` values)."""
+    _, components = msgspec.json.schema_components(
+        (CacheStats, WorkerList, WorkerView, Overrides, Directive, DirectiveAck),
+        ref_template=_REF,
+    )
+    components["Error"] = _ERROR
+    model = {"model": {"enum": [config.model, *config.lora_adapters, None]}}
+    for name, shape in (("CompletionRequest", _COMPLETION), ("ChatCompletionRequest", _CHAT)):
+        components[name] = {**shape, "properties": {**model, **shape["properties"]}}
+    components["WorkerConfig"] = WorkerConfig.model_json_schema()
+    enabled = {"type": "object", "required": ["enabled"],
+               "properties": {"enabled": {"type": "boolean"}}}  # fmt: skip
+    directive = {
+        "type": "object",
+        "required": ["worker", "directive"],
+        "properties": {"worker": {"type": "string"}, "directive": {"$ref": _REF.format(
+            name="Directive")}},
+    }
+    text = {"description": "Prometheus text", "content": {"text/plain": {"schema": {}}}}
+    paths: dict[str, Any] = {
+        "/v1/completions": _generation("CompletionRequest", "a completion, placed and proxied"),
+        "/v1/chat/completions": _generation("ChatCompletionRequest", "a chat completion"),
+        "/v1/models": {"get": {"responses": {"200": _json({"type": "object"}, "served models")}}},
+        "/health": {
+            "get": {
+                "responses": {
+                    "200": _json({"type": "object"}, "some worker is healthy"),
+                    "503": _json({"type": "object"}, "no healthy worker"),
+                }
+            }
+        },
+        "/metrics": {"get": {"responses": {"200": text}}},
+        "/openapi.json": {"get": {"responses": {"200": _json({"type": "object"}, "this")}}},
+        "/warply/cache_stats": {
+            "get": _admin({"responses": {"200": _json("CacheStats", "cache statistics")}})
+        },
+        "/warply/workers": {
+            "get": _admin({"responses": {"200": _json("WorkerList", "the workers")}})
+        },
+        "/warply/workers/{name}": {
+            "parameters": [_name("name")],
+            "post": _admin(
+                {
+                    "requestBody": _body(enabled),
+                    "responses": {
+                        "200": _json({"type": "object"}, "drained or restored"),
+                        **_errors(400, 404, 409, 413),
+                    },
+                }
+            ),
+            "delete": _admin(
+                {
+                    "parameters": [
+                        {"name": "wait", "in": "query", "schema": {"type": "string"}}
+                    ],
+                    "responses": {
+                        "200": _json({"type": "object"}, "removed"),
+                        "202": _json({"type": "object"}, "leaving"),
+                        **_errors(404),
+                    },
+                }
+            ),
+        },
+        "/warply/pools/{pool}/workers": {
+            "parameters": [_name("pool")],
+            "post": _admin(
+                {
+                    "requestBody": _body("WorkerConfig"),
+                    "responses": {
+                        "201": _json("WorkerView", "the joined worker"),
+                        **_errors(400, 404, 409, 413),
+                    },
+                }
+            ),
+        },
+        "/warply/directives": {
+            "post": _admin(
+                {
+                    "requestBody": _body(directive),
+                    "responses": {
+                        "200": _json("DirectiveAck", "the plugin's answer"),
+                        **_errors(400, 404, 413, 502, 504),
+                    },
+                }
+            )
+        },
+    }
+    return {
+        "openapi": "3.1.0",
+        "info": {"title": "warply-router", "version": "1", "description": __doc__},
+        "paths": paths,
+        "components": {
+            "schemas": components,
+            "securitySchemes": {"bearer": {"type": "http", "scheme": "bearer"}},
+        },
+    }

@@ -1,0 +1,313 @@
+"""Bad client input at the router's HTTP API: every rejection is an OpenAI-shaped 4xx, counted in
+`warply_router_errors_total`, never a 500. Known escapes first, then hypothesis over arbitrary
+JSON bodies and schemathesis over the router's own /openapi.json (positive and negative cases),
+all against a router on 127.0.0.1 in front of in-process fake engines (tests/test_router_api.py).
+Example counts are small and derandomized: seconds on 2 cores, the same examples every run."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+from collections.abc import Iterator
+from concurrent.futures import Future
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import pytest
+import requests
+import schemathesis
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from prometheus_client.parser import text_string_to_metric_families
+from schemathesis.config import SchemathesisConfig
+from schemathesis.specs.openapi.checks import positive_data_acceptance
+
+from router.app import Router
+from router.config import RouterConfig
+from router.openapi import openapi_document
+from tests.test_router_api import (  # noqa: F401
+    FakeEngine,
+    _is_error,
+    running,
+    tokenizer_dir,
+)
+
+TOKEN = "admin-token"
+ADMIN = {"Authorization": f"Bearer {TOKEN}"}
+LIMITS = {"max_body_bytes": 64 << 10, "max_prompt_tokens": 96, "max_messages": 8, "max_prompts": 4}
+FUZZ = settings(
+    max_examples=60,
+    derandomize=True,
+    deadline=None,
+    database=None,
+    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
+)
+
+
+@dataclass
+class Live:
+    """A router served on its own event loop thread; `call` is usable from sync tests."""
+
+    router: Router
+    base: str
+    loop: asyncio.AbstractEventLoop
+    session: aiohttp.ClientSession
+
+    def call(self, method: str, path: str, raw: bytes, **headers: str) -> tuple[int, Any]:
+        async def go() -> tuple[int, Any]:
+            async with self.session.request(
+                method, self.base + path, data=raw, headers=headers
+            ) as r:
+                text = await r.text()
+                try:
+                    return r.status, json.loads(text)
+                except ValueError:
+                    return r.status, text
+
+        return asyncio.run_coroutine_threadsafe(go(), self.loop).result(30)
+
+    def errors(self) -> dict[tuple[str, str], float]:
+        """`warply_router_errors_total` by (status, code)."""
+        text = self.call("GET", "/metrics", b"")[1]
+        return {
+            (s.labels["status"], s.labels["code"]): s.value
+            for f in text_string_to_metric_families(text)
+            for s in f.samples
+            if s.name == "warply_router_errors_total"
+        }
+
+
+@pytest.fixture(scope="module")
+def live(tokenizer_dir: Path) -> Iterator[Live]:  # noqa: F811
+    loop = asyncio.new_event_loop()
+    ready: Future[Live] = Future()
+    stop = asyncio.Event()
+
+    async def serve() -> None:
+        engines = [FakeEngine("a", max_model_len=4096), FakeEngine("b", max_model_len=4096)]
+        async with running(
+            tokenizer_dir, engines, auth_token=TOKEN, limits=LIMITS, lora_adapters=["sql"]
+        ) as (router, _call, session, base):
+            ready.set_result(Live(router, base, loop, session))
+            await stop.wait()
+
+    thread = threading.Thread(target=loop.run_until_complete, args=(serve(),), daemon=True)
+    thread.start()
+    try:
+        yield ready.result(30)
+    finally:
+        loop.call_soon_threadsafe(stop.set)
+        thread.join(30)
+        loop.close()
+
+
+def _post(live: Live, path: str, body: Any) -> tuple[int, Any]:
+    raw = body if isinstance(body, bytes) else json.dumps(body).encode()
+    return live.call("POST", path, raw, **{"Content-Type": "application/json"})
+
+
+ESCAPES = [
+    ({"prompt": [1, -1, 2]}, "invalid_prompt"),
+    ({"prompt": [1, 10**6]}, "invalid_prompt"),
+    ({"prompt": [1, 2**40]}, "invalid_prompt"),
+    ({"prompt": [1.5, 2]}, "invalid_prompt"),
+    ({"prompt": [True, 2]}, "invalid_prompt"),
+    ({"prompt": [[1, 2], [3, -4]]}, "invalid_prompt"),
+    ({"prompt": [[1, [2]]]}, "invalid_prompt"),
+    ({"prompt": [[]]}, "invalid_prompt"),
+    ({"prompt": [["a"]]}, "invalid_prompt"),
+    ({"prompt": [None]}, "invalid_prompt"),
+    ({"prompt": {"a": 1}}, "invalid_prompt"),
+    ({"prompt": "hi", "model": ["m"]}, "invalid_value"),
+    ({"prompt": "hi", "model": {"x": 1}}, "invalid_value"),
+    ({"prompt": "hi", "stream": "yes"}, "invalid_value"),
+    ({"prompt": "hi", "max_tokens": -1}, "invalid_value"),
+    ({"prompt": "hi", "max_tokens": "8"}, "invalid_value"),
+    ({"prompt": "hi", "n": 1.5}, "invalid_value"),
+    ({"prompt": "hi", "stream_options": []}, "invalid_value"),
+    ({"prompt": "hi", "warply": []}, "invalid_value"),
+    ({"prompt": "hi", "warply": {"cache_key": "a", "extra": 1}}, "invalid_value"),
+    ({"prompt": list(range(97))}, "prompt_too_long"),
+    ({"prompt": "the cache holds " * 60}, "prompt_too_long"),
+    ({"prompt": ["a", "b", "c", "d", "e"]}, "too_many_prompts"),
+]
+
+CHAT_ESCAPES = [
+    ({"messages": "hi"}, "invalid_prompt"),
+    ({"messages": [{"role": "user", "content": {"a": 1}}]}, "invalid_prompt"),
+    ({"messages": [{"role": 1, "content": "x"}]}, "invalid_prompt"),
+    ({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, "invalid_prompt"),
+    ({"messages": [{"role": "user", "content": "x"}], "chat_template": "{% for %}"},
+     "invalid_prompt"),
+    ({"messages": [{"role": "user", "content": "x"}], "chat_template": "{{ 1 / 0 }}"},
+     "invalid_prompt"),
+    ({"messages": [{"role": "user", "content": "x"}], "chat_template": "{{ messages + 1 }}"},
+     "invalid_prompt"),
+    ({"messages": [{"role": "user", "content": "x"}], "chat_template_kwargs": {"messages": 1}},
+     "invalid_prompt"),
+    ({"messages": [{"role": "user", "content": "x"}], "chat_template_kwargs": [1]},
+     "invalid_value"),
+    ({"messages": [{"role": "user", "content": "x"}] * 9}, "too_many_messages"),
+]
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "code"),
+    [("/v1/completions", b, c) for b, c in ESCAPES]
+    + [("/v1/chat/completions", b, c) for b, c in CHAT_ESCAPES],
+)
+def test_known_bad_inputs_are_openai_400s(live: Live, path: str, body: Any, code: str) -> None:
+    before = live.errors().get(("400", code), 0)
+    status, answer = _post(live, path, body)
+    assert status == 400 and _is_error(answer, code), answer
+    assert live.errors()[("400", code)] == before + 1
+
+
+def test_negative_token_id_names_it(live: Live) -> None:
+    status, answer = _post(live, "/v1/completions", {"model": "m", "prompt": [5, -3]})
+    assert status == 400 and answer["error"]["message"].startswith("Token id -3 is out of vocab")
+
+
+def test_oversized_body_is_413(live: Live) -> None:
+    before = live.errors().get(("413", "request_too_large"), 0)
+    status, answer = _post(live, "/v1/completions", {"prompt": "x" * (65 << 10)})
+    assert status == 413 and _is_error(answer, "request_too_large")
+    assert str(64 << 10) in answer["error"]["message"]
+    status, answer = live.call("POST", "/warply/directives", b"[" * (65 << 10), **ADMIN)
+    assert status == 413 and _is_error(answer, "request_too_large")
+    assert live.errors()[("413", "request_too_large")] == before + 2
+
+
+def test_valid_requests_still_pass(live: Live) -> None:
+    for path, body in (
+        ("/v1/completions", {"model": "sql", "prompt": [1, 2, 3, 4, 5], "max_tokens": None}),
+        ("/v1/completions", {"prompt": [[1, 2], "the cache"], "stream": False}),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}] * 8}),
+    ):
+        status, answer = _post(live, path, body)
+        assert status == 200, answer
+
+
+# -- hypothesis: arbitrary JSON, shaped like requests -----------------------------------------
+
+_SCALAR = (
+    st.none()
+    | st.booleans()
+    | st.integers(min_value=-(2**70), max_value=2**70)
+    | st.floats(allow_nan=False, allow_infinity=False)
+    | st.text(max_size=20)
+)
+_JSON = st.recursive(
+    _SCALAR,
+    lambda inner: st.lists(inner, max_size=6)
+    | st.dictionaries(st.text(max_size=8), inner, max_size=4),
+    max_leaves=30,
+)
+_TOKEN_LIST = st.lists(st.integers(min_value=-5, max_value=1000), min_size=1, max_size=80)
+_FIELDS = {
+    "model": st.sampled_from(["m", "sql", "other"]) | _JSON,
+    "prompt": st.text(max_size=60) | _TOKEN_LIST | st.lists(_TOKEN_LIST | st.text(), max_size=6)
+    | _JSON,
+    "messages": st.lists(
+        st.fixed_dictionaries({"role": st.sampled_from(["user", "system"]) | _JSON},
+                              optional={"content": st.text(max_size=30) | _JSON})
+        | _JSON,
+        max_size=10,
+    ) | _JSON,
+    "stream": st.booleans() | _JSON,
+    "stream_options": st.just({"include_usage": True}) | _JSON,
+    "max_tokens": st.integers(min_value=-2, max_value=10) | _JSON,
+    "n": st.integers(min_value=0, max_value=3) | _JSON,
+    "add_special_tokens": st.booleans() | _JSON,
+    "chat_template_kwargs": _JSON,
+    "warply": st.fixed_dictionaries({}, optional={"cache_key": st.text(max_size=8) | _JSON,
+                                                  "prefix_reuse": st.booleans() | _JSON}) | _JSON,
+}
+_BODY = st.fixed_dictionaries({}, optional=_FIELDS)
+_RAW = (
+    _BODY.map(lambda b: json.dumps(b).encode())
+    | _JSON.map(lambda b: json.dumps(b).encode())
+    | st.binary(max_size=200)
+    | st.text(max_size=60).map(lambda t: t.encode("utf-8", "surrogatepass"))
+)
+
+
+def _check_answer(status: int, answer: Any) -> None:
+    assert status < 500, answer
+    if status >= 400:
+        assert isinstance(answer, dict) and set(answer["error"]) == {
+            "message", "type", "param", "code"}, answer  # fmt: skip
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+def test_fuzzed_bodies_never_crash_and_every_rejection_is_counted(live: Live, path: str) -> None:
+    seen: dict[str, int] = {"rejected": 0}
+    before = sum(v for (s, _), v in live.errors().items() if s.startswith("4"))
+
+    @FUZZ
+    @given(raw=_RAW)
+    def run(raw: bytes) -> None:
+        status, answer = _post(live, path, raw)
+        _check_answer(status, answer)
+        seen["rejected"] += 400 <= status < 500  # the fake engines answer only 200s
+
+    run()
+    after = sum(v for (s, _), v in live.errors().items() if s.startswith("4"))
+    assert seen["rejected"] > 0 and after - before == seen["rejected"]
+
+
+def test_fuzzed_admin_bodies_never_crash(live: Live) -> None:
+    @FUZZ
+    @given(
+        path=st.sampled_from(
+            ["/warply/directives", "/warply/workers/a", "/warply/pools/p/workers",
+             "/warply/pools/nope/workers"]  # fmt: skip
+        ),
+        raw=_RAW | st.fixed_dictionaries({"worker": _JSON, "directive": _JSON}).map(
+            lambda b: json.dumps(b).encode()
+        ),
+    )
+    def run(path: str, raw: bytes) -> None:
+        status, answer = live.call("POST", path, raw, **ADMIN)
+        _check_answer(status, answer)
+
+    run()
+    assert live.router.workers["a"].enabled is not None
+
+
+# -- schemathesis: the router against its own OpenAPI document --------------------------------
+
+
+def test_openapi_document_is_served(live: Live) -> None:
+    status, doc = live.call("GET", "/openapi.json", b"")
+    assert status == 200 and doc == json.loads(json.dumps(openapi_document(live.router.config)))
+    assert set(doc["paths"]) >= {"/v1/completions", "/v1/chat/completions", "/warply/directives"}
+
+
+_SCHEMA_CONFIG = RouterConfig.model_validate(
+    {"model": "m", "lora_adapters": ["sql"], "tokenizer": "/unused",
+     "pools": [{"name": "p", "block_size": 4, "workers": [{"name": "a", "url": "http://x"}]}]}
+)  # fmt: skip
+schema = schemathesis.openapi.from_dict(
+    openapi_document(_SCHEMA_CONFIG),
+    config=SchemathesisConfig.from_dict(
+        {"generation": {"mode": "all", "max-examples": 15, "deterministic": True,
+                        "database": "none"}}  # fmt: skip
+    ),
+)
+
+
+@schema.exclude(path_regex="^/warply/workers/|^/warply/pools/").parametrize()
+def test_router_conforms_to_its_openapi_document(case: Any, live: Live) -> None:
+    """Every check but `positive_data_acceptance`: a schema-valid body may still exceed the
+    context length the engines report at run time (400 `context_length_exceeded`)."""
+    with requests.Session() as session:
+        case.call_and_validate(
+            base_url=live.base,
+            session=session,
+            headers=ADMIN,
+            excluded_checks=[positive_data_acceptance],
+        )
