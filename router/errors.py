@@ -73,7 +73,7 @@ async def read_object(request: web.Request) -> dict[str, Any]:
         ) from None
     try:
         body = msgspec.json.decode(raw)
-    except msgspec.DecodeError as exc:
+    except (msgspec.DecodeError, RecursionError) as exc:  # RecursionError: nested too deep
         raise ApiError(400, f"request body is not valid JSON: {exc}", "invalid_json") from None
     if not isinstance(body, dict):
         raise ApiError(400, "request body must be a JSON object", "invalid_json")

@@ -166,6 +166,13 @@ def test_known_bad_inputs_are_openai_400s(live: Live, path: str, body: Any, code
     assert live.errors()[("400", code)] == before + 1
 
 
+def test_deeply_nested_json_is_400(live: Live) -> None:
+    for path in ("/v1/completions", "/v1/chat/completions", "/warply/directives"):
+        raw = b'{"prompt": ' + b"[" * 30_000 + b"]" * 30_000 + b"}"
+        status, answer = live.call("POST", path, raw, **ADMIN)
+        assert status == 400 and _is_error(answer, "invalid_json"), answer
+
+
 def test_negative_token_id_names_it(live: Live) -> None:
     status, answer = _post(live, "/v1/completions", {"model": "m", "prompt": [5, -3]})
     assert status == 400 and answer["error"]["message"].startswith("Token id -3 is out of vocab")

@@ -154,7 +154,7 @@ class StreamDecoder:
         """Decode one payload whose sequence number is already known (live or replayed)."""
         try:
             raw = msgspec.msgpack.decode(payload)
-        except msgspec.DecodeError as exc:
+        except (msgspec.DecodeError, RecursionError) as exc:  # RecursionError: nested too deep
             return self._reject(Rejection.BAD_MSGPACK, str(exc))
         try:
             if isinstance(raw, list) and raw and raw[0] == "warply":
