@@ -89,7 +89,13 @@ class Router:
         self.proxy.max_model_len = config.max_model_len
         self.tiering: TierRunner | None = None
         if config.tiering is not None:
-            self.tiering = TierRunner(config.tiering, self.index, self.workers, self.metrics.series)
+            self.tiering = TierRunner(
+                config.tiering,
+                self.index,
+                self.workers,
+                self.metrics.series,
+                control_token=config.control_token,
+            )
             self.metrics.on_request.append(self.tiering.observe)
         self._health_task: asyncio.Task[None] | None = None
         self.app = web.Application(
@@ -362,7 +368,9 @@ class Router:
         except (msgspec.ValidationError, ValueError) as exc:
             raise ApiError(400, f"invalid directive: {exc}", "invalid_value", "directive") from None
         try:
-            ack = await send_directive(worker.config.control, directive)
+            ack = await send_directive(
+                worker.config.control, directive, token=self.config.control_token
+            )
         except TimeoutError as exc:
             raise ApiError(504, str(exc), "directive_timeout") from None
         return web.json_response(msgspec.structs.asdict(ack))

@@ -16,7 +16,6 @@ import msgspec
 from router.config import RouterConfig, WorkerConfig
 from warply.protocol.api import CacheStats, Overrides, WorkerList, WorkerView
 from warply.protocol.directives import Directive
-from warply.protocol.events import DirectiveAck
 
 _REF = "#/components/schemas/{name}"
 _NULLABLE_INT = {"type": ["integer", "null"], "minimum": 0}
@@ -102,6 +101,19 @@ _CHAT: dict[str, Any] = {
 }
 
 
+_ACK = {
+    "type": "object",
+    "description": "`warply.protocol.events.DirectiveAck` as a JSON object",
+    "required": ["directive_id", "applied", "reason", "blocks"],
+    "properties": {
+        "directive_id": {"type": "string"},
+        "applied": {"type": "boolean"},
+        "reason": {"type": "string"},
+        "blocks": {"type": "integer"},
+    },
+}
+
+
 def _json(schema: dict[str, Any] | str, description: str) -> dict[str, Any]:
     ref = {"$ref": _REF.format(name=schema)} if isinstance(schema, str) else schema
     return {"description": description, "content": {"application/json": {"schema": ref}}}
@@ -139,10 +151,11 @@ def _name(param: str) -> dict[str, Any]:
 def openapi_document(config: RouterConfig) -> dict[str, Any]:
     """The document for a router with `config` (its model names are the `model` values)."""
     _, components = msgspec.json.schema_components(
-        (CacheStats, WorkerList, WorkerView, Overrides, Directive, DirectiveAck),
+        (CacheStats, WorkerList, WorkerView, Overrides, Directive),
         ref_template=_REF,
     )
     components["Error"] = _ERROR
+    components["DirectiveAck"] = _ACK
     model = {"model": {"enum": [config.model, *config.lora_adapters, None]}}
     for name, shape in (("CompletionRequest", _COMPLETION), ("ChatCompletionRequest", _CHAT)):
         components[name] = {**shape, "properties": {**model, **shape["properties"]}}

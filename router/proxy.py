@@ -30,7 +30,7 @@ from router.placement import Decision, Placement
 from router.strategies import NoCandidate
 from router.tokenize import Prompt, PromptError, RouterTokenizer, start_prompts
 from warply.protocol import request_namespace
-from warply.protocol.api import Overrides
+from warply.protocol.api import CacheKey, Overrides
 
 _T = TypeVar("_T")
 _FORWARD_HEADERS = ("Authorization", "X-Request-Id")
@@ -230,6 +230,12 @@ class Proxy:
         ov = _overrides(body)
         if ov.cache_key is not None:
             body["cache_salt"] = ov.cache_key
+        elif body.get("cache_salt") is not None:  # the engine's field, sent as is: same rules
+            try:
+                msgspec.convert(body["cache_salt"], CacheKey)
+            except msgspec.ValidationError as exc:
+                msg = f"'cache_salt' must be a non-empty string without NUL: {exc}"
+                raise ApiError(400, msg, "invalid_value", "cache_salt") from None
         namespace = request_namespace(body, self.model)
         try:
             prompts = await self._tokenize(start_prompts, self._tokenizer, kind, body)

@@ -72,7 +72,8 @@ class WarplyEventPublisher(EventPublisher):  # type: ignore[misc]
         )
         self._control = (
             ControlServer(
-                ZmqEventPublisher.offset_endpoint_port(settings.control_endpoint, attn_dp_rank)
+                ZmqEventPublisher.offset_endpoint_port(settings.control_endpoint, attn_dp_rank),
+                token=settings.control_token,
             )
             if settings.control_endpoint
             else None

@@ -12,7 +12,7 @@ from typing import Any
 
 from warply.common.argtypes import fraction, positive
 from warply.protocol.endpoints import GRAMMAR, EndpointError, check_endpoint
-from warply.protocol.plugin import PluginSettings
+from warply.protocol.plugin import CONTROL_TOKEN_ENV, PluginSettings
 
 SGLANG_VERSION = "0.5.23"
 """The SGLang release whose internals the hooks target."""
@@ -67,6 +67,13 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
         type=endpoint_arg,
         help="Bind a state-stream replay socket here (replay_endpoint).",
     )
+    group.add_argument(
+        "--warply-control-token",
+        default="",
+        help="Apply only directives signed with this token (control_token: the router's "
+        f"control_token, >= 16 characters; default: ${CONTROL_TOKEN_ENV}, which keeps it off "
+        "the command line).",
+    )
     group.add_argument("--warply-worker", default="", help="Worker id (default: HOST:PORT).")
     group.add_argument(
         "--warply-model", default="", help="Model name seeding canonical keys (default: served)."
@@ -92,7 +99,9 @@ def settings_from_args(args: argparse.Namespace) -> WarplySettings | None:
         return None
     if not args.warply_router:
         raise SystemExit("error: --enable-warply needs --warply-router tcp://HOST:PORT")
+    token = {"control_token": args.warply_control_token} if args.warply_control_token else {}
     return WarplySettings(
+        **token,
         events_endpoint=args.warply_router,
         control_endpoint=args.warply_control,
         replay_endpoint=args.warply_replay,

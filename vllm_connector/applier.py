@@ -80,6 +80,7 @@ class DirectiveApplier:
         max_pinned_fraction: float,
         delegate_name: str | None,
         on_result: Callable[[bool], None],
+        on_refused: Callable[[int], None],
         lmcache: LMCacheServer | None = None,
         lmcache_identity: Callable[[], tuple[str, int]] | None = None,
     ) -> None:
@@ -89,6 +90,10 @@ class DirectiveApplier:
         self._max_pinned_fraction = max_pinned_fraction
         self._delegate_name = delegate_name
         self._on_result = on_result
+        self._on_refused = on_refused
+        self._refused = 0
+        """Messages the control socket refused (unsigned, bad signature, stale, replayed,
+        undecodable) that `on_refused` has been told about."""
         self._lmcache = lmcache
         self._lmcache_identity = lmcache_identity
         """(model name, world size) the delegate registered with LMCache (its object keys)."""
@@ -104,7 +109,12 @@ class DirectiveApplier:
         return not self._server.inbox.empty()
 
     def drain(self) -> None:
-        """Expire pins, then apply and acknowledge every queued directive."""
+        """Count refused messages, expire pins, then apply and acknowledge every queued
+        directive."""
+        refused = self._server.refused
+        if refused != self._refused:
+            self._on_refused(refused - self._refused)
+            self._refused = refused
         self._expire_pins()
         for ack in self._server.apply_pending(self._apply):
             self._on_result(ack.applied)

@@ -219,7 +219,7 @@ class WarplyConnector(KVConnectorBase_V1):
             if wake is None:
                 _log.warning("Warply: EngineCore not found; directives wait for the next step")
             with _binding("warply.control_endpoint", w.control_endpoint):
-                control = ControlServer(w.control_endpoint, wake)
+                control = ControlServer(w.control_endpoint, wake, token=w.control_token)
             self._directives = DirectiveApplier(
                 control,
                 self._exporter,
@@ -227,6 +227,7 @@ class WarplyConnector(KVConnectorBase_V1):
                 max_pinned_fraction=w.max_pinned_fraction,
                 delegate_name=self._delegate_name,
                 on_result=self._count_directive,
+                on_refused=self._count_refused,
                 lmcache=self._lmcache,
                 lmcache_identity=self._lmcache_identity,
             )
@@ -415,6 +416,9 @@ class WarplyConnector(KVConnectorBase_V1):
         if adapter is None:
             raise LMCacheError(f"delegate {self._delegate_name} has no LMCache scheduler adapter")
         return str(adapter.model_name), int(adapter.world_size)
+
+    def _count_refused(self, n: int) -> None:
+        self._counters.directives_refused += n
 
     def _count_directive(self, applied: bool) -> None:
         if applied:

@@ -34,6 +34,9 @@ class WarplyCounters:
     prefix_hit_blocks: int = 0
     directives_applied: int = 0
     directives_rejected: int = 0
+    directives_refused: int = 0
+    """Control-socket messages refused unapplied: undecodable, or (with a control_token)
+    unsigned, wrongly signed, stale or replayed."""
     export_seconds: float = 0.0
     export_steps: int = 0
     export_backlog: int = 0
@@ -166,6 +169,11 @@ class WarplyPromMetrics(KVConnectorPromMetrics):
             ),
             "directives_rejected": counter(
                 "vllm:warply_directives_rejected", "Warply directives rejected."
+            ),
+            "directives_refused": counter(
+                "vllm:warply_directives_refused",
+                "Directive-socket messages refused unapplied (undecodable; with a "
+                "control_token: unsigned, bad signature, stale or replayed).",
             ),
             "export_seconds": counter(
                 "vllm:warply_export_seconds",

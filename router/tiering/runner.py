@@ -44,8 +44,11 @@ class TierRunner:
         workers: Workers,
         series: Series,
         policy: TierPolicy | None = None,
+        control_token: str | None = None,
     ) -> None:
         self.config = config
+        self._token = control_token
+        """Signs directives (the router's `control_token`; None: unsigned)."""
         self.policy = policy if policy is not None else make_policy(config.policy)
         self.tracker = PrefixTracker(config.max_prefixes, config.max_prefix_blocks)
         self._index = index
@@ -163,7 +166,9 @@ class TierRunner:
             return
         directive = action.directive(f"tier-{next(self._ids)}")
         try:
-            ack = await send_directive(endpoint, directive, self.config.directive_timeout_s)
+            ack = await send_directive(
+                endpoint, directive, self.config.directive_timeout_s, self._token
+            )
         except TimeoutError:
             self._count(action.kind, "timeout")
             return

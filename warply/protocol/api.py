@@ -9,7 +9,7 @@ denominator.
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Annotated, Literal
 
 import msgspec
 
@@ -28,10 +28,16 @@ BreakerState = Literal["closed", "open", "half_open"]
 at a time try it."""
 
 
+CacheKey = Annotated[str, msgspec.Meta(min_length=1, pattern="^[^\x00]*$")]
+"""A tenant's cache namespace: non-empty (vLLM refuses an empty `cache_salt`) and without NUL,
+the separator of the namespace's parts (`protocol.normalize.cache_namespace`), so no key can
+name another tenant's namespace on an adapter (`"a\0sql"` is tenant `a` on adapter `sql`)."""
+
+
 class Overrides(msgspec.Struct, forbid_unknown_fields=True):
     """`extra_body={"warply": {...}}`: per-request cache namespace and reuse switch."""
 
-    cache_key: str | None = None
+    cache_key: CacheKey | None = None
     """The request's cache namespace (forwarded to the engine as `cache_salt`)."""
     prefix_reuse: bool = True
     """False: place by load alone."""

@@ -5,13 +5,25 @@ applies each directive through the engine's own API and answers with `reply`, so
 is only ever touched by the thread that owns it. An undecodable message is answered at once
 with a rejection (it has no id to apply it under). Replies are `DirectiveAck` msgpack frames;
 clients decode them with `ack_decoder`.
+
+With a control token (the router's `control_token`, the plugins' `control_token`), every message
+must be a `SignedDirective`: HMAC-SHA256 under the token over the sender's clock, a random nonce
+and the encoded directive. The socket answers anything else with a rejection and applies
+nothing: an unsigned or wrongly signed message (`unsigned`, `bad_mac`), one whose clock is more
+than `window_s` off this host's (`stale`), or a nonce already seen within that window
+(`replayed`). Each is counted in `ControlServer.rejected` by reason.
 """
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import logging
+import os
 import queue
 import threading
+import time
+from collections import Counter
 from collections.abc import Callable
 
 import msgspec
@@ -25,6 +37,104 @@ _ack_encoder = msgspec.msgpack.Encoder()
 ack_decoder = msgspec.msgpack.Decoder(DirectiveAck)
 """Decodes a control-socket reply."""
 
+REPLAY_WINDOW_S = 30.0
+"""How far a signed directive's clock may be from the receiver's; nonces are kept this long."""
+_MAX_NONCES = 100_000
+_DOMAIN = b"warply-directive/v1\0"
+_LOG_FIRST = 5
+_LOG_EVERY = 1000
+
+
+class SignedDirective(msgspec.Struct, array_like=True, tag="warply-signed", frozen=True):
+    """An encoded `Directive` with its sender's proof of the control token."""
+
+    ts: float
+    """The sender's wall clock (s since the epoch)."""
+    nonce: bytes
+    """16 random bytes: a message seen once within the window is refused again."""
+    directive: bytes
+    mac: bytes
+    """HMAC-SHA256(token, domain | ts | nonce | directive)."""
+
+
+_signed_encoder = msgspec.msgpack.Encoder()
+_signed_decoder = msgspec.msgpack.Decoder(SignedDirective)
+
+
+def _mac(token: bytes, ts: float, nonce: bytes, directive: bytes) -> bytes:
+    message = b"".join(
+        (_DOMAIN, msgspec.msgpack.encode(ts), len(nonce).to_bytes(2, "big"), nonce, directive)
+    )
+    return hmac.new(token, message, hashlib.sha256).digest()
+
+
+def sign(directive: bytes, token: str, now: float | None = None) -> bytes:
+    """The message that carries the encoded `directive` to a socket holding `token`."""
+    ts = time.time() if now is None else now
+    nonce = os.urandom(16)
+    mac = _mac(token.encode(), ts, nonce, directive)
+    return _signed_encoder.encode(SignedDirective(ts, nonce, directive, mac))
+
+
+class AuthError(ValueError):
+    """A message the socket refuses; `reason` is the counter it goes to."""
+
+    def __init__(self, reason: str, message: str) -> None:
+        super().__init__(message)
+        self.reason = reason
+
+
+class Verifier:
+    """Checks signed messages against one token: MAC, clock window, nonce not seen before.
+
+    Nonces are remembered for `window_s` (older messages are refused as stale anyway), at most
+    `max_nonces` of them: past that, messages are refused until old ones expire, so a flood of
+    valid messages cannot grow memory."""
+
+    def __init__(
+        self,
+        token: str,
+        window_s: float = REPLAY_WINDOW_S,
+        max_nonces: int = _MAX_NONCES,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        self._token = token.encode()
+        self._window = window_s
+        self._max = max_nonces
+        self._clock = clock
+        self._seen: dict[bytes, float] = {}
+        """Nonce → its message's time, oldest first (expired ones dropped from the front)."""
+
+    def open(self, message: bytes) -> bytes:
+        """The encoded directive inside a valid `message`; `AuthError` otherwise."""
+        try:
+            signed = _signed_decoder.decode(message)
+        except (msgspec.DecodeError, RecursionError):
+            raise AuthError("unsigned", "this socket takes signed directives only") from None
+        expected = _mac(self._token, signed.ts, signed.nonce, signed.directive)
+        if not hmac.compare_digest(expected, signed.mac):
+            raise AuthError("bad_mac", "the directive's signature does not match the token")
+        now = self._clock()
+        if not abs(now - signed.ts) <= self._window:
+            raise AuthError(
+                "stale", f"the directive is {now - signed.ts:.0f}s off this host's clock"
+            )
+        self._expire(now)
+        if signed.nonce in self._seen:
+            raise AuthError("replayed", "this directive was received before")
+        if len(self._seen) >= self._max:
+            raise AuthError("replayed", "too many directives within the replay window")
+        self._seen[signed.nonce] = signed.ts
+        return signed.directive
+
+    def _expire(self, now: float) -> None:
+        seen = self._seen
+        while seen:
+            nonce, ts = next(iter(seen.items()))
+            if now - ts <= self._window:
+                break
+            del seen[nonce]
+
 
 class ControlServer:
     """Binds `endpoint`; `inbox` holds `(envelope, directive)` for the scheduler thread.
@@ -33,7 +143,15 @@ class ControlServer:
     such as vLLM's EngineCore loop, need a nudge to run the hook that drains the inbox).
     """
 
-    def __init__(self, endpoint: str, wake: Callable[[], None] | None = None) -> None:
+    def __init__(
+        self, endpoint: str, wake: Callable[[], None] | None = None, token: str = ""
+    ) -> None:
+        self.rejected: Counter[str] = Counter()
+        """Messages refused before any directive was applied, by reason (`bad_directive`,
+        `unsigned`, `bad_mac`, `stale`, `replayed`); written by the control thread only."""
+        self.refused = 0
+        """Their total (an int other threads can read while the control thread counts)."""
+        self._verifier = Verifier(token) if token else None
         self.inbox: queue.SimpleQueue[tuple[list[bytes], Directive]] = queue.SimpleQueue()
         self._outbox: queue.SimpleQueue[tuple[list[bytes], DirectiveAck] | None] = (
             queue.SimpleQueue()
@@ -93,10 +211,23 @@ class ControlServer:
 
     def _receive(self, envelope: list[bytes], payload: bytes) -> None:
         try:
+            if self._verifier is not None:
+                payload = self._verifier.open(payload)
             directive = decode_directive(payload)
-        except (msgspec.DecodeError, msgspec.ValidationError, ValueError) as exc:
-            self.reply(envelope, DirectiveAck("", False, f"bad directive: {exc}"))
+        except AuthError as exc:
+            self._refuse(envelope, exc.reason, f"unauthenticated: {exc}")
+            return
+        except (msgspec.DecodeError, ValueError, RecursionError) as exc:
+            self._refuse(envelope, "bad_directive", f"bad directive: {exc}")
             return
         self.inbox.put((envelope, directive))
         if self._wake is not None:
             self._wake()
+
+    def _refuse(self, envelope: list[bytes], reason: str, message: str) -> None:
+        self.refused += 1
+        self.rejected[reason] += 1
+        n = self.rejected[reason]
+        if n <= _LOG_FIRST or n % _LOG_EVERY == 0:
+            _log.warning("directive socket refused a message: %s; %d for this reason", message, n)
+        self.reply(envelope, DirectiveAck("", False, message))

@@ -12,7 +12,8 @@ and never blocks it, never raises into it, and never moves KV blocks itself. It
   always binds; `warply.protocol.publisher`) so a subscriber can fill a gap;
 - applies directives from the **directive socket** (`control_endpoint`, ROUTER, always binds;
   `warply.protocol.control`) between scheduler steps, answers each with a `DirectiveAck` on that
-  socket and on the state stream, and keeps pins within `max_pinned_fraction` of the pool;
+  socket and on the state stream, and keeps pins within `max_pinned_fraction` of the pool; with
+  a `control_token`, only signed, fresh, never-replayed directives are applied;
 - keys blocks by `warply.protocol.keys` seeded with `model`, which must be the router's.
 
 `PluginSettings` holds what both plugins share, under the same names: the vLLM plugin reads them
@@ -23,9 +24,21 @@ dataclass (picklable: SGLang carries it to its scheduler processes), validated o
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import logging
+import os
+from dataclasses import dataclass, field
 
-from warply.protocol.endpoints import EndpointError, check_endpoint
+from warply.protocol.endpoints import EndpointError, check_endpoint, parse_endpoint
+
+CONTROL_TOKEN_ENV = "WARPLY_CONTROL_TOKEN"
+"""Where `control_token` is read from when the settings do not give one (keeps the secret off
+the engine's command line)."""
+
+_log = logging.getLogger(__name__)
+
+
+def _env_token() -> str:
+    return os.environ.get(CONTROL_TOKEN_ENV, "")
 
 DEFAULT_ENDPOINTS = {
     "events_endpoint": "tcp://127.0.0.1:5557",
@@ -71,6 +84,10 @@ class PluginSettings:
     """Period of `LoadSnapshot` events (s), > 0."""
     max_pinned_fraction: float = 0.5
     """Pins may hold at most this share of the device blocks (protects the scheduler)."""
+    control_token: str = field(default_factory=_env_token, repr=False)
+    """The router's `control_token`: the directive socket then applies only directives signed
+    with it, fresh and never seen before (`warply.protocol.control`). Empty: unsigned
+    directives are taken. Default: the `WARPLY_CONTROL_TOKEN` environment variable."""
 
     def __post_init__(self) -> None:
         for name in ("events_endpoint", "replay_endpoint", "control_endpoint"):
@@ -85,3 +102,12 @@ class PluginSettings:
             raise SettingsError("snapshot_interval_s", "must be greater than 0")
         if not 0 <= self.max_pinned_fraction <= 1:
             raise SettingsError("max_pinned_fraction", "must be between 0 and 1")
+        if 0 < len(self.control_token) < 16:
+            raise SettingsError("control_token", "must be at least 16 characters")
+        control = self.control_endpoint
+        if control and not self.control_token and parse_endpoint(control).wildcard:
+            _log.warning(
+                "Warply: directive socket %s listens on every interface without a "
+                "control_token: anyone who reaches it can pin and evict this engine's cache",
+                control,
+            )
