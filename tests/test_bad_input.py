@@ -31,6 +31,7 @@ from router.openapi import openapi_document
 from tests.test_router_api import (  # noqa: F401
     FakeEngine,
     _is_error,
+    _run,
     running,
     tokenizer_dir,
 )
@@ -322,3 +323,20 @@ def test_router_conforms_to_its_openapi_document(case: Any, live: Live) -> None:
             headers=ADMIN,
             excluded_checks=[positive_data_acceptance],
         )
+
+
+def test_huge_token_list_with_default_limits_is_a_400(tokenizer_dir: Path) -> None:  # noqa: F811
+    """1.1 M token ids (7.7 MB of JSON) fit the default body limit and exceed the default
+    prompt limit: answered 400 before any tokenizing or placement."""
+
+    async def scenario() -> None:
+        async with running(tokenizer_dir, [FakeEngine("a")]) as (router, call, _s, _b):
+            ids = b"[" + b",".join([b"7"] * 1_100_000) + b"]"
+            status, body = await call("POST", "/v1/completions", b'{"prompt": ' + ids + b"}")
+            assert status == 400 and _is_error(body, "prompt_too_long"), body
+            assert str(router.config.limits.max_prompt_tokens) in body["error"]["message"]
+            many = {"prompt": [[1, 2]] * 1025}
+            status, body = await call("POST", "/v1/completions", many)
+            assert status == 400 and _is_error(body, "too_many_prompts")
+
+    _run(scenario())

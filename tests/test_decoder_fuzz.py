@@ -5,17 +5,22 @@ or rejected and counted once; nothing raises. Derandomized, small example counts
 
 from __future__ import annotations
 
+import asyncio
+from pathlib import Path
 from typing import Any
 
 import msgspec
+import zmq
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from tests.test_router_api import running, tokenizer_dir  # noqa: F401
+from warply.launch import HOST, free_port
 from warply.protocol import DecodedBatch, StreamDecoder
 from warply.protocol.events import PROTOCOL_VERSION
 
 FUZZ = settings(
-    max_examples=300, derandomize=True, deadline=None, database=None,
+    max_examples=200, derandomize=True, deadline=None, database=None,
     suppress_health_check=[HealthCheck.too_slow],
 )  # fmt: skip
 
@@ -93,8 +98,8 @@ def test_any_frame_is_accepted_or_rejected_once(frames: list[bytes]) -> None:
     assert (result is not None) == (decoder.accepted == 1)
 
 
-@FUZZ
-@given(batches=st.lists(_PAYLOAD, min_size=1, max_size=8))
+@settings(FUZZ, max_examples=50)
+@given(batches=st.lists(_PAYLOAD, min_size=1, max_size=6))
 def test_a_stream_of_bad_payloads_keeps_decoding(batches: list[bytes]) -> None:
     decoder = StreamDecoder("fuzz")
     good = msgspec.msgpack.encode({"ts": 1.0, "events": [{"type": "AllBlocksCleared"}]})
@@ -132,3 +137,32 @@ def test_huge_lists_are_decoded_or_rejected_without_raising() -> None:
     assert results[1] is not None and len(results[1].events) == n
     assert results[2] is None and results[3] is None and results[4] is None
     assert decoder.accepted == 2 and sum(decoder.rejected.values()) == 3
+
+
+def test_a_routers_stream_rejections_are_on_its_metrics(tokenizer_dir: Path) -> None:  # noqa: F811
+    """Garbage published to a router's state-stream socket: counted per worker and reason on
+    /metrics (`warply_stream_rejected`), and the router keeps serving."""
+    port = free_port()
+    pool = {"name": "p", "block_size": 4, "workers": [{
+        "name": "w", "url": f"http://{HOST}:{free_port()}",
+        "events": f"tcp://{HOST}:{port}", "bind": True}]}  # fmt: skip
+    pub = zmq.Context.instance().socket(zmq.PUB)
+    pub.setsockopt(zmq.LINGER, 0)
+
+    async def scenario() -> None:
+        async with running(tokenizer_dir, [], pools=[pool]) as (_r, call, _s, _b):
+            pub.connect(f"tcp://{HOST}:{port}")
+            line = 'warply_stream_rejected{reason="bad_msgpack",worker="w"}'
+            for _ in range(200):  # until the subscription has joined (ZMQ's slow joiner)
+                pub.send_multipart([b"", (0).to_bytes(8, "big"), b"\xc1"])
+                await asyncio.sleep(0.05)
+                text = (await call("GET", "/metrics"))[1]
+                if line in text:
+                    break
+            assert line in text
+            assert (await call("GET", "/health"))[0] == 503  # no healthy engine, but answering
+
+    try:
+        asyncio.run(asyncio.wait_for(scenario(), 60))
+    finally:
+        pub.close()
