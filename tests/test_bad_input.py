@@ -312,7 +312,7 @@ schema = schemathesis.openapi.from_dict(
 )
 
 
-@schema.exclude(path_regex="^/warply/workers/|^/warply/pools/").parametrize()
+@schema.parametrize()
 def test_router_conforms_to_its_openapi_document(case: Any, live: Live) -> None:
     """Every check but `positive_data_acceptance`: a schema-valid body may still exceed the
     context length the engines report at run time (400 `context_length_exceeded`)."""

@@ -146,7 +146,7 @@ def test_a_routers_stream_rejections_are_on_its_metrics(tokenizer_dir: Path) -> 
     pool = {"name": "p", "block_size": 4, "workers": [{
         "name": "w", "url": f"http://{HOST}:{free_port()}",
         "events": f"tcp://{HOST}:{port}", "bind": True}]}  # fmt: skip
-    pub = zmq.Context.instance().socket(zmq.PUB)
+    pub: zmq.Socket[bytes] = zmq.Context.instance().socket(zmq.PUB)
     pub.setsockopt(zmq.LINGER, 0)
 
     async def scenario() -> None:

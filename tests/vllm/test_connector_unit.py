@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import inspect
 import time
 from types import SimpleNamespace
@@ -22,20 +23,26 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     SupportsHMA,
 )
 
+from router.control import send_directive
+from vllm_connector.applier import DirectiveApplier
 from vllm_connector.config import WarplyConfigError, WarplySettings, parse_config
 from vllm_connector.connector import WarplyConnector, WarplyHMAConnector
 from vllm_connector.export import StateExporter
 from vllm_connector.metrics import WarplyConnectorStats, WarplyCounters, build_stats
+from warply.launch import HOST, free_port
 from warply.protocol import (
     AllCleared,
     BlockRemoved,
     BlockStored,
+    Directive,
+    DirectiveKind,
     PluginSettings,
     Tier,
     cache_namespace,
     chain_keys,
     root_seed,
 )
+from warply.protocol.control import ControlServer
 from warply_plugins.vllm import register
 
 
@@ -312,3 +319,34 @@ def test_lora_and_salt_form_the_namespace(collector: Collector) -> None:
     key_b = chain_keys(tokens[:16], 16, root_seed("m", "\0b"))[0]
     assert exporter.key_to_hash == {keys_a[0]: 1, keys_a[1]: 2, key_b: 3}
     assert counters.events_skipped == 0
+
+
+def test_refused_directive_messages_are_counted() -> None:
+    """With a control_token, an unsigned message is refused on the control thread and the next
+    drain (scheduler thread) counts it in `directives_refused`; nothing is applied."""
+    endpoint = f"tcp://{HOST}:{free_port()}"
+    server = ControlServer(endpoint, token="t" * 16)
+    counters = WarplyCounters()
+    applied: list[bool] = []
+
+    def refused(n: int) -> None:
+        counters.directives_refused += n
+
+    applier = DirectiveApplier(
+        server,
+        mock.Mock(spec=StateExporter),
+        hash_fn=lambda _: b"",
+        max_pinned_fraction=0.5,
+        delegate_name=None,
+        on_result=applied.append,
+        on_refused=refused,
+    )
+    try:
+        pin = Directive("d", DirectiveKind.PIN, token_ids=[1, 2])
+        ack = asyncio.run(send_directive(endpoint, pin, 5))
+        assert not ack.applied and ack.reason.startswith("unauthenticated")
+        applier.drain()
+        applier.drain()
+        assert counters.take()["directives_refused"] == 1 and applied == []
+    finally:
+        server.close()

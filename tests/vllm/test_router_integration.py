@@ -246,6 +246,20 @@ def test_errors_are_openai_shaped(stack: dict[str, Any]) -> None:
     status, body, _ = _post(url + "/v1/completions", long)
     assert status == 400 and body["error"]["code"] == "context_length_exceeded"
     assert set(body["error"]) == {"message", "type", "param", "code"}
+    # Token ids outside the vocabulary: the router refuses what vLLM refuses (past the end in
+    # vLLM's words; vLLM's request model refuses a negative id before that check) and passes
+    # the largest id (tiny: 8192 ids).
+    engine = stack["engines"][0].url
+    for bad in (-1, 8192):
+        req = {"model": "tiny", "prompt": [5, bad], "max_tokens": 1}
+        direct_status, direct, _ = _post(engine + "/v1/completions", req)
+        status, body, _ = _post(url + "/v1/completions", req)
+        words = f"Token id {bad} is out of vocabulary"
+        assert direct_status == 400 and (bad < 0 or words in direct["error"]["message"]), direct
+        assert status == 400 and body["error"]["code"] == "invalid_prompt", body
+        assert words in body["error"]["message"]
+    req = {"model": "tiny", "prompt": [5, 8191], "max_tokens": 1}
+    assert _post(url + "/v1/completions", req)[0] == 200
 
 
 def test_admin_token_enforced(stack: dict[str, Any]) -> None:
