@@ -6,6 +6,7 @@ default. CLI flags override the file's top-level scalars (`--port`, `--strategy`
 
 from __future__ import annotations
 
+import os
 import tomllib
 from pathlib import Path
 from typing import Any, Literal
@@ -15,6 +16,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from warply.protocol.api import Role
 from warply.protocol.endpoints import check_endpoint
+from warply.protocol.plugin import CONTROL_TOKEN_ENV
 
 
 class ConfigError(ValueError):
@@ -258,10 +260,13 @@ class RouterConfig(_Strict):
     strategy: StrategyConfig = StrategyConfig()
     auth_token: str | None = Field(None, min_length=1)
     """When set, /warply/* admin endpoints require `Authorization: Bearer <token>`."""
-    control_token: str | None = Field(None, min_length=16)
+    control_token: str | None = Field(
+        default_factory=lambda: os.environ.get(CONTROL_TOKEN_ENV) or None, min_length=16
+    )
     """When set, directives to the plugins' control sockets are signed with it (HMAC-SHA256,
     timestamp and nonce: `warply.protocol.control`); give the plugins the same
-    `control_token`."""
+    `control_token`. Default: the `WARPLY_CONTROL_TOKEN` environment variable (as the plugins
+    read it), else none."""
     limits: LimitsConfig = LimitsConfig()
     index: IndexConfig = IndexConfig()
     max_model_len: int | None = Field(None, gt=0)

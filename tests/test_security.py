@@ -215,8 +215,13 @@ def test_control_tokens_are_validated() -> None:
         )  # fmt: skip
 
 
-def test_plugins_read_the_control_token(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_router_and_plugins_read_the_control_token(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("WARPLY_CONTROL_TOKEN", CONTROL_TOKEN)
+    router = RouterConfig.model_validate(
+        {"model": "m", "tokenizer": "/t",
+         "pools": [{"name": "p", "block_size": 4, "workers": [{"name": "a", "url": "http://h"}]}]}
+    )  # fmt: skip
+    assert router.control_token == CONTROL_TOKEN
     assert PluginSettings().control_token == CONTROL_TOKEN
     assert CONTROL_TOKEN not in repr(PluginSettings())
     vllm = parse_config({"warply": {"control_endpoint": "tcp://127.0.0.1:5560"}})
