@@ -203,6 +203,17 @@ def test_router_signs_directives_with_its_control_token(
     assert server.rejected == {"unsigned": 1}
 
 
+def test_a_signed_directive_to_a_plugin_without_token_says_why() -> None:
+    endpoint = f"tcp://{HOST}:{free_port()}"
+    server = ControlServer(endpoint)
+    try:
+        ack = asyncio.run(send_directive(endpoint, PIN, 5, token=CONTROL_TOKEN))
+    finally:
+        server.close()
+    assert not ack.applied and "give this plugin the router's control_token" in ack.reason
+    assert server.rejected == {"bad_directive": 1}
+
+
 def test_control_tokens_are_validated() -> None:
     with pytest.raises(SettingsError) as err:
         PluginSettings(control_endpoint="tcp://127.0.0.1:5560", control_token="short")

@@ -84,6 +84,15 @@ class AuthError(ValueError):
         self.reason = reason
 
 
+def _hint(payload: bytes) -> str:
+    """What to fix when a signed directive reaches a socket that has no token."""
+    try:
+        _signed_decoder.decode(payload)
+    except (msgspec.DecodeError, RecursionError):
+        return ""
+    return " (a signed directive: give this plugin the router's control_token)"
+
+
 class Verifier:
     """Checks signed messages against one token: MAC, clock window, nonce not seen before.
 
@@ -218,7 +227,7 @@ class ControlServer:
             self._refuse(envelope, exc.reason, f"unauthenticated: {exc}")
             return
         except (msgspec.DecodeError, ValueError, RecursionError) as exc:
-            self._refuse(envelope, "bad_directive", f"bad directive: {exc}")
+            self._refuse(envelope, "bad_directive", f"bad directive: {exc}{_hint(payload)}")
             return
         self.inbox.put((envelope, directive))
         if self._wake is not None:
