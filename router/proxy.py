@@ -102,6 +102,16 @@ def _check_fields(body: dict[str, Any]) -> None:
             raise ApiError(400, f"'{name}' must be {want}", "invalid_value", name)
 
 
+def _prompt_too_long(tokens: int, limit: int, param: str) -> ApiError:
+    return ApiError(
+        400,
+        f"the prompt has {tokens} tokens; this router takes at most {limit} "
+        "(limits.max_prompt_tokens)",
+        "prompt_too_long",
+        param,
+    )
+
+
 def _max_tokens(body: dict[str, Any]) -> int:
     """The output tokens a request asks for (0 when it sets no limit)."""
     return _count(body.get("max_completion_tokens", body.get("max_tokens"))) or 0
@@ -248,13 +258,7 @@ class Proxy:
         longest = max(p.estimate for p in [first, *prompts[1:]])
         param = "messages" if kind == "chat" else "prompt"
         if longest > limit:
-            raise ApiError(
-                400,
-                f"the prompt has {longest} tokens; this router takes at most {limit} "
-                "(limits.max_prompt_tokens)",
-                "prompt_too_long",
-                param,
-            )
+            raise _prompt_too_long(longest, limit, param)
         if self._too_long(longest, body):
             raise ApiError(
                 400,
@@ -305,16 +309,12 @@ class Proxy:
                 "too_many_prompts",
                 "prompt",
             )
-        longest = max(len(p) if isinstance(p, list) else 0 for p in prompt)
-        ids = len(prompt) if isinstance(prompt[0], int) else longest
+        if isinstance(prompt[0], int):
+            ids = len(prompt)
+        else:
+            ids = max(len(p) if isinstance(p, list) else 0 for p in prompt)
         if ids > limits.max_prompt_tokens:
-            raise ApiError(
-                400,
-                f"the prompt has {ids} tokens; this router takes at most "
-                f"{limits.max_prompt_tokens} (limits.max_prompt_tokens)",
-                "prompt_too_long",
-                "prompt",
-            )
+            raise _prompt_too_long(ids, limits.max_prompt_tokens, "prompt")
 
     def _too_long(self, prompt_tokens: int, body: dict[str, Any]) -> bool:
         limit = self.max_model_len
