@@ -8,8 +8,10 @@ bound on 127.0.0.1 plays the router's collector; `router.index.PrefixIndex` is f
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import importlib.util
+import threading
 import time
 from array import array
 from collections.abc import Iterator
@@ -28,17 +30,23 @@ from sglang.srt.runtime_context import get_parallel
 
 import sglang_hook.settings as settings_mod
 import warply_plugins.sglang as plugin
+from router.control import send_payload
 from router.index import MemoryStore, PrefixIndex, completed
 from warply.launch import free_port
 from warply.protocol import (
     BlockRemoved,
     BlockStored,
+    Directive,
+    DirectiveAck,
+    DirectiveKind,
     LoadSnapshot,
     StreamDecoder,
     Tier,
     cache_namespace,
     prefix_keys,
 )
+from warply.protocol.control import sign
+from warply.protocol.directives import encode_directive
 
 ROOT = Path(__file__).resolve().parents[2]
 MODEL = "tiny"
@@ -94,7 +102,12 @@ def collectors() -> Iterator[dict[str, tuple[zmq.Socket[bytes], str]]]:
 
 
 def scheduler_publisher(
-    cache: Any, router: str, worker: str, control: str | None = None, snapshot_s: float = 3600
+    cache: Any,
+    router: str,
+    worker: str,
+    control: str | None = None,
+    snapshot_s: float = 3600,
+    control_token: str = "",
 ) -> Any:
     """SGLang's scheduler-side publisher, as `Scheduler.init_kv_events_publisher` makes it."""
     from sglang.srt.managers.scheduler_components.kv_events_publisher import (
@@ -109,6 +122,7 @@ def scheduler_publisher(
         model=MODEL,
         control_endpoint=control,
         snapshot_interval_s=snapshot_s,
+        control_token=control_token,
     )
     stats = SimpleNamespace(
         num_running_reqs=SimpleNamespace(total=1),
@@ -304,3 +318,36 @@ def test_unknown_medium_is_skipped_and_counted_on_the_scheduler_thread(collector
         BlockRemoved([2**64 - 4], Tier.SSD),
     ]
     assert publisher.skipped == {"unknown_medium": 2}
+
+
+def test_signed_directives_reach_the_radix_cache(collectors: Any) -> None:
+    """With a control token, the hook's directive socket applies a signed pin to the radix cache
+    (on the scheduler's pump) and refuses the same pin unsigned, or replayed, unapplied."""
+    cache, alloc = build_cache(16, "python", 2048)
+    insert(cache, alloc, DOC)
+    endpoint = f"tcp://127.0.0.1:{free_port()}"
+    token = "sglang-control-token"
+    kv = scheduler_publisher(
+        cache, collectors["w0"][1], "w0", control=endpoint, control_token=token
+    )
+    pin = encode_directive(Directive("p", DirectiveKind.PIN, token_ids=DOC))
+    signed = sign(pin, token)
+    acks: list[DirectiveAck] = []
+
+    def send(payload: bytes) -> None:
+        sender = threading.Thread(
+            target=lambda: acks.append(asyncio.run(send_payload(endpoint, payload, 10)))
+        )
+        sender.start()
+        while sender.is_alive():
+            kv.publish_kv_events()  # the scheduler's pump applies what the socket queued
+            sender.join(0.02)
+
+    try:
+        for payload in (pin, signed, signed):
+            send(payload)
+    finally:
+        kv.kv_event_publisher.shutdown()
+    assert [(a.applied, a.reason.partition(":")[0]) for a in acks] == [
+        (False, "unauthenticated"), (True, ""), (False, "unauthenticated")]  # fmt: skip
+    assert acks[1].blocks == len(DOC) // 16
