@@ -137,9 +137,12 @@ class Collector:
         self._sock.close()
 
 
-def send_directive(endpoint: str, directive: Directive, timeout_s: float = 30) -> DirectiveAck:
-    """One request/reply on the control socket (the router's own client)."""
-    return asyncio.run(control.send_directive(endpoint, directive, timeout_s))
+def send_directive(
+    endpoint: str, directive: Directive, timeout_s: float = 30, token: str | None = None
+) -> DirectiveAck:
+    """One request/reply on the control socket (the router's own client; signed with
+    `token`)."""
+    return asyncio.run(control.send_directive(endpoint, directive, timeout_s, token))
 
 
 def send_raw(endpoint: str, payload: bytes, timeout_s: float = 30) -> DirectiveAck:

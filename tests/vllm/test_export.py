@@ -42,9 +42,14 @@ from warply.protocol import (
     prefix_keys,
     root_seed,
 )
+from warply.protocol.control import sign
+from warply.protocol.directives import encode_directive
 
 pytestmark = pytest.mark.timeout(600)
 MODEL_NAME = "tiny"
+
+
+CONTROL_TOKEN = "export-control-token"
 
 
 def _prompt(seed: int, n: int = 300) -> list[int]:
@@ -55,7 +60,9 @@ def _prompt(seed: int, n: int = 300) -> list[int]:
 class _Warply:
     """A Warply-enabled server and its sockets."""
 
-    def __init__(self, model: str, logs: Path, block_size: int, stock_events: bool) -> None:
+    def __init__(
+        self, model: str, logs: Path, block_size: int, stock_events: bool, control_token: str = ""
+    ) -> None:
         self.state = Collector()
         self.stock = Collector() if stock_events else None
         self.control = f"tcp://{HOST}:{free_port()}"
@@ -66,6 +73,7 @@ class _Warply:
                 "replay_endpoint": self.replay,
                 "control_endpoint": self.control,
                 "snapshot_interval_s": 0.5,
+                "control_token": control_token,
             }
         }
         args: list[str] = []
@@ -96,7 +104,7 @@ class _Warply:
 @pytest.fixture(scope="module")
 def servers(tiny_model: str, server_logs: Path) -> Iterator[dict[str, Any]]:
     w32 = _Warply(tiny_model, server_logs, 32, stock_events=True)
-    w128 = _Warply(tiny_model, server_logs, 128, stock_events=False)
+    w128 = _Warply(tiny_model, server_logs, 128, stock_events=False, control_token=CONTROL_TOKEN)
     plain = engine(tiny_model, server_logs / "plain-bs128.log", block_size=128)
     try:
         start_all([w32.server, w128.server, plain])
@@ -268,6 +276,28 @@ def test_directive_round_trip(servers: dict[Any, Any]) -> None:
     assert {h for h, k in keys.items() if k in set(want)} <= removed
     _wait_metric(w.server, "vllm:warply_directives_applied_total", 3)
     _wait_metric(w.server, "vllm:warply_directives_rejected_total", 6)
+
+
+def test_only_signed_directives_are_applied(servers: dict[Any, Any]) -> None:
+    """The bs128 engine holds a control_token: a signed pin is applied; the same pin unsigned,
+    wrongly signed, or replayed byte for byte is refused unapplied and counted."""
+    w: _Warply = servers[128]
+    prompt = _prompt(6006)
+    complete(w.server, prompt, max_tokens=2)
+    pin = Directive(id="signed-pin", kind="pin", token_ids=prompt, ttl_s=5)
+    unsigned = send_directive(w.control, pin)
+    wrong = send_directive(w.control, pin, token="not-the-control-token")
+    signed = sign(encode_directive(pin), CONTROL_TOKEN)
+    applied = send_raw(w.control, signed)
+    replayed = send_raw(w.control, signed)
+    assert (applied.applied, applied.blocks) == (True, len(prompt) // 128)
+    for refused in (unsigned, wrong, replayed):
+        assert not refused.applied and refused.reason.startswith("unauthenticated"), refused
+    unpin = Directive(id="signed-unpin", kind="unpin", token_ids=prompt)
+    assert send_directive(w.control, unpin, token=CONTROL_TOKEN).applied
+    for _ in range(2):  # the refusals are counted on the next steps, shipped with the one after
+        complete(w.server, prompt[:5], max_tokens=1)
+    _wait_metric(w.server, "vllm:warply_directives_refused_total", 3)
 
 
 def test_metrics_count_what_the_stream_carries(servers: dict[Any, Any]) -> None:
