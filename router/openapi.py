@@ -14,7 +14,7 @@ from typing import Any
 import msgspec
 
 from router.config import RouterConfig, WorkerConfig
-from warply.protocol.api import CacheStats, Overrides, WorkerList, WorkerView
+from warply.protocol.api import CacheStats, Overrides, Where, WorkerList, WorkerView
 from warply.protocol.directives import Directive
 
 _REF = "#/components/schemas/{name}"
@@ -151,7 +151,7 @@ def _name(param: str) -> dict[str, Any]:
 def openapi_document(config: RouterConfig) -> dict[str, Any]:
     """The document for a router with `config` (its model names are the `model` values)."""
     _, components = msgspec.json.schema_components(
-        (CacheStats, WorkerList, WorkerView, Overrides, Directive),
+        (CacheStats, WorkerList, WorkerView, Overrides, Directive, Where),
         ref_template=_REF,
     )
     components["Error"] = _ERROR
@@ -221,6 +221,31 @@ def openapi_document(config: RouterConfig) -> dict[str, Any]:
                     "responses": {
                         "201": _json("WorkerView", "the joined worker"),
                         **_errors(400, 404, 409, 413),
+                    },
+                }
+            ),
+        },
+        "/warply/where": {
+            "get": _admin(
+                {
+                    "parameters": [
+                        {"name": n, "in": "query", "required": n == "prompt",
+                         "schema": {"type": "string"}}
+                        for n in ("prompt", "model", "cache_key")
+                    ],  # fmt: skip
+                    "responses": {
+                        "200": _json("Where", "holdings and choice"),
+                        **_errors(400, 404),
+                    },
+                }
+            ),
+            "post": _admin(
+                {
+                    "requestBody": _body({"oneOf": [{"$ref": _REF.format(name=n)} for n in (
+                        "CompletionRequest", "ChatCompletionRequest")]}),  # fmt: skip
+                    "responses": {
+                        "200": _json("Where", "holdings and choice"),
+                        **_errors(400, 404, 413),
                     },
                 }
             ),

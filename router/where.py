@@ -13,7 +13,7 @@ from typing import Any
 
 from aiohttp import web
 
-from router.errors import ApiError, json_object
+from router.errors import ApiError, read_object
 from router.placement import Explanation, Placement, PoolTrace, predicted_cached
 from router.proxy import Proxy
 from router.strategies import Score
@@ -24,7 +24,7 @@ from warply.protocol.api import PoolWhere, ScoreView, Where, WhereChoice, Worker
 async def request_body(request: web.Request) -> tuple[dict[str, Any], str]:
     """The completion / chat body the query or the POST body describes, and its kind."""
     if request.method == "POST":
-        body = json_object(await request.read())
+        body = await read_object(request)
     else:
         query = request.query
         if "prompt" not in query:
