@@ -37,11 +37,12 @@ from replay.costmodel import CostModel, ReferenceModel
 from replay.trace import U32
 from warply.protocol import BlockRemoved, BlockStored, Event, Tier, TierMoved
 
-TokenSource = Callable[[int, int, int], U32]
+TokenSource = Callable[[int, int, int], U32 | list[int]]
 """(request index, first token, stop token) → token ids; used for `BlockStored.token_ids`.
 
 In process the ids may stay a numpy array: the index hashes them with `chain_keys`, which packs
-numpy input without a Python loop (the replay's hottest path otherwise)."""
+numpy input without a Python loop (the replay's hottest path otherwise). Events that go on the
+wire (`replay.serve`) need a list."""
 
 
 class EngineConfig(BaseModel):
@@ -88,6 +89,8 @@ class SimRequest:
     recomputes). Its `cached_tokens` is set by the caller: the prefill engine's reuse."""
     first_token: float = -1.0
     finished: float = -1.0
+    namespace: str = ""
+    """Cache namespace of `keys` (salt, adapter): carried on its `BlockStored` events."""
 
     def __post_init__(self) -> None:
         self.target = self.prompt
@@ -200,6 +203,21 @@ class SimEngine:
             else:
                 self._pass()
 
+    def abort(self, req: SimRequest) -> None:
+        """Drop an unfinished request (its client went away), as an engine aborts one: its
+        blocks are freed (the cached prefix stays evictable); it never reaches `finished`."""
+        if req in self.waiting:
+            self.waiting.remove(req)
+        elif req in self.running:
+            self.running.remove(req)
+            self._release(req)
+        else:
+            return
+        if req.first_token < 0:
+            self.pending_prefill -= req.queued_prefill
+        self.live_generated -= req.generated
+        self.live_prompt -= req.prompt
+
     # ---- cache ---------------------------------------------------------------------------
     def _evict(self, count: int) -> None:
         """Free `count` evictable blocks, least recently used first (to the host tier if any)."""
@@ -298,6 +316,7 @@ class SimEngine:
                     keys[i - 1] if i else None,
                     cast(list[int], self._tokens(req.index, i * bs, j * bs)),
                     bs,
+                    namespace=req.namespace or None,
                 )
             )
             i = j
