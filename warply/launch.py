@@ -262,3 +262,42 @@ class RedisServer(EngineProcess):
                 pass
             time.sleep(0.05)
         raise TimeoutError(f"{self.cmd[0]} not ready after {timeout_s:.0f}s: {self.log_tail()}")
+
+
+class SimWorkers(EngineProcess):
+    """`python -m replay.serve`: simulated workers (a simulator, not an engine) in one process;
+    `wait_ready` returns their router worker configs from the manifest it writes."""
+
+    def __init__(
+        self,
+        python: str | Path,
+        model: str,
+        tokenizer: str | Path,
+        *,
+        workers: int,
+        log_path: Path,
+        args: Sequence[str] = (),
+    ) -> None:
+        self.manifest = log_path.with_suffix(".workers.json")
+        cmd = [
+            str(python), "-m", "replay.serve", "--model", model, "--tokenizer", str(tokenizer),
+            "--workers", str(workers), "--manifest", str(self.manifest), *args,
+        ]  # fmt: skip
+        super().__init__(cmd, url="", log_path=log_path)
+
+    def start(self) -> SimWorkers:
+        self.manifest.unlink(missing_ok=True)
+        super().start()
+        return self
+
+    def wait_ready(self, timeout_s: float = 120) -> list[dict[str, str]]:
+        """Wait until every worker listens; their `{name, url, events, replay}` mappings."""
+        assert self.proc is not None, "not started"
+        while time.monotonic() - self.started_at < timeout_s:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"replay.serve exited: {self.log_tail()}")
+            if self.manifest.is_file():
+                workers: list[dict[str, str]] = json.loads(self.manifest.read_text())["workers"]
+                return workers
+            time.sleep(0.1)
+        raise TimeoutError(f"simulated workers not up after {timeout_s:.0f}s: {self.log_tail()}")
