@@ -1,0 +1,554 @@
+"""Soak: many concurrent streaming chat clients against the real router over simulated workers.
+
+Starts `--workers` simulated workers (`replay.serve`, a simulator; spread over
+`--sim-processes` processes) and `python -m router` in front of them (one pool, the default
+strategy unless `--strategy`), all on 127.0.0.1, then runs `--clients` client tasks for
+`--duration` seconds. Each client holds multi-turn conversations (one of `--systems` shared
+system prompts, `--turns` turns of random user text, the streamed answer appended as the
+assistant's message, `--think` seconds between turns), so where a conversation lands matters.
+Every request streams (`stream_options.include_usage`).
+
+Reported (stdout, and `--json`): requests sent / completed, errors by kind (HTTP status, error
+event in the stream, stream without [DONE], fewer tokens than asked, timeout, connection), the
+router's RSS (its process group) every `--rss-interval` seconds with the slope of a linear fit
+after `--warmup` (bytes per minute), router CPU, client TTFT, the simulator's own TTFT (from
+its usage chunk) and the router-added latency per request (client TTFT minus the simulator's;
+an upper bound: it also holds both loopback hops and any lag of the simulator's event loop
+before its handler runs), streams in flight, hit rates, and the router's /metrics request count
+set against the clients' count. The load average is printed beside the figures.
+
+Bounded: clients start no request after `--duration`, every request has a timeout, the whole
+client phase a hard limit; every process is stopped by its PID's process group.
+
+    .venvs/core/bin/python bench/soak.py                      # 600 s, 500 clients, 32 workers
+    .venvs/core/bin/python bench/soak.py --duration 60 --json /tmp/soak.json   # a dry run
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import collections
+import json
+import os
+import random
+import statistics
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import numpy as np
+import yaml  # type: ignore[import-untyped]
+from prometheus_client.parser import text_string_to_metric_families
+
+from warply.launch import HOST, EngineProcess, SimWorkers, free_port
+
+CACHE = Path(os.environ.get("WARPLY_CACHE", Path.home() / ".cache" / "warply")) / "models"
+MODEL = "tiny"
+WORDS = (
+    "cache prefix block token router engine worker request stream answer question tenant "
+    "memory eviction latency throughput batch decode prefill schedule queue policy index"
+).split()
+
+
+def _log(msg: str) -> None:
+    print(f"[soak] {msg}", file=sys.stderr, flush=True)
+
+
+def _newest_tiny() -> Path | None:
+    found = sorted(CACHE.glob("tiny-*/tokenizer.json"), key=lambda p: p.stat().st_mtime)
+    return found[-1].parent if found else None
+
+
+def _pair(kind: type) -> Any:
+    def parse(text: str) -> tuple[Any, Any]:
+        lo, _, hi = text.partition(",")
+        a, b = kind(lo), kind(hi or lo)
+        if not 0 <= a <= b:
+            raise argparse.ArgumentTypeError(f"want LO,HI with 0 <= LO <= HI, got {text!r}")
+        return a, b
+
+    return parse
+
+
+@dataclass
+class Tally:
+    """What the clients saw (bounded: one float per completed request in each list)."""
+
+    sent: int = 0
+    completed: int = 0
+    errors: collections.Counter[str] = field(default_factory=collections.Counter)
+    in_flight: int = 0
+    ttft_ms: list[float] = field(default_factory=list)
+    sim_ttft_ms: list[float] = field(default_factory=list)
+    added_ms: list[float] = field(default_factory=list)
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    predicted_tokens: int = 0
+    loop_lag_ms: list[float] = field(default_factory=list)
+    """How late the clients' own event loop woke for a 1 s timer (their share of CPU)."""
+
+
+@dataclass
+class Outcome:
+    error: str = ""
+    text: str = ""
+
+
+def _user_text(rng: random.Random) -> str:
+    return " ".join(rng.choice(WORDS) for _ in range(rng.randint(20, 80))) + "?"
+
+
+async def _request(
+    session: aiohttp.ClientSession, url: str, body: dict[str, Any], tally: Tally
+) -> Outcome:
+    """One streamed chat request; its outcome (an error kind, or the answer's text)."""
+    tally.sent += 1
+    tally.in_flight += 1
+    start = time.monotonic()
+    first = -1.0
+    pieces: list[str] = []
+    usage: dict[str, Any] | None = None
+    sim: dict[str, Any] = {}
+    done = False
+    try:
+        async with session.post(url, json=body) as resp:
+            if resp.status != 200:
+                return Outcome(f"http_{resp.status}")
+            predicted = int(resp.headers.get("X-Warply-Predicted-Cached", 0))
+            async for raw in resp.content:
+                line = raw.strip()
+                if not line.startswith(b"data: "):
+                    continue
+                if first < 0:
+                    first = time.monotonic()
+                if line == b"data: [DONE]":
+                    done = True  # read on to the end: the connection goes back to the pool
+                    continue
+                chunk = json.loads(line[6:])
+                if "error" in chunk:
+                    return Outcome(f"stream_error_{chunk['error'].get('code', '')}")
+                for choice in chunk.get("choices") or ():
+                    if content := choice.get("delta", {}).get("content"):
+                        pieces.append(content)
+                if chunk.get("usage"):
+                    usage, sim = chunk["usage"], chunk.get("simulator") or {}
+    except TimeoutError:
+        return Outcome("timeout")
+    except aiohttp.ClientError as exc:
+        return Outcome(f"connection_{type(exc).__name__}")
+    except ValueError:
+        return Outcome("bad_json")
+    finally:
+        tally.in_flight -= 1
+    if not done:
+        return Outcome("no_done")
+    if usage is None:
+        return Outcome("no_usage")
+    if len(pieces) != body["max_tokens"]:
+        return Outcome("short_stream")
+    tally.completed += 1
+    ttft = (first - start) * 1000
+    tally.ttft_ms.append(ttft)
+    if "ttft_ms" in sim:
+        tally.sim_ttft_ms.append(sim["ttft_ms"])
+        tally.added_ms.append(ttft - sim["ttft_ms"])
+    tally.prompt_tokens += usage["prompt_tokens"]
+    tally.cached_tokens += usage["prompt_tokens_details"]["cached_tokens"]
+    tally.predicted_tokens += predicted
+    return Outcome(text="".join(pieces))
+
+
+async def _client(
+    i: int,
+    args: argparse.Namespace,
+    url: str,
+    session: aiohttp.ClientSession,
+    tally: Tally,
+    systems: list[str],
+    deadline: float,
+) -> None:
+    rng = random.Random(args.seed * 1_000_003 + i)
+    await asyncio.sleep(rng.uniform(0, args.ramp))
+    while time.monotonic() < deadline:
+        messages = [{"role": "system", "content": rng.choice(systems)}]
+        for _ in range(rng.randint(*args.turns)):
+            if time.monotonic() >= deadline:
+                return
+            messages.append({"role": "user", "content": _user_text(rng)})
+            body = {
+                "model": MODEL,
+                "messages": messages,
+                "stream": True,
+                "stream_options": {"include_usage": True},
+                "max_tokens": rng.randint(*args.max_tokens),
+            }
+            out = await _request(session, url, body, tally)
+            if out.error:
+                tally.errors[out.error] += 1
+                break  # a new conversation
+            messages.append({"role": "assistant", "content": out.text})
+            await asyncio.sleep(rng.uniform(*args.think))
+
+
+def _group_stats(pgid: int) -> tuple[int, float]:
+    """(RSS bytes, CPU seconds) summed over the processes of one process group."""
+    rss, cpu = 0, 0.0
+    tick, page = os.sysconf("SC_CLK_TCK"), os.sysconf("SC_PAGE_SIZE")
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            stat = Path(f"/proc/{entry}/stat").read_text()
+        except OSError:
+            continue
+        fields = stat[stat.rindex(")") + 2 :].split()
+        if int(fields[2]) == pgid:  # pgrp
+            cpu += (int(fields[11]) + int(fields[12])) / tick  # utime + stime
+            rss += int(fields[21]) * page
+    return rss, cpu
+
+
+async def _sample(
+    pgid: int,
+    interval: float,
+    stop: asyncio.Event,
+    out: list[tuple[float, int, float]],
+    tally: Tally,
+    flights: list[tuple[float, int]],
+) -> None:
+    t0 = time.monotonic()
+    next_rss = 0.0
+    while not stop.is_set():
+        now = time.monotonic() - t0
+        flights.append((now, tally.in_flight))
+        if now >= next_rss:
+            rss, cpu = _group_stats(pgid)
+            out.append((now, rss, cpu))
+            next_rss = now + interval
+        due = time.monotonic() + 1.0
+        try:
+            await asyncio.wait_for(stop.wait(), 1.0)
+        except TimeoutError:
+            tally.loop_lag_ms.append((time.monotonic() - due) * 1000)
+
+
+def _pct(xs: list[float], q: float) -> float:
+    return float(np.percentile(xs, q)) if xs else float("nan")
+
+
+async def _metrics(session: aiohttp.ClientSession, url: str) -> dict[str, float]:
+    async with session.get(url + "/metrics") as r:
+        text = await r.text()
+    out: dict[str, float] = collections.defaultdict(float)
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            if s.name == "warply_router_requests_total":
+                out[f"requests_{s.labels.get('status', '')}"] += s.value
+                out["requests"] += s.value
+            elif s.name in (
+                "warply_router_overhead_seconds_sum",
+                "warply_router_overhead_seconds_count",
+            ):
+                out[s.name] += s.value
+    return dict(out)
+
+
+def _own_cpu() -> float:
+    t = os.times()
+    return t.user + t.system
+
+
+async def _drive(
+    args: argparse.Namespace, router: EngineProcess, sims: list[SimWorkers]
+) -> dict[str, Any]:
+    rng = random.Random(args.seed)
+    systems = [
+        f"System {k}: you are assistant {k} of a fleet. " + _user_text(rng) * 4
+        for k in range(args.systems)
+    ]
+    tally = Tally()
+    samples: list[tuple[float, int, float]] = []
+    flights: list[tuple[float, int]] = []
+    stop = asyncio.Event()
+    url = router.url + "/v1/chat/completions"
+    timeout = aiohttp.ClientTimeout(total=args.request_timeout, sock_read=30)
+    connector = aiohttp.TCPConnector(limit=0)
+    load_before = os.getloadavg()
+    cpu0 = (_own_cpu(), sum(_group_stats(s.pid)[1] for s in sims))
+    t0 = time.monotonic()
+    deadline = t0 + args.duration
+    async with aiohttp.ClientSession(timeout=timeout, connector=connector) as session:
+        sampler = asyncio.create_task(
+            _sample(router.pid, args.rss_interval, stop, samples, tally, flights)
+        )
+        before = await _metrics(session, router.url)
+        clients = [
+            asyncio.create_task(_client(i, args, url, session, tally, systems, deadline))
+            for i in range(args.clients)
+        ]
+        progress = asyncio.create_task(_progress(tally, samples, t0))
+        _, late = await asyncio.wait(clients, timeout=args.duration + args.request_timeout + 30)
+        for task in late:
+            task.cancel()
+        await asyncio.gather(*clients, return_exceptions=True)
+        wall = time.monotonic() - t0
+        cpu1 = (_own_cpu(), sum(_group_stats(s.pid)[1] for s in sims))
+        progress.cancel()
+        stop.set()
+        await sampler
+        after = await _metrics(session, router.url)
+        async with session.get(router.url + "/warply/cache_stats") as r:
+            stats = await r.json()
+    report = _report(
+        args, tally, samples, flights, before, after, stats, wall, len(late), load_before
+    )
+    report["clients_cpu_cores"] = round((cpu1[0] - cpu0[0]) / wall, 2)
+    report["simulators_cpu_cores"] = round((cpu1[1] - cpu0[1]) / wall, 2)
+    return report
+
+
+async def _progress(tally: Tally, samples: list[tuple[float, int, float]], t0: float) -> None:
+    while True:
+        await asyncio.sleep(30)
+        rss = samples[-1][1] / 2**20 if samples else float("nan")
+        _log(
+            f"t={time.monotonic() - t0:.0f}s sent={tally.sent} ok={tally.completed} "
+            f"errors={sum(tally.errors.values())} in_flight={tally.in_flight} "
+            f"router_rss={rss:.1f} MiB load={os.getloadavg()[0]:.1f}"
+        )
+
+
+def _report(
+    args: argparse.Namespace,
+    tally: Tally,
+    samples: list[tuple[float, int, float]],
+    flights: list[tuple[float, int]],
+    before: dict[str, float],
+    after: dict[str, float],
+    stats: dict[str, Any],
+    wall: float,
+    cancelled: int,
+    load_before: tuple[float, ...],
+) -> dict[str, Any]:
+    warm = [(t, rss) for t, rss, _ in samples if t >= args.warmup]
+    slope = float("nan")
+    if len(warm) >= 3:
+        ts, rs = np.array([t for t, _ in warm]), np.array([r for _, r in warm], dtype=float)
+        slope = float(np.polyfit(ts, rs, 1)[0]) * 60
+    routed = after.get("requests", 0) - before.get("requests", 0)
+    overhead_n = after.get("warply_router_overhead_seconds_count", 0) - before.get(
+        "warply_router_overhead_seconds_count", 0
+    )
+    overhead_s = after.get("warply_router_overhead_seconds_sum", 0) - before.get(
+        "warply_router_overhead_seconds_sum", 0
+    )
+    live = [n for t, n in flights if args.warmup <= t <= args.duration]
+    rss = [r for _, r, _ in samples]
+    cpu = samples[-1][2] - samples[0][2] if len(samples) > 1 else float("nan")
+    span = samples[-1][0] - samples[0][0] if len(samples) > 1 else float("nan")
+    return {
+        "duration_s": args.duration,
+        "wall_s": round(wall, 1),
+        "clients": args.clients,
+        "workers": args.workers,
+        "sent": tally.sent,
+        "completed": tally.completed,
+        "errors": dict(tally.errors),
+        "cancelled_clients": cancelled,
+        "requests_per_s": round(tally.completed / wall, 1),
+        "in_flight_mean": round(statistics.fmean(live), 1) if live else None,
+        "in_flight_max": max(live) if live else None,
+        "router_requests_metric": routed,
+        "router_requests_by_status": {
+            k[len("requests_") :]: after[k] - before.get(k, 0)
+            for k in after
+            if k.startswith("requests_")
+        },
+        "router_count_matches_clients": routed == tally.sent,
+        "router_rss_mib": {
+            "start": round(rss[0] / 2**20, 1) if rss else None,
+            "end": round(rss[-1] / 2**20, 1) if rss else None,
+            "max": round(max(rss) / 2**20, 1) if rss else None,
+            "samples": len(rss),
+        },
+        "router_rss_slope_bytes_per_min": round(slope),
+        "router_cpu_cores": round(cpu / span, 2) if span == span and span > 0 else None,
+        "router_overhead_mean_ms": round(overhead_s / overhead_n * 1000, 3) if overhead_n else None,
+        "ttft_ms": {"p50": _pct(tally.ttft_ms, 50), "p99": _pct(tally.ttft_ms, 99)},
+        "sim_ttft_ms": {"p50": _pct(tally.sim_ttft_ms, 50), "p99": _pct(tally.sim_ttft_ms, 99)},
+        "router_added_ms": {"p50": _pct(tally.added_ms, 50), "p99": _pct(tally.added_ms, 99)},
+        "client_loop_lag_ms": {
+            "p50": _pct(tally.loop_lag_ms, 50),
+            "p99": _pct(tally.loop_lag_ms, 99),
+        },
+        "hit_rate_engine": tally.cached_tokens / max(1, tally.prompt_tokens),
+        "hit_rate_predicted": tally.predicted_tokens / max(1, tally.prompt_tokens),
+        "router_cache_stats_hit_rate": stats.get("hit_rate"),
+        "load_average_before": [round(x, 2) for x in load_before],
+        "load_average_after": [round(x, 2) for x in os.getloadavg()],
+    }
+
+
+def _start(args: argparse.Namespace, workdir: Path, sims: list[SimWorkers]) -> EngineProcess:
+    """Start the simulated workers (appended to `sims` as they start) and configure the router."""
+    split = [
+        args.workers // args.sim_processes + (p < args.workers % args.sim_processes)
+        for p in range(args.sim_processes)
+    ]
+    for p, n in enumerate(split):
+        sims.append(
+            SimWorkers(
+                sys.executable,
+                MODEL,
+                args.tokenizer,
+                workers=n,
+                log_path=workdir / f"sim{p}.log",
+                args=[
+                    "--name-prefix",
+                    f"p{p}-sim",
+                    "--block-size",
+                    str(args.block_size),
+                    "--speed",
+                    str(args.speed),
+                    "--time-scale",
+                    str(args.time_scale),
+                ],
+            ).start()
+        )
+    workers = [w for s in sims for w in s.wait_ready()]
+    port = free_port()
+    config: dict[str, Any] = {
+        "model": MODEL,
+        "tokenizer": str(args.tokenizer),
+        "port": port,
+        "pools": [{"name": "sim", "block_size": args.block_size, "workers": workers}],
+    }
+    if args.strategy:
+        config["strategy"] = {"name": args.strategy}
+    (workdir / "router.yaml").write_text(yaml.safe_dump(config))
+    router = EngineProcess(
+        [sys.executable, "-m", "router", "--config", str(workdir / "router.yaml")],
+        url=f"http://{HOST}:{port}",
+        log_path=workdir / "router.log",
+    )
+    return router
+
+
+def _print(report: dict[str, Any]) -> None:
+    r = report
+    print(
+        f"soak: {r['clients']} clients, {r['workers']} simulated workers, "
+        f"{r['duration_s']} s (wall {r['wall_s']} s); load average before "
+        f"{r['load_average_before']}, after {r['load_average_after']}"
+    )
+    print(
+        f"  requests: sent {r['sent']}, completed {r['completed']} "
+        f"({r['requests_per_s']}/s), errors {r['errors'] or 'none'}; streams in flight "
+        f"mean {r['in_flight_mean']} max {r['in_flight_max']}"
+    )
+    print(
+        f"  router /metrics requests {r['router_requests_metric']:.0f} "
+        f"{r['router_requests_by_status']} vs clients' {r['sent']}: "
+        f"{'match' if r['router_count_matches_clients'] else 'MISMATCH'}"
+    )
+    rss = r["router_rss_mib"]
+    print(
+        f"  router RSS MiB start {rss['start']} end {rss['end']} max {rss['max']} "
+        f"({rss['samples']} samples); slope after warm-up "
+        f"{r['router_rss_slope_bytes_per_min']} B/min; CPU cores: router "
+        f"{r['router_cpu_cores']}, simulators {r['simulators_cpu_cores']}, clients "
+        f"{r['clients_cpu_cores']}"
+    )
+    for key in ("ttft_ms", "sim_ttft_ms", "router_added_ms", "client_loop_lag_ms"):
+        print(f"  {key}: p50 {r[key]['p50']:.2f} p99 {r[key]['p99']:.2f}")
+    print(
+        f"  router overhead (its own histogram) mean {r['router_overhead_mean_ms']} ms; "
+        f"hit rate engine {r['hit_rate_engine']:.3f} predicted {r['hit_rate_predicted']:.3f}"
+    )
+
+
+def _loop_factory() -> Any:
+    try:
+        import uvloop
+    except ImportError:
+        return None
+    return uvloop.new_event_loop
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    ap.add_argument("--duration", type=float, default=600.0, help="seconds of load (default 600)")
+    ap.add_argument("--clients", type=int, default=500, help="concurrent clients (default 500)")
+    ap.add_argument("--workers", type=int, default=32, help="simulated workers (default 32)")
+    ap.add_argument("--sim-processes", type=int, default=2, help="processes for the workers")
+    ap.add_argument(
+        "--tokenizer",
+        type=Path,
+        default=_newest_tiny(),
+        help="model folder (default: the newest tiny model in the cache)",
+    )
+    ap.add_argument("--block-size", type=int, default=16)
+    ap.add_argument(
+        "--speed",
+        type=float,
+        default=0.25,
+        help="simulated engine speed vs the reference model (0.25: ~25 ms/token)",
+    )
+    ap.add_argument("--time-scale", type=float, default=1.0)
+    ap.add_argument("--strategy", help="router strategy (default: the router's)")
+    ap.add_argument("--turns", type=_pair(int), default=(2, 8), help="turns per conversation")
+    ap.add_argument(
+        "--think", type=_pair(float), default=(1.0, 4.0), help="seconds between turns, LO,HI"
+    )
+    ap.add_argument("--max-tokens", type=_pair(int), default=(16, 64), help="LO,HI")
+    ap.add_argument("--systems", type=int, default=16, help="distinct system prompts")
+    ap.add_argument("--ramp", type=float, default=10.0, help="seconds over which clients start")
+    ap.add_argument("--warmup", type=float, help="seconds before the RSS fit (default: 1/5)")
+    ap.add_argument("--rss-interval", type=float, default=5.0)
+    ap.add_argument("--request-timeout", type=float, default=120.0)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--json", type=Path, help="write the report here")
+    ap.add_argument("--workdir", type=Path, help="logs and config (default: a temp folder)")
+    args = ap.parse_args()
+    if args.tokenizer is None or not (args.tokenizer / "tokenizer.json").is_file():
+        ap.error(
+            "--tokenizer: no model folder with tokenizer.json (build one with "
+            ".venvs/vllm/bin/python scripts/tiny_model.py --size tiny)"
+        )
+    if min(args.duration, args.clients, args.workers, args.sim_processes) <= 0:
+        ap.error("--duration, --clients, --workers and --sim-processes must be positive")
+    if args.sim_processes > args.workers:
+        ap.error("--sim-processes must not exceed --workers")
+    args.warmup = args.duration / 5 if args.warmup is None else args.warmup
+    workdir = args.workdir or Path(tempfile.mkdtemp(prefix="warply-soak-"))
+    workdir.mkdir(parents=True, exist_ok=True)
+    _log(f"logs in {workdir}")
+    sims: list[SimWorkers] = []
+    router: EngineProcess | None = None
+    try:
+        router = _start(args, workdir, sims)
+        router.start()
+        router.wait_healthy(120)
+        _log(f"router {router.url} (pid {router.pid}) over {args.workers} simulated workers")
+        with asyncio.Runner(loop_factory=_loop_factory()) as runner:
+            report = runner.run(_drive(args, router, sims))
+    finally:
+        if router is not None:
+            router.stop()
+        for s in sims:
+            s.stop()
+    _print(report)
+    if args.json:
+        args.json.write_text(json.dumps(report, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
