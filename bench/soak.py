@@ -237,6 +237,14 @@ async def _sample(
             tally.loop_lag_ms.append((time.monotonic() - due) * 1000)
 
 
+_SUMMED = (
+    "warply_router_overhead_seconds_sum",
+    "warply_router_overhead_seconds_count",
+    "warply_index_entries",
+    "warply_router_tokenizer_cache_bytes",
+)
+
+
 def _pct(xs: list[float], q: float) -> float:
     return float(np.percentile(xs, q)) if xs else float("nan")
 
@@ -250,10 +258,7 @@ async def _metrics(session: aiohttp.ClientSession, url: str) -> dict[str, float]
             if s.name == "warply_router_requests_total":
                 out[f"requests_{s.labels.get('status', '')}"] += s.value
                 out["requests"] += s.value
-            elif s.name in (
-                "warply_router_overhead_seconds_sum",
-                "warply_router_overhead_seconds_count",
-            ):
+            elif s.name in _SUMMED:
                 out[s.name] += s.value
     return dict(out)
 
@@ -377,6 +382,10 @@ def _report(
             "samples": len(rss),
         },
         "router_rss_slope_bytes_per_min": round(slope),
+        "router_index_entries": after.get("warply_index_entries"),
+        "router_tokenizer_cache_mib": round(
+            after.get("warply_router_tokenizer_cache_bytes", 0) / 2**20, 1
+        ),
         "router_cpu_cores": round(cpu / span, 2) if span == span and span > 0 else None,
         "router_overhead_mean_ms": round(overhead_s / overhead_n * 1000, 3) if overhead_n else None,
         "ttft_ms": {"p50": _pct(tally.ttft_ms, 50), "p99": _pct(tally.ttft_ms, 99)},
@@ -417,6 +426,8 @@ def _start(args: argparse.Namespace, workdir: Path, sims: list[SimWorkers]) -> E
                     str(args.speed),
                     "--time-scale",
                     str(args.time_scale),
+                    "--num-blocks",
+                    str(args.num_blocks),
                 ],
             ).start()
         )
@@ -467,6 +478,10 @@ def _print(report: dict[str, Any]) -> None:
     for key in ("ttft_ms", "sim_ttft_ms", "router_added_ms", "client_loop_lag_ms"):
         print(f"  {key}: p50 {r[key]['p50']:.2f} p99 {r[key]['p99']:.2f}")
     print(
+        f"  router index entries {r['router_index_entries']}, tokenizer cache "
+        f"{r['router_tokenizer_cache_mib']} MiB (both bounded; at the end)"
+    )
+    print(
         f"  router overhead (its own histogram) mean {r['router_overhead_mean_ms']} ms; "
         f"hit rate engine {r['hit_rate_engine']:.3f} predicted {r['hit_rate_predicted']:.3f}"
     )
@@ -502,6 +517,13 @@ def main() -> int:
         help="simulated engine speed vs the reference model (0.25: ~25 ms/token)",
     )
     ap.add_argument("--time-scale", type=float, default=1.0)
+    ap.add_argument(
+        "--num-blocks",
+        type=int,
+        default=2048,
+        help="KV blocks per simulated worker (small: the fleet's caches, and so the router's "
+        "index, fill during the warm-up)",
+    )
     ap.add_argument("--strategy", help="router strategy (default: the router's)")
     ap.add_argument("--turns", type=_pair(int), default=(2, 8), help="turns per conversation")
     ap.add_argument(
