@@ -43,7 +43,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from replay.costmodel import ReferenceModel, Scaled
 from replay.engine import EngineConfig, SimEngine, SimRequest
 from router.tokenize import PromptError, RouterTokenizer
-from warply.launch import HOST, free_port
+from warply.launch import HOST
 from warply.protocol import LoadSnapshot, chain_keys, request_namespace, root_seed
 from warply.protocol.publisher import StatePublisher
 
@@ -191,11 +191,11 @@ class SimWorker:
         await site.start()
         bound = self._runner.addresses[0][1]
         self.url = f"http://{HOST}:{bound}"
-        self.events_endpoint = f"tcp://{HOST}:{free_port()}"
-        self.replay_endpoint = f"tcp://{HOST}:{free_port()}"
         self._publisher = StatePublisher(
-            self.events_endpoint, replay_endpoint=self.replay_endpoint, worker=self.name, bind=True
+            f"tcp://{HOST}:*", replay_endpoint=f"tcp://{HOST}:*", worker=self.name, bind=True
         )
+        self.events_endpoint = self._publisher.endpoint
+        self.replay_endpoint = self._publisher.replay_endpoint or ""
         self._driver = asyncio.create_task(self._drive(), name=f"drive-{self.name}")
 
     async def stop(self) -> None:

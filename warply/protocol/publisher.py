@@ -53,11 +53,15 @@ class StatePublisher:
         self._pub.setsockopt(zmq.LINGER, 500)
         binds = _binds(endpoint) if bind is None else bind
         (self._pub.bind if binds else self._pub.connect)(endpoint)
+        self.endpoint = self._pub.getsockopt_string(zmq.LAST_ENDPOINT) if binds else endpoint
+        """The stream's endpoint as bound (`tcp://HOST:*` resolved to the port taken)."""
+        self.replay_endpoint: str | None = None
         self._replay: zmq.Socket[bytes] | None = None
         if replay_endpoint:
             self._replay = self._ctx.socket(zmq.ROUTER)
             self._replay.setsockopt(zmq.LINGER, 0)
             self._replay.bind(replay_endpoint)
+            self.replay_endpoint = self._replay.getsockopt_string(zmq.LAST_ENDPOINT)
         self._thread = threading.Thread(target=self._loop, name="warply-publisher", daemon=True)
         self._thread.start()
 
