@@ -23,6 +23,7 @@ from aiohttp import web
 from tokenizers import Tokenizer, models, pre_tokenizers, processors
 
 from replay.costmodel import ReferenceModel
+from replay.engine import EngineConfig, SimEngine, SimRequest
 from replay.serve import ServeConfig, serve
 from router.app import Router
 from router.config import RouterConfig
@@ -308,3 +309,20 @@ def test_cli_help_and_bad_options(tokenizer_dir: Path) -> None:
         timeout=60,
     )
     assert missing.returncode == 2 and "tokenizer.json" in missing.stderr
+
+
+def test_engine_abort_frees_a_request_and_its_counters() -> None:
+    eng = SimEngine("e", lambda i, a, b: list(range(a, b)), EngineConfig(block_size=BS))
+    tokens = list(range(40))
+    keys = chain_keys(tokens, BS, root_seed("m"))
+    running, waiting = (SimRequest(i, 0.0, 40, 100, keys) for i in range(2))
+    eng.enqueue(running)
+    eng.advance(1.0)
+    eng.enqueue(waiting)
+    assert eng.running == [running] and eng.waiting == [waiting]
+    for req in (running, waiting):
+        eng.abort(req)
+    assert not eng.has_work() and eng.used_blocks == 0
+    assert (eng.pending_prefill, eng.live_prompt, eng.live_generated) == (0, 0, 0)
+    assert eng.cached_prefix(keys, len(keys)) == len(keys)  # the prefix stays cached
+    assert not eng.stats.finished
