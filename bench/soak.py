@@ -214,10 +214,11 @@ def _group_stats(pgid: int) -> tuple[int, float]:
 
 
 async def _sample(
-    pgid: int,
+    session: aiohttp.ClientSession,
+    router: EngineProcess,
     interval: float,
     stop: asyncio.Event,
-    out: list[tuple[float, int, float]],
+    out: list[tuple[float, int, float, float]],
     tally: Tally,
     flights: list[tuple[float, int]],
 ) -> None:
@@ -227,8 +228,9 @@ async def _sample(
         now = time.monotonic() - t0
         flights.append((now, tally.in_flight))
         if now >= next_rss:
-            rss, cpu = _group_stats(pgid)
-            out.append((now, rss, cpu))
+            rss, cpu = _group_stats(router.pid)
+            tok = (await _metrics(session, router.url)).get(_TOK_BYTES, 0.0)
+            out.append((now, rss, cpu, tok))
             next_rss = now + interval
         due = time.monotonic() + 1.0
         try:
@@ -237,11 +239,12 @@ async def _sample(
             tally.loop_lag_ms.append((time.monotonic() - due) * 1000)
 
 
+_TOK_BYTES = "warply_router_tokenizer_cache_bytes"
 _SUMMED = (
     "warply_router_overhead_seconds_sum",
     "warply_router_overhead_seconds_count",
     "warply_index_entries",
-    "warply_router_tokenizer_cache_bytes",
+    _TOK_BYTES,
 )
 
 
@@ -277,7 +280,7 @@ async def _drive(
         for k in range(args.systems)
     ]
     tally = Tally()
-    samples: list[tuple[float, int, float]] = []
+    samples: list[tuple[float, int, float, float]] = []
     flights: list[tuple[float, int]] = []
     stop = asyncio.Event()
     url = router.url + "/v1/chat/completions"
@@ -289,7 +292,7 @@ async def _drive(
     deadline = t0 + args.duration
     async with aiohttp.ClientSession(timeout=timeout, connector=connector) as session:
         sampler = asyncio.create_task(
-            _sample(router.pid, args.rss_interval, stop, samples, tally, flights)
+            _sample(session, router, args.rss_interval, stop, samples, tally, flights)
         )
         before = await _metrics(session, router.url)
         clients = [
@@ -317,7 +320,9 @@ async def _drive(
     return report
 
 
-async def _progress(tally: Tally, samples: list[tuple[float, int, float]], t0: float) -> None:
+async def _progress(
+    tally: Tally, samples: list[tuple[float, int, float, float]], t0: float
+) -> None:
     while True:
         await asyncio.sleep(30)
         rss = samples[-1][1] / 2**20 if samples else float("nan")
@@ -331,7 +336,7 @@ async def _progress(tally: Tally, samples: list[tuple[float, int, float]], t0: f
 def _report(
     args: argparse.Namespace,
     tally: Tally,
-    samples: list[tuple[float, int, float]],
+    samples: list[tuple[float, int, float, float]],
     flights: list[tuple[float, int]],
     before: dict[str, float],
     after: dict[str, float],
@@ -340,11 +345,11 @@ def _report(
     cancelled: int,
     load_before: tuple[float, ...],
 ) -> dict[str, Any]:
-    warm = [(t, rss) for t, rss, _ in samples if t >= args.warmup]
-    slope = float("nan")
+    warm = np.array([x for x in samples if x[0] >= args.warmup], dtype=float).reshape(-1, 4)
+    slope = rest_slope = float("nan")
     if len(warm) >= 3:
-        ts, rs = np.array([t for t, _ in warm]), np.array([r for _, r in warm], dtype=float)
-        slope = float(np.polyfit(ts, rs, 1)[0]) * 60
+        slope = float(np.polyfit(warm[:, 0], warm[:, 1], 1)[0]) * 60
+        rest_slope = float(np.polyfit(warm[:, 0], warm[:, 1] - warm[:, 3], 1)[0]) * 60
     routed = after.get("requests", 0) - before.get("requests", 0)
     overhead_n = after.get("warply_router_overhead_seconds_count", 0) - before.get(
         "warply_router_overhead_seconds_count", 0
@@ -353,7 +358,7 @@ def _report(
         "warply_router_overhead_seconds_sum", 0
     )
     live = [n for t, n in flights if args.warmup <= t <= args.duration]
-    rss = [r for _, r, _ in samples]
+    rss = [x[1] for x in samples]
     cpu = samples[-1][2] - samples[0][2] if len(samples) > 1 else float("nan")
     span = samples[-1][0] - samples[0][0] if len(samples) > 1 else float("nan")
     return {
@@ -382,10 +387,9 @@ def _report(
             "samples": len(rss),
         },
         "router_rss_slope_bytes_per_min": round(slope),
+        "router_rss_less_tokenizer_cache_slope_bytes_per_min": round(rest_slope),
         "router_index_entries": after.get("warply_index_entries"),
-        "router_tokenizer_cache_mib": round(
-            after.get("warply_router_tokenizer_cache_bytes", 0) / 2**20, 1
-        ),
+        "router_tokenizer_cache_mib": round(after.get(_TOK_BYTES, 0) / 2**20, 1),
         "router_cpu_cores": round(cpu / span, 2) if span == span and span > 0 else None,
         "router_overhead_mean_ms": round(overhead_s / overhead_n * 1000, 3) if overhead_n else None,
         "ttft_ms": {"p50": _pct(tally.ttft_ms, 50), "p99": _pct(tally.ttft_ms, 99)},
@@ -471,7 +475,8 @@ def _print(report: dict[str, Any]) -> None:
     print(
         f"  router RSS MiB start {rss['start']} end {rss['end']} max {rss['max']} "
         f"({rss['samples']} samples); slope after warm-up "
-        f"{r['router_rss_slope_bytes_per_min']} B/min; CPU cores: router "
+        f"{r['router_rss_slope_bytes_per_min']} B/min (less the tokenizer cache "
+        f"{r['router_rss_less_tokenizer_cache_slope_bytes_per_min']}); CPU cores: router "
         f"{r['router_cpu_cores']}, simulators {r['simulators_cpu_cores']}, clients "
         f"{r['clients_cpu_cores']}"
     )
