@@ -19,7 +19,6 @@ from warply.spec import KVTier, render_sglang, render_vllm
         ({"l2": "ssd", "ssd_path": "/x"}, "l2 must be 'cpu' (after l1='gpu'"),
         ({"l2": "cpu", "l2_size_gb": 1, "l3": "cpu"}, "l3 must be 'ssd'"),
         ({"l3": "ssd", "ssd_path": "/x"}, "l2 is empty but l3 is set"),
-        ({"l2": "cpu"}, "l2='cpu' needs l2_size_gb"),
         ({"l2": "cpu", "l2_size_gb": 0}, "greater than 0"),
         ({"l2": "cpu", "l2_size_gb": 1, "l3": "ssd"}, "l3='ssd' needs ssd_path"),
         ({"ssd_path": "/x"}, "ssd_path is set but no level is 'ssd'"),

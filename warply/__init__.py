@@ -1,7 +1,55 @@
 """Warply: the control plane for KV-cache-aware serving across vLLM and SGLang.
 
-`import warply` stays light (no torch, no engine, no ZMQ): engine plugins and the router import
-`warply.protocol` cheaply.
+    import warply as wp
+    engine = wp.Engine(model="/models/m", pool=wp.Pool("cpu"))
+
+`import warply` stays light (no torch, no engine, no ZMQ, no pydantic): engine plugins and the
+router import `warply.protocol` cheaply. The SDK's names load on first use (PEP 562).
 """
 
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
 __version__ = "0.1.0"
+
+_LAZY = {
+    "CacheRouting": "warply.spec.deployment",
+    "DisaggEngine": "warply.spec.deployment",
+    "Engine": "warply.spec.deployment",
+    "Pool": "warply.spec.deployment",
+    "SpecError": "warply.spec.deployment",
+    "load_spec": "warply.spec.deployment",
+    "KVTier": "warply.spec.tiers",
+}
+"""Public name → the module that defines it."""
+
+if TYPE_CHECKING:
+    from warply.spec.deployment import (
+        CacheRouting,
+        DisaggEngine,
+        Engine,
+        Pool,
+        SpecError,
+        load_spec,
+    )
+    from warply.spec.tiers import KVTier
+
+__all__ = [
+    "CacheRouting", "DisaggEngine", "Engine", "KVTier", "Pool", "SpecError", "__version__",
+    "load_spec",
+]  # fmt: skip
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'warply' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(__all__)

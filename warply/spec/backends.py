@@ -94,7 +94,6 @@ def render_vllm(
 
 
 def _lmcache_server(tier: KVTier) -> list[str]:
-    assert tier.l2_size_gb is not None  # validated: l2 needs a size
     argv = [
         "lmcache", "server",
         "--host", _LOOPBACK,
@@ -102,7 +101,7 @@ def _lmcache_server(tier: KVTier) -> list[str]:
         "--http-host", _LOOPBACK,
         "--http-port", str(tier.lmcache_http_port),
         "--chunk-size", str(tier.lmcache_chunk_size),
-        "--l1-size-gb", _gb(tier.l2_size_gb),
+        "--l1-size-gb", _gb(tier.l2_gb),
         "--eviction-policy", "LRU",
     ]  # fmt: skip
     if tier.device == "cpu":
@@ -146,14 +145,13 @@ def _lmcache_adapters(tier: KVTier) -> list[dict[str, Any]]:
 def _mooncake_store(tier: KVTier) -> dict[str, Any]:
     """vLLM 0.32's `MooncakeStoreConfig.from_file` keys; embedded mode: each engine gives its
     l2 size to the shared pool."""
-    assert tier.l2_size_gb is not None
     return {
         "metadata_server": tier.mooncake_metadata_server,
         "master_server_address": tier.mooncake_master,
         "protocol": tier.mooncake_protocol,
         "device_name": "",
         "mode": "embedded",
-        "global_segment_size": int(tier.l2_size_gb * (1 << 30)),
+        "global_segment_size": int(tier.l2_gb * (1 << 30)),
     }
 
 
@@ -163,8 +161,7 @@ def render_sglang(tier: KVTier) -> SglangTiering:
         raise ValueError(f"render_sglang: this KVTier is for {tier.engine}")
     args: list[str] = []
     if tier.l2 is not None:
-        assert tier.l2_size_gb is not None
-        args += ["--enable-hierarchical-cache", "--hicache-size", str(int(tier.l2_size_gb))]
+        args += ["--enable-hierarchical-cache", "--hicache-size", str(int(tier.l2_gb))]
     if tier.l3 is not None:
         storage: dict[str, Any]
         if tier.chosen_backend == "mooncake":

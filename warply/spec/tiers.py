@@ -21,6 +21,8 @@ Engine = Literal["vllm", "sglang"]
 Backend = Literal["lmcache", "mooncake", "hicache"]
 
 _ORDER = tuple(Tier)
+DEFAULT_L2_SIZE_GB = 1.0
+"""The host-memory tier's size when `l2_size_gb` is not given."""
 _DEFAULT_BACKEND: dict[str, Backend] = {"vllm": "lmcache", "sglang": "hicache"}
 
 
@@ -42,7 +44,7 @@ class KVTier(BaseModel):
     l4: Tier | None = None
     l2_size_gb: float | None = Field(None, gt=0)
     """Host-memory tier size (LMCache `--l1-size-gb`, HiCache `--hicache-size`, Mooncake's
-    global segment)."""
+    global segment); None: `DEFAULT_L2_SIZE_GB` when l2 is set."""
     ssd_path: str | None = None
     """Directory of the ssd tier (LMCache `fs` adapter, Warply's HiCache L3 file store,
     Mooncake's SSD offload)."""
@@ -67,6 +69,11 @@ class KVTier(BaseModel):
     def tiers(self) -> list[Tier]:
         """The configured tiers, fastest first."""
         return [t for t in (self.l1, self.l2, self.l3, self.l4) if t is not None]
+
+    @property
+    def l2_gb(self) -> float:
+        """The host-memory tier's size in use."""
+        return DEFAULT_L2_SIZE_GB if self.l2_size_gb is None else self.l2_size_gb
 
     @property
     def chosen_backend(self) -> Backend:
@@ -101,8 +108,6 @@ class KVTier(BaseModel):
 
     def _check_capacities(self) -> None:
         tiers = set(self.tiers)
-        if Tier.CPU in tiers and self.l2_size_gb is None:
-            raise ValueError("l2='cpu' needs l2_size_gb (the host-memory tier's size)")
         if Tier.SSD in tiers and not self.ssd_path:
             raise ValueError("l3='ssd' needs ssd_path (a directory on the SSD)")
         if Tier.OBJECT_STORE in tiers and not self.object_store_url:
@@ -154,7 +159,7 @@ class KVTier(BaseModel):
             if self.l2 is None:
                 raise ValueError(
                     "backend 'mooncake' serves l2 on vLLM (Mooncake store's memory pool): set "
-                    "l2='cpu' and l2_size_gb"
+                    "l2='cpu' (and l2_size_gb)"
                 )
             if self.l3 is not None:
                 raise ValueError(
