@@ -22,10 +22,13 @@ _LAZY = {
     "SpecError": "warply.spec.deployment",
     "load_spec": "warply.spec.deployment",
     "KVTier": "warply.spec.tiers",
+    "CacheStatsView": "warply.stats",
+    "UpError": "warply.lifecycle",
 }
 """Public name → the module that defines it."""
 
 if TYPE_CHECKING:
+    from warply.lifecycle import UpError
     from warply.spec.deployment import (
         CacheRouting,
         DisaggEngine,
@@ -35,10 +38,11 @@ if TYPE_CHECKING:
         load_spec,
     )
     from warply.spec.tiers import KVTier
+    from warply.stats import CacheStatsView
 
 __all__ = [
-    "CacheRouting", "DisaggEngine", "Engine", "KVTier", "Pool", "SpecError", "__version__",
-    "load_spec",
+    "CacheRouting", "CacheStatsView", "DisaggEngine", "Engine", "KVTier", "Pool", "SpecError",
+    "UpError", "__version__", "load_spec",
 ]  # fmt: skip
 
 

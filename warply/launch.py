@@ -24,7 +24,7 @@ HOST = "127.0.0.1"
 
 # vLLM 0.32 on CPU: without VLLM_CPU_KVCACHE_SPACE the KV cache takes 0.9x RAM; two instances
 # must bind different cores (both default to core 0). No hub access exists here.
-_VLLM_CPU_ENV = {
+VLLM_CPU_ENV = {
     "VLLM_CPU_KVCACHE_SPACE": "1",
     "VLLM_HOST_IP": HOST,
     "VLLM_NO_USAGE_STATS": "1",
@@ -190,7 +190,7 @@ class VllmServer(EngineProcess):
             cmd += ["--kv-transfer-config", json.dumps(kv_transfer_config)]
         if kv_events_config is not None:
             cmd += ["--kv-events-config", json.dumps(kv_events_config)]
-        full_env = {**_VLLM_CPU_ENV, "VLLM_CPU_OMP_THREADS_BIND": str(cpu_core), **(env or {})}
+        full_env = {**VLLM_CPU_ENV, "VLLM_CPU_OMP_THREADS_BIND": str(cpu_core), **(env or {})}
         super().__init__(cmd, url=f"http://{HOST}:{self.port}", log_path=log_path, env=full_env)
 
     def completion(self, prompt: str | list[int], **fields: Any) -> dict[str, Any]:

@@ -16,13 +16,29 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
-from typing import Any, ClassVar, Literal
+from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
 import yaml  # type: ignore[import-untyped]
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    PrivateAttr,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
 from warply.common.loading import entry_point_names
 from warply.spec.tiers import KVTier
+
+if TYPE_CHECKING:
+    from typing import Self
+
+    import openai
+
+    from warply.lifecycle import Running
+    from warply.stats import CacheStatsView
 
 Backend = Literal["vllm", "sglang"]
 KvTransfer = Literal["nixl", "mooncake"]
@@ -151,7 +167,9 @@ def _known(name: str, builtin: tuple[str, ...], group: str, what: str) -> str:
 
 
 class _Deployment(_Spec):
-    """What both deployments share: the model, the engine kind and the routing."""
+    """What both deployments share: the model, the engine kind and the routing; and, once
+    `up()`, the running deployment (`client()`, `cache_stats()`, `down()`; `warply.lifecycle`,
+    imported on first use so a spec stays cheap to build)."""
 
     model: str = Field(min_length=1)
     """A local model folder, or a hub id (`org/name`) found in the local Hugging Face cache."""
@@ -177,6 +195,7 @@ class _Deployment(_Spec):
             "written org/name)"
         )
 
+    _running: Running | None = PrivateAttr(None)
     _POOLS: ClassVar[tuple[str, ...]]
     """The fields holding this kind's pools, in start order."""
 
@@ -215,6 +234,50 @@ class _Deployment(_Spec):
                         "spec; drop it (or change the spec field that sets it)"
                     )
         self.tier  # noqa: B018 - validates the tiers for this engine and device
+
+    def up(self, **options: Any) -> Self:
+        """Start this deployment on this host and wait until it serves (`lifecycle.up`'s
+        options: `run_dir`, `vllm`, `env`, `timeout_s`, `progress`, ...). Stopped by `down()`,
+        the `with` block's end, or this Python's exit."""
+        import atexit
+
+        from warply.lifecycle import up
+
+        if self._running is not None and not self._running.stopped:
+            raise RuntimeError("already up: call down() first")
+        self._running = up(self, **options)  # type: ignore[arg-type]  # Engine | DisaggEngine
+        atexit.register(self._running.stop)
+        return self
+
+    def down(self) -> None:
+        """Stop every process `up()` started (nothing happens if it is not up)."""
+        if self._running is not None:
+            self._running.stop()
+
+    def __enter__(self) -> Self:
+        return self if self._running is not None and not self._running.stopped else self.up()
+
+    def __exit__(self, *exc: object) -> None:
+        self.down()
+
+    @property
+    def running(self) -> Running:
+        """The running deployment (router URL, PIDs, run folder); raises if not up."""
+        if self._running is None or self._running.stopped:
+            raise RuntimeError("not up: call up() first (or use `with spec:`)")
+        return self._running
+
+    def client(self, **options: Any) -> openai.OpenAI:
+        """`openai.OpenAI` at the router; send `model="warply"` and per-request options as
+        `extra_body={"warply": {"cache_key": ...}}`."""
+        return self.running.client(**options)
+
+    def async_client(self, **options: Any) -> openai.AsyncOpenAI:
+        return self.running.async_client(**options)
+
+    def cache_stats(self) -> CacheStatsView:
+        """Hit rate, bytes by tier, evictions by pool, affinity, TTFT (`warply.stats`)."""
+        return self.running.cache_stats()
 
     def model_dump_yaml(self) -> str:
         """This spec as the YAML `load_spec` reads back."""

@@ -1,0 +1,314 @@
+"""What a deployment spec becomes on one host: every process's command line, environment, port
+and health check, and the router's configuration. Pure: nothing starts here (`lifecycle` runs a
+plan), so the exact flags are testable without an engine.
+
+vLLM engines run `vllm serve` with WarplyConnector (its state stream to the router, which binds
+the collector sockets, its directive socket, and the delegate the spec needs: NixlConnector for
+P/D roles, LMCacheMPConnector for an l2 tier, MultiConnector for both); SGLang engines run
+`sglang.launch_server --enable-warply`. Flags follow vLLM 0.32 and SGLang 0.5.23.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+from urllib.parse import urlsplit
+
+from warply.launch import HOST, VLLM_CPU_ENV, free_port
+from warply.spec.backends import render_sglang, render_vllm
+from warply.spec.deployment import Deployment, DisaggEngine, Pool
+from warply.spec.tiers import KVTier
+
+Kind = Literal["engine", "router", "lmcache", "redis"]
+_VLLM_ROLES = {"prefill": "kv_producer", "decode": "kv_consumer", "engine": "kv_both"}
+_ROUTER_ROLES = {"prefill": "prefill", "decode": "decode", "engine": "both"}
+_BLOCK = {"cpu": 32, "gpu": 16}
+"""Engine block (page) size without LMCache; vLLM 0.32's CPU attention needs a multiple of 32."""
+
+
+class PlanError(ValueError):
+    """The spec cannot run on this host as it is (missing GPUs, an uncached hub model, ...)."""
+
+
+@dataclass(frozen=True)
+class Binaries:
+    """Where the engines' programs are: the `vllm` CLI (its folder also holds `lmcache` and the
+    venv's `python`), the Python with SGLang, the Python that runs the router."""
+
+    vllm: str = "vllm"
+    sglang_python: str = "python3"
+    router_python: str = "python3"
+
+
+@dataclass(frozen=True)
+class ProcessPlan:
+    """One process to start: `health` is the HTTP path answering 200 when it is ready (empty:
+    a Redis PING on the URL's port)."""
+
+    name: str
+    kind: Kind
+    argv: list[str]
+    url: str
+    health: str = "/health"
+    env: dict[str, str] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Plan:
+    """Start order: services, then the router (it binds the engines' collector sockets), then
+    the engines; `files` are written into the run folder first."""
+
+    services: list[ProcessPlan]
+    router: ProcessPlan
+    engines: list[ProcessPlan]
+    router_config: dict[str, Any]
+    token: str
+    """The router's admin token (`/warply/*`)."""
+    files: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def processes(self) -> list[ProcessPlan]:
+        return [*self.services, self.router, *self.engines]
+
+
+def tokenizer_dir(model: str) -> Path:
+    """The folder with the model's tokenizer: a local model itself, or a hub id's snapshot in
+    the local Hugging Face cache (the router never downloads)."""
+    local = Path(model)
+    if local.is_dir():
+        return local
+    hub = Path(os.environ.get("HF_HUB_CACHE") or Path(
+        os.environ.get("HF_HOME") or Path.home() / ".cache" / "huggingface") / "hub")
+    snapshots = hub / f"models--{model.replace('/', '--')}" / "snapshots"
+    for snap in sorted(snapshots.glob("*"), key=lambda p: p.stat().st_mtime, reverse=True):
+        if (snap / "tokenizer.json").is_file():
+            return snap
+    raise PlanError(
+        f"model {model!r} is not in the Hugging Face cache ({hub}): download it first "
+        f"(`huggingface-cli download {model}`) or give a local model folder"
+    )
+
+
+def make_plan(
+    spec: Deployment,
+    bins: Binaries,
+    run_dir: Path,
+    *,
+    gpus: int = 0,
+    cpu_cores: int | None = None,
+    router_port: int | None = None,
+) -> Plan:
+    """Every process `spec` needs on this host; `gpus` is how many devices it may use (their
+    ids 0..gpus-1 are handed out pool by pool, replica by replica)."""
+    need = sum(p.gpus_per_replica * p.replicas for p in spec.pools.values())
+    if need > gpus:
+        shapes = ", ".join(f"{n} {p.replicas}×{p.accelerator}" for n, p in spec.pools.items())
+        raise PlanError(f"the spec needs {need} GPUs ({shapes}) but this host has {gpus}")
+    cores = cpu_cores or os.cpu_count() or 1
+    tier = spec.tier
+    block = tier.lmcache_chunk_size if tier and _uses_lmcache(spec, tier) else _BLOCK[spec.device]
+    services: list[ProcessPlan] = []
+    engines: list[ProcessPlan] = []
+    pools: list[dict[str, Any]] = []
+    files: dict[str, str] = {}
+    next_gpu = 0
+    index = 0
+    for pool_name, pool in spec.pools.items():
+        workers = []
+        for replica in range(pool.replicas):
+            name = f"{pool_name}-{replica}"
+            devices = list(range(next_gpu, next_gpu + pool.gpus_per_replica))
+            next_gpu += pool.gpus_per_replica
+            sockets = {k: f"tcp://{HOST}:{free_port()}" for k in ("events", "replay", "control")}
+            port = free_port()
+            if spec.backend == "vllm":
+                proc, extra = _vllm(spec, pool_name, pool, name, port, block, sockets, bins,
+                                    devices, index % cores, run_dir)  # fmt: skip
+                services += extra.services
+                files.update(extra.files)
+            else:
+                proc = _sglang(spec, pool_name, pool, name, port, block, sockets, bins, devices)
+            engines.append(proc)
+            worker: dict[str, Any] = {"name": name, "url": proc.url, "events": sockets["events"],
+                                      "replay": sockets["replay"], "bind": True,
+                                      "control": sockets["control"]}  # fmt: skip
+            if spec.backend == "sglang" and pool_name == "prefill":
+                worker["bootstrap_port"] = int(_flag(proc.argv, "--disaggregation-bootstrap-port"))
+            workers.append(worker)
+            index += 1
+        entry: dict[str, Any] = {"name": pool_name, "role": _ROUTER_ROLES[pool_name],
+                                 "block_size": block, "workers": workers}  # fmt: skip
+        if pool_name != "engine":
+            entry["kv_handoff"] = spec.backend
+        pools.append(entry)
+    services = _object_store_services(tier) + services
+    token = secrets.token_hex(16)
+    port = router_port or spec.router_port or free_port()
+    config: dict[str, Any] = {
+        "model": spec.served_name,
+        "tokenizer": str(tokenizer_dir(spec.model)),
+        "host": HOST,
+        "port": port,
+        "auth_token": token,
+        "health_interval_s": 1.0,
+        "strategy": {"name": spec.routing.strategy, "knobs": spec.routing.knobs},
+        "alerts": {"min_hit_ratio": spec.routing.min_hit_ratio},
+        "pools": pools,
+    }
+    if spec.routing.tier_policy is not None:
+        config["tiering"] = {
+            "policy": {"name": spec.routing.tier_policy, "knobs": spec.routing.tier_policy_knobs},
+            "interval_s": spec.routing.tier_interval_s,
+        }
+    router = ProcessPlan(
+        "router", "router",
+        [bins.router_python, "-m", "router", "--config", str(run_dir / "router.yaml")],
+        f"http://{HOST}:{port}",
+    )  # fmt: skip
+    return Plan(services, router, engines, config, token, files)
+
+
+def _uses_lmcache(spec: Deployment, tier: KVTier) -> bool:
+    return spec.backend == "vllm" and tier.l2 is not None and tier.chosen_backend == "lmcache"
+
+
+@dataclass
+class _Extra:
+    services: list[ProcessPlan] = field(default_factory=list)
+    files: dict[str, str] = field(default_factory=dict)
+
+
+def _vllm(
+    spec: Deployment,
+    pool_name: str,
+    pool: Pool,
+    name: str,
+    port: int,
+    block: int,
+    sockets: Mapping[str, str],
+    bins: Binaries,
+    devices: list[int],
+    core: int,
+    run_dir: Path,
+) -> tuple[ProcessPlan, _Extra]:
+    extra = _Extra()
+    bin_dir = Path(bins.vllm).parent
+    tier = spec.tier or KVTier(device=spec.device)
+    if tier.l2 is not None and tier.chosen_backend == "lmcache":
+        # One LMCache server per engine, on ports of its own.
+        tier = tier.model_copy(update={"lmcache_port": free_port(),
+                                       "lmcache_http_port": free_port()})  # fmt: skip
+    section = {"events_endpoint": sockets["events"], "replay_endpoint": sockets["replay"],
+               "control_endpoint": sockets["control"], "worker": name,
+               "model": spec.served_name}  # fmt: skip
+    rendered = render_vllm(tier, section, kv_role=_VLLM_ROLES[pool_name])
+    config = rendered.kv_transfer_config
+    env = {"LMCACHE_TRACK_USAGE": "false"}
+    if isinstance(spec, DisaggEngine):
+        _add_nixl(config, spec.device)
+        env |= {"VLLM_NIXL_SIDE_CHANNEL_HOST": HOST,
+                "VLLM_NIXL_SIDE_CHANNEL_PORT": str(free_port())}  # fmt: skip
+    if rendered.lmcache_server is not None:
+        argv = [str(bin_dir / "lmcache"), *rendered.lmcache_server[1:]]
+        extra.services.append(ProcessPlan(
+            f"lmcache-{name}", "lmcache", argv, f"http://{HOST}:{tier.lmcache_http_port}",
+            "/healthcheck", {"LMCACHE_TRACK_USAGE": "false"},
+        ))  # fmt: skip
+    if rendered.mooncake_config is not None:
+        extra.files[f"mooncake-{name}.json"] = json.dumps(rendered.mooncake_config)
+        env["MOONCAKE_CONFIG_PATH"] = str(run_dir / f"mooncake-{name}.json")
+    if spec.device == "cpu":
+        env |= {**VLLM_CPU_ENV, "VLLM_CPU_OMP_THREADS_BIND": str(core)}
+    else:
+        env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, devices))
+    argv = [
+        bins.vllm, "serve", spec.model,
+        "--served-model-name", spec.served_name,
+        "--host", HOST, "--port", str(port),
+        "--block-size", str(block),
+        "--enable-prefix-caching", "--enable-prompt-tokens-details",
+    ]  # fmt: skip
+    if spec.device == "cpu":
+        argv.append("--enforce-eager")  # vllm-cpu 0.32 compiles nothing useful on 2 cores
+    if len(devices) > 1:
+        argv += ["--tensor-parallel-size", str(len(devices))]
+    argv += ["--kv-transfer-config", json.dumps(config, separators=(",", ":")),
+             *pool.engine_args]  # fmt: skip
+    return ProcessPlan(name, "engine", argv, f"http://{HOST}:{port}",
+                       env={**env, **pool.env}), extra  # fmt: skip
+
+
+def _add_nixl(config: dict[str, Any], device: str) -> None:
+    """WarplyConnector's delegate for a P/D role: NixlConnector, beside LMCache if the tiers
+    already delegate to it (MultiConnector asks NIXL first: a decode request's hand-off wins
+    over a tier hit). A failed KV load recomputes instead of failing the request."""
+    # vLLM 0.32's MultiConnector validates each child's config alone: each names its kv_role.
+    nixl: dict[str, Any] = {"kv_connector": "NixlConnector", "kv_role": config["kv_role"]}
+    if device == "cpu":
+        nixl["kv_buffer_device"] = "cpu"
+    extra = config.setdefault("kv_connector_extra_config", {})
+    tier_delegate = extra.get("delegate")
+    if tier_delegate is None:
+        extra["delegate"] = nixl
+    else:
+        tier_delegate["kv_role"] = "kv_both"  # the tier serves both roles' prefixes
+        extra["delegate"] = {
+            "kv_connector": "MultiConnector",
+            "kv_connector_extra_config": {"connectors": [nixl, tier_delegate]},
+        }
+    config["kv_load_failure_policy"] = "recompute"
+
+
+def _sglang(
+    spec: Deployment,
+    pool_name: str,
+    pool: Pool,
+    name: str,
+    port: int,
+    block: int,
+    sockets: Mapping[str, str],
+    bins: Binaries,
+    devices: list[int],
+) -> ProcessPlan:
+    argv = [
+        bins.sglang_python, "-m", "sglang.launch_server",
+        "--model-path", spec.model, "--served-model-name", spec.served_name,
+        "--host", HOST, "--port", str(port),
+        "--page-size", str(block), "--tp-size", str(max(1, len(devices))),
+        "--enable-warply", "--warply-router", sockets["events"],
+        "--warply-replay", sockets["replay"], "--warply-control", sockets["control"],
+        "--warply-worker", name, "--warply-model", spec.served_name,
+    ]  # fmt: skip
+    if spec.tier is not None:
+        argv += render_sglang(spec.tier).server_args
+    if isinstance(spec, DisaggEngine):
+        argv += ["--disaggregation-mode", pool_name,
+                 "--disaggregation-transfer-backend", spec.kv_transfer]  # fmt: skip
+        if pool_name == "prefill":
+            argv += ["--disaggregation-bootstrap-port", str(free_port())]
+    env = {"CUDA_VISIBLE_DEVICES": ",".join(map(str, devices))}
+    return ProcessPlan(name, "engine", [*argv, *pool.engine_args], f"http://{HOST}:{port}",
+                       env={**env, **pool.env})  # fmt: skip
+
+
+def _object_store_services(tier: KVTier | None) -> list[ProcessPlan]:
+    """A `redis-server` for an l4 `redis://` object store on this host (nothing persisted)."""
+    if tier is None or tier.object_store_url is None:
+        return []
+    url = urlsplit(tier.object_store_url)
+    if url.scheme != "redis" or url.hostname not in (HOST, "localhost") or url.port is None:
+        return []
+    argv = ["redis-server", "--bind", HOST, "--port", str(url.port), "--save", "",
+            "--appendonly", "no"]  # fmt: skip
+    if url.password:
+        argv += ["--requirepass", url.password]
+    return [ProcessPlan("redis", "redis", argv, f"redis://{HOST}:{url.port}", health="")]
+
+
+def _flag(argv: list[str], flag: str) -> str:
+    return argv[argv.index(flag) + 1]
