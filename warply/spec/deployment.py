@@ -58,11 +58,12 @@ _ACCELERATOR = re.compile(r"^(?P<count>\d+)x(?P<kind>[A-Za-z0-9]+)$")
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 _RESERVED_ARGS = {
     "vllm": ("--port", "--host", "--served-model-name", "--kv-transfer-config",
-             "--tensor-parallel-size", "-tp"),
+             "--tensor-parallel-size", "-tp", "--block-size"),
     "sglang": ("--port", "--host", "--served-model-name", "--model-path", "--tp-size", "--tp",
-               "--disaggregation-mode", "--enable-warply"),
+               "--disaggregation-mode", "--enable-warply", "--page-size"),
 }  # fmt: skip
-"""Engine flags `up()` sets from the spec itself: an `engine_args` copy would fight it."""
+"""Engine flags `up()` sets from the spec itself: an `engine_args` copy would fight it (the
+block size must equal the router's, which follows the tiers: LMCache's chunk size)."""
 
 
 class _Spec(BaseModel):
@@ -196,13 +197,13 @@ class _Deployment(_Spec):
         )
 
     _running: Running | None = PrivateAttr(None)
-    _POOLS: ClassVar[tuple[str, ...]]
-    """The fields holding this kind's pools, in start order."""
+    _POOLS: ClassVar[dict[str, str]]
+    """Pool name → the field holding it, in start order."""
 
     @property
     def pools(self) -> dict[str, Pool]:
         """Pool name → pool, in start order."""
-        pools: dict[str, Pool] = {name: getattr(self, name) for name in self._POOLS}
+        pools: dict[str, Pool] = {name: getattr(self, f) for name, f in self._POOLS.items()}
         return pools
 
     @property
@@ -230,8 +231,8 @@ class _Deployment(_Spec):
             for arg in pool.engine_args:
                 if arg.split("=", 1)[0] in reserved:
                     raise ValueError(
-                        f"{name}.engine_args: {arg.split('=', 1)[0]!r} is set by Warply from the "
-                        "spec; drop it (or change the spec field that sets it)"
+                        f"{self._POOLS[name]}.engine_args: {arg.split('=', 1)[0]!r} is set by "
+                        "Warply from the spec; drop it (or change the spec field that sets it)"
                     )
         self.tier  # noqa: B018 - validates the tiers for this engine and device
 
@@ -309,7 +310,7 @@ def _retarget(tier: KVTier, backend: Backend, device: Literal["gpu", "cpu"]) -> 
 class Engine(_Deployment):
     """An aggregated deployment: every replica prefills and decodes its own requests."""
 
-    _POOLS = ("pool",)
+    _POOLS = {"engine": "pool"}
     pool: Pool = Field(default_factory=Pool)
 
     @model_validator(mode="after")
@@ -322,7 +323,7 @@ class DisaggEngine(_Deployment):
     """Prefill / decode disaggregation: prefill replicas compute prompts, decode replicas pull
     the KV (`kv_transfer`) and generate."""
 
-    _POOLS = ("prefill", "decode")
+    _POOLS = {"prefill": "prefill", "decode": "decode"}
     prefill: Pool
     decode: Pool
     kv_transfer: str = "nixl"
