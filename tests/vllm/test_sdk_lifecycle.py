@@ -1,0 +1,96 @@
+"""`up()` failing and the CLI's `warply up` / `warply down`, on real `vllm serve` processes.
+
+A deliberately broken engine argument: `up()` raises `UpError` as soon as the engine exits
+(not at a timeout), naming the engine and showing its log's end, and every process it had
+started (router included) is gone. Then `warply up SPEC.yaml` leaves an aggregated deployment
+running after it exits, a request through the router answers, and `warply down` stops every
+process group of the run.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+import warply as wp
+from warply.lifecycle import group_members
+
+pytestmark = pytest.mark.timeout(600)
+
+VLLM = str(Path(sys.executable).parent / "vllm")
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
+
+
+def test_a_broken_engine_argument_fails_fast_and_leaves_nothing(
+    tiny_model: str, tmp_path: Path
+) -> None:
+    spec = wp.Engine(model=tiny_model, pool=wp.Pool("cpu", engine_args=["--no-such-flag", "1"]))
+    lines: list[str] = []
+    t0 = time.monotonic()
+    with pytest.raises(wp.UpError) as err:
+        spec.up(run_dir=tmp_path / "run", vllm=VLLM, progress=lines.append)
+    print(f"up() failed after {time.monotonic() - t0:.1f}s:\n{err.value}")
+    message = str(err.value)
+    assert message.startswith("engine 'engine-0' exited with code")
+    assert "unrecognized arguments: --no-such-flag" in message
+    assert str(tmp_path / "run" / "engine-0.log") in message
+    started = {line.split()[1]: int(line.rsplit("pid ", 1)[1].rstrip(")"))
+               for line in lines if line.startswith("started ")}  # fmt: skip
+    assert set(started) == {"router", "engine-0"}
+    assert [p for p in started.values() if _alive(p) or group_members(p)] == []
+    with pytest.raises(RuntimeError, match="not up"):
+        spec.client()
+
+
+def _warply(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "warply", *args], capture_output=True,
+                          text=True, timeout=500)  # fmt: skip
+
+
+def test_cli_up_leaves_it_running_and_down_stops_it(tiny_model: str, tmp_path: Path) -> None:
+    spec = wp.Engine(model=tiny_model, pool=wp.Pool("cpu", engine_args=["--max-model-len", "1024"]),
+                     routing=wp.CacheRouting(strategy="least_loaded"))  # fmt: skip
+    path = tmp_path / "spec.yaml"
+    path.write_text(spec.model_dump_yaml())
+    run = tmp_path / "run"
+    up = _warply("up", str(path), "--vllm", VLLM, "--run-dir", str(run))
+    assert up.returncode == 0, up.stderr
+    state = json.loads((run / "state.json").read_text())
+    pids = {p["name"]: p["pid"] for p in state["processes"]}
+    try:
+        assert set(pids) == {"router", "engine-0"}
+        assert all(_alive(pid) for pid in pids.values())  # `warply up` has exited
+        url = up.stdout.split("router:", 1)[1].split()[0]
+        body = json.dumps({"model": "warply", "prompt": "hello", "max_tokens": 2}).encode()
+        req = urllib.request.Request(url + "/completions", data=body,
+                                     headers={"Content-Type": "application/json"})  # fmt: skip
+        with urllib.request.urlopen(req, timeout=120) as resp:
+            assert json.loads(resp.read())["usage"]["prompt_tokens"] > 0
+        members = {m for pid in pids.values() for m in group_members(pid)}
+        down = _warply("down", "--run-dir", str(run))
+        assert down.returncode == 0, down.stderr
+        assert "stopped 2 process group(s)" in down.stdout
+    finally:
+        if (run / "state.json").exists():
+            _warply("down", "--run-dir", str(run))
+    assert [p for p in members if _alive(p)] == []
+    again = _warply("down", "--run-dir", str(run))
+    assert again.returncode == 1 and "no running deployment" in again.stderr
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("kind: Engine\nmodel: /no/such/model\n")
+    refused = _warply("up", str(bad))
+    assert refused.returncode == 2 and "Traceback" not in refused.stderr
+    assert "model: model '/no/such/model': no such folder" in refused.stderr
