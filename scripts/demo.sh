@@ -1,10 +1,16 @@
 #!/usr/bin/env bash
-# Warply's main job on this machine (see README): installs what it needs, then `warply demo`
-# builds the local model, runs two real vLLM CPU engines behind warply-router and compares
-# strategies on a multi-turn workload from the Mooncake trace.
-#   bash scripts/demo.sh [--model tiny|small|DIR] [demo.py options...]
+# Warply's main job on this machine (see README): installs what it needs, builds the local model
+# and runs the SDK's example (examples/quickstart.py): two vLLM CPU engines with an LMCache cpu
+# tier behind the Warply router, up → two tenants' conversations from the shipped Mooncake
+# workload through the OpenAI client → cache_stats() → down.
+#   bash scripts/demo.sh [--model small] [quickstart.py options...]
+# The strategy comparison (adaptive / prefix_affinity / round_robin on two engines):
+#   .venvs/core/bin/python -m warply demo --vllm .venvs/vllm/bin/vllm
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT"
-bash scripts/setup_envs.sh core vllm
-exec .venvs/core/bin/python -m warply demo --vllm .venvs/vllm/bin/vllm "$@"
+SIZE=tiny
+if [[ "${1:-}" == "--model" ]]; then SIZE="$2"; shift 2; fi
+bash scripts/setup_envs.sh core lmcache
+MODEL="$(.venvs/lmcache/bin/python scripts/tiny_model.py --size "$SIZE" | tail -n 1)"
+exec .venvs/core/bin/python examples/quickstart.py --vllm .venvs/lmcache/bin/vllm --model "$MODEL" "$@"
