@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any
 import yaml  # type: ignore[import-untyped]
 
 from warply.launch import EngineProcess, http_json
-from warply.plan import Binaries, Plan, PlanError, ProcessPlan, make_plan
+from warply.plan import Binaries, Plan, PlanError, ProcessPlan, check_devices, make_plan
 from warply.spec.deployment import Deployment, DisaggEngine
 
 if TYPE_CHECKING:
@@ -91,6 +91,8 @@ class Running:
 
     def stop(self) -> None:
         """Stop every process (engines first, services last); idempotent."""
+        if self.stopped:
+            return
         for proc in reversed(list(self.processes.values())):
             proc.stop()
         self.stopped = True
@@ -118,8 +120,10 @@ def up(
     run_dir = run_dir or runs_home() / time.strftime(f"%Y%m%d-%H%M%S-{os.getpid()}")
     run_dir.mkdir(parents=True, exist_ok=True)
     try:
+        gpus = _gpu_count(spec)
+        check_devices(spec, gpus)
         bins = _binaries(spec, vllm, sglang_python, router_python, extra_env)
-        plan = make_plan(spec, bins, run_dir, gpus=_gpu_count(spec))
+        plan = make_plan(spec, bins, run_dir, gpus=gpus)
     except PlanError as exc:
         raise UpError(str(exc)) from None
     for name, text in plan.files.items():

@@ -94,6 +94,14 @@ def tokenizer_dir(model: str) -> Path:
     )
 
 
+def check_devices(spec: Deployment, gpus: int) -> None:
+    """Raise PlanError when the pools need more GPUs than the `gpus` this host has."""
+    need = sum(p.gpus_per_replica * p.replicas for p in spec.pools.values())
+    if need > gpus:
+        shapes = ", ".join(f"{n} {p.replicas}×{p.accelerator}" for n, p in spec.pools.items())
+        raise PlanError(f"the spec needs {need} GPUs ({shapes}) but this host has {gpus}")
+
+
 def make_plan(
     spec: Deployment,
     bins: Binaries,
@@ -105,10 +113,7 @@ def make_plan(
 ) -> Plan:
     """Every process `spec` needs on this host; `gpus` is how many devices it may use (their
     ids 0..gpus-1 are handed out pool by pool, replica by replica)."""
-    need = sum(p.gpus_per_replica * p.replicas for p in spec.pools.values())
-    if need > gpus:
-        shapes = ", ".join(f"{n} {p.replicas}×{p.accelerator}" for n, p in spec.pools.items())
-        raise PlanError(f"the spec needs {need} GPUs ({shapes}) but this host has {gpus}")
+    check_devices(spec, gpus)
     cores = cpu_cores or os.cpu_count() or 1
     tier = spec.tier
     block = tier.lmcache_chunk_size if tier and _uses_lmcache(spec, tier) else _BLOCK[spec.device]

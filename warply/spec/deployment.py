@@ -167,8 +167,8 @@ def _known(name: str, builtin: tuple[str, ...], group: str, what: str) -> str:
     return name
 
 
-class _Deployment(_Spec):
-    """What both deployments share: the model, the engine kind and the routing; and, once
+class Deployment(_Spec):
+    """A deployment, `Engine` or `DisaggEngine`: the model, the engine kind and the routing; once
     `up()`, the running deployment (`client()`, `cache_stats()`, `down()`; `warply.lifecycle`,
     imported on first use so a spec stays cheap to build)."""
 
@@ -246,7 +246,7 @@ class _Deployment(_Spec):
 
         if self._running is not None and not self._running.stopped:
             raise RuntimeError("already up: call down() first")
-        self._running = up(self, **options)  # type: ignore[arg-type]  # Engine | DisaggEngine
+        self._running = up(self, **options)
         atexit.register(self._running.stop)
         return self
 
@@ -307,7 +307,7 @@ def _retarget(tier: KVTier, backend: Backend, device: Literal["gpu", "cpu"]) -> 
         raise ValueError(f"routing.tiering with backend {backend!r}: {msg}") from None
 
 
-class Engine(_Deployment):
+class Engine(Deployment):
     """An aggregated deployment: every replica prefills and decodes its own requests."""
 
     _POOLS = {"engine": "pool"}
@@ -319,7 +319,7 @@ class Engine(_Deployment):
         return self
 
 
-class DisaggEngine(_Deployment):
+class DisaggEngine(Deployment):
     """Prefill / decode disaggregation: prefill replicas compute prompts, decode replicas pull
     the KV (`kv_transfer`) and generate."""
 
@@ -350,9 +350,6 @@ class DisaggEngine(_Deployment):
                 "kv_transfer 'mooncake' with backend 'vllm': Warply hands vLLM 0.32 prompts "
                 "off over NixlConnector only; use kv_transfer='nixl' (or backend 'sglang')"
             )
-
-
-Deployment = Engine | DisaggEngine
 
 
 class SpecError(ValueError):
