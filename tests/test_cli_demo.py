@@ -20,7 +20,7 @@ def test_demo_without_vllm_is_a_usage_error(tmp_path: Path) -> None:
     assert done.returncode == 2 and done.stdout == ""
     assert done.stderr == (
         f"warply demo: no vllm command ({tmp_path / 'vllm'}): pass --vllm, "
-        "or run `bash scripts/demo.sh`, which installs it\n"
+        "or run `bash scripts/setup_envs.sh vllm`, which installs it\n"
     )
 
 

@@ -1,6 +1,6 @@
 """`warply demo`: the project's main job (scripts/demo.py) on this machine: builds the local
 model, then runs two real vLLM CPU engines behind `warply-router` per strategy and compares
-their cache statistics. `bash scripts/demo.sh` installs the environments first, then runs this.
+their cache statistics. `bash scripts/setup_envs.sh core vllm` installs what it needs.
 It needs a source checkout (the demo and its workload live under scripts/)."""
 
 from __future__ import annotations
@@ -27,7 +27,8 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         "two `vllm serve` engines behind warply-router for each strategy in turn, a multi-turn "
         "workload from the Mooncake trace, and the routers' cache statistics side by side. "
         "Other options go to scripts/demo.py (--strategy, --conversations, --turns, --workdir, "
-        "...). Needs a source checkout and a vLLM install (bash scripts/demo.sh sets both up).",
+        "...). Needs a source checkout and a vLLM install (`bash scripts/setup_envs.sh core "
+        "vllm`).",
     )
     d.add_argument(
         "--model",
@@ -48,7 +49,7 @@ def _demo(args: argparse.Namespace) -> int:
     if vllm is None or not Path(vllm).is_file():
         raise CliError(
             f"no vllm command ({vllm or 'none on PATH'}): pass --vllm, or run "
-            "`bash scripts/demo.sh`, which installs it",
+            "`bash scripts/setup_envs.sh vllm`, which installs it",
             USAGE,
         )
     model = args.model if Path(args.model).is_dir() else _build_model(args.model, Path(vllm))
