@@ -13,7 +13,6 @@ from __future__ import annotations
 import json
 import os
 import secrets
-from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -43,6 +42,32 @@ class Binaries:
     vllm: str = "vllm"
     sglang_python: str = "python3"
     router_python: str = "python3"
+
+
+class Layout:
+    """Where a plan's processes listen and how they reach each other. This one is this host:
+    loopback, a free port for each socket, GPUs picked by `CUDA_VISIBLE_DEVICES`;
+    `warply.export` gives a cluster's (every interface, fixed ports, one Service per process)."""
+
+    bind_host = HOST
+    """The host every listener binds."""
+    advertise = HOST
+    """The address a process gives peers that connect back to it (NIXL's side channel)."""
+    pick_gpus = True
+    """Set `CUDA_VISIBLE_DEVICES` per engine (a cluster's device plugin does it instead)."""
+
+    def port(self, process: str, purpose: str) -> int:
+        """The port `process` listens on for `purpose` (http, events, replay, control, nixl,
+        lmcache, lmcache_http, bootstrap)."""
+        return free_port()
+
+    def host(self, process: str) -> str:
+        """The host other processes reach `process` at."""
+        return HOST
+
+    def tokenizer(self, model: str) -> str:
+        """Where the router reads the model's tokenizer."""
+        return str(tokenizer_dir(model))
 
 
 @dataclass(frozen=True)
@@ -107,13 +132,17 @@ def make_plan(
     bins: Binaries,
     run_dir: Path,
     *,
-    gpus: int = 0,
+    gpus: int | None = 0,
     cpu_cores: int | None = None,
     router_port: int | None = None,
+    layout: Layout | None = None,
 ) -> Plan:
-    """Every process `spec` needs on this host; `gpus` is how many devices it may use (their
-    ids 0..gpus-1 are handed out pool by pool, replica by replica)."""
-    check_devices(spec, gpus)
+    """Every process `spec` needs on this host (or as `layout` places them); `gpus` is how many
+    devices it may use (their ids 0..gpus-1 are handed out pool by pool, replica by replica;
+    None: no limit)."""
+    at = layout or Layout()
+    if gpus is not None:
+        check_devices(spec, gpus)
     cores = cpu_cores or os.cpu_count() or 1
     tier = spec.tier
     block = tier.lmcache_chunk_size if tier and _uses_lmcache(spec, tier) else _BLOCK[spec.device]
@@ -129,21 +158,19 @@ def make_plan(
             name = f"{pool_name}-{replica}"
             devices = list(range(next_gpu, next_gpu + pool.gpus_per_replica))
             next_gpu += pool.gpus_per_replica
-            sockets = {k: f"tcp://{HOST}:{free_port()}" for k in ("events", "replay", "control")}
-            port = free_port()
+            sockets = _Sockets.of(at, name)
             if spec.backend == "vllm":
-                proc, extra = _vllm(spec, pool_name, pool, name, port, block, sockets, bins,
-                                    devices, index % cores, run_dir)  # fmt: skip
+                proc, extra = _vllm(spec, pool_name, pool, name, block, sockets, bins,
+                                    devices, index % cores, run_dir, at)  # fmt: skip
                 services += extra.services
                 files.update(extra.files)
             else:
-                proc = _sglang(spec, pool_name, pool, name, port, block, sockets, bins, devices)
+                proc = _sglang(spec, pool_name, pool, name, block, sockets, bins, devices, at)
             engines.append(proc)
-            worker: dict[str, Any] = {"name": name, "url": proc.url, "events": sockets["events"],
-                                      "replay": sockets["replay"], "bind": True,
-                                      "control": sockets["control"]}  # fmt: skip
+            worker: dict[str, Any] = {"name": name, "url": proc.url, **sockets.router_side}
             if spec.backend == "sglang" and pool_name == "prefill":
                 worker["bootstrap_port"] = int(_flag(proc.argv, "--disaggregation-bootstrap-port"))
+                worker["bootstrap_host"] = at.host(name)
             workers.append(worker)
             index += 1
         entry: dict[str, Any] = {"name": pool_name, "role": _ROUTER_ROLES[pool_name],
@@ -153,11 +180,11 @@ def make_plan(
         pools.append(entry)
     services = _object_store_services(tier) + services
     token = secrets.token_hex(16)
-    port = router_port or spec.router_port or free_port()
+    port = router_port or spec.router_port or at.port("router", "http")
     config: dict[str, Any] = {
         "model": spec.served_name,
-        "tokenizer": str(tokenizer_dir(spec.model)),
-        "host": HOST,
+        "tokenizer": at.tokenizer(spec.model),
+        "host": at.bind_host,
         "port": port,
         "auth_token": token,
         "health_interval_s": 1.0,
@@ -173,9 +200,30 @@ def make_plan(
     router = ProcessPlan(
         "router", "router",
         [bins.router_python, "-m", "router", "--config", str(run_dir / "router.yaml")],
-        f"http://{HOST}:{port}",
+        f"http://{at.host('router')}:{port}",
     )  # fmt: skip
     return Plan(services, router, engines, config, token, files)
+
+
+@dataclass(frozen=True)
+class _Sockets:
+    """One engine's Warply sockets as each side writes them: the router binds the state stream
+    (the engine connects to it); the engine binds its replay and directive sockets."""
+
+    engine_side: dict[str, str]
+    router_side: dict[str, Any]
+
+    @classmethod
+    def of(cls, at: Layout, name: str) -> _Sockets:
+        events = at.port(name, "events")
+        replay, control = at.port(name, "replay"), at.port(name, "control")
+        bind = "*" if at.bind_host == "0.0.0.0" else at.bind_host
+        return cls(
+            {"events": f"tcp://{at.host('router')}:{events}", "replay": f"tcp://{bind}:{replay}",
+             "control": f"tcp://{bind}:{control}"},
+            {"events": f"tcp://{bind}:{events}", "replay": f"tcp://{at.host(name)}:{replay}",
+             "control": f"tcp://{at.host(name)}:{control}", "bind": True},
+        )  # fmt: skip
 
 
 def _uses_lmcache(spec: Deployment, tier: KVTier) -> bool:
@@ -193,31 +241,33 @@ def _vllm(
     pool_name: str,
     pool: Pool,
     name: str,
-    port: int,
     block: int,
-    sockets: Mapping[str, str],
+    sockets: _Sockets,
     bins: Binaries,
     devices: list[int],
     core: int,
     run_dir: Path,
+    at: Layout,
 ) -> tuple[ProcessPlan, _Extra]:
     extra = _Extra()
     bin_dir = Path(bins.vllm).parent
     tier = spec.tier or KVTier(device=spec.device)
     if tier.l2 is not None and tier.chosen_backend == "lmcache":
         # One LMCache server per engine, on ports of its own.
-        tier = tier.model_copy(update={"lmcache_port": free_port(),
-                                       "lmcache_http_port": free_port()})  # fmt: skip
-    section = {"events_endpoint": sockets["events"], "replay_endpoint": sockets["replay"],
-               "control_endpoint": sockets["control"], "worker": name,
+        ports = {"lmcache_port": at.port(name, "lmcache"),
+                 "lmcache_http_port": at.port(name, "lmcache_http")}  # fmt: skip
+        tier = tier.model_copy(update=ports)
+    engine = sockets.engine_side
+    section = {"events_endpoint": engine["events"], "replay_endpoint": engine["replay"],
+               "control_endpoint": engine["control"], "worker": name,
                "model": spec.served_name}  # fmt: skip
     rendered = render_vllm(tier, section, kv_role=_VLLM_ROLES[pool_name])
     config = rendered.kv_transfer_config
     env = {"LMCACHE_TRACK_USAGE": "false"}
     if isinstance(spec, DisaggEngine):
         _add_nixl(config, spec.device)
-        env |= {"VLLM_NIXL_SIDE_CHANNEL_HOST": HOST,
-                "VLLM_NIXL_SIDE_CHANNEL_PORT": str(free_port())}  # fmt: skip
+        env |= {"VLLM_NIXL_SIDE_CHANNEL_HOST": at.advertise,
+                "VLLM_NIXL_SIDE_CHANNEL_PORT": str(at.port(name, "nixl"))}  # fmt: skip
     if rendered.lmcache_server is not None:
         argv = [str(bin_dir / "lmcache"), *rendered.lmcache_server[1:]]
         extra.services.append(ProcessPlan(
@@ -229,12 +279,13 @@ def _vllm(
         env["MOONCAKE_CONFIG_PATH"] = str(run_dir / f"mooncake-{name}.json")
     if spec.device == "cpu":
         env |= {**VLLM_CPU_ENV, "VLLM_CPU_OMP_THREADS_BIND": str(core)}
-    else:
+    elif at.pick_gpus:
         env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, devices))
+    port = at.port(name, "http")
     argv = [
         bins.vllm, "serve", spec.model,
         "--served-model-name", spec.served_name,
-        "--host", HOST, "--port", str(port),
+        "--host", at.bind_host, "--port", str(port),
         "--block-size", str(block),
         "--enable-prefix-caching", "--enable-prompt-tokens-details",
     ]  # fmt: skip
@@ -244,7 +295,7 @@ def _vllm(
         argv += ["--tensor-parallel-size", str(len(devices))]
     argv += ["--kv-transfer-config", json.dumps(config, separators=(",", ":")),
              *pool.engine_args]  # fmt: skip
-    return ProcessPlan(name, "engine", argv, f"http://{HOST}:{port}",
+    return ProcessPlan(name, "engine", argv, f"http://{at.host(name)}:{port}",
                        env={**env, **pool.env}), extra  # fmt: skip
 
 
@@ -274,19 +325,20 @@ def _sglang(
     pool_name: str,
     pool: Pool,
     name: str,
-    port: int,
     block: int,
-    sockets: Mapping[str, str],
+    sockets: _Sockets,
     bins: Binaries,
     devices: list[int],
+    at: Layout,
 ) -> ProcessPlan:
+    port, engine = at.port(name, "http"), sockets.engine_side
     argv = [
         bins.sglang_python, "-m", "sglang.launch_server",
         "--model-path", spec.model, "--served-model-name", spec.served_name,
-        "--host", HOST, "--port", str(port),
+        "--host", at.bind_host, "--port", str(port),
         "--page-size", str(block), "--tp-size", str(max(1, len(devices))),
-        "--enable-warply", "--warply-router", sockets["events"],
-        "--warply-replay", sockets["replay"], "--warply-control", sockets["control"],
+        "--enable-warply", "--warply-router", engine["events"],
+        "--warply-replay", engine["replay"], "--warply-control", engine["control"],
         "--warply-worker", name, "--warply-model", spec.served_name,
     ]  # fmt: skip
     if spec.tier is not None:
@@ -295,9 +347,9 @@ def _sglang(
         argv += ["--disaggregation-mode", pool_name,
                  "--disaggregation-transfer-backend", spec.kv_transfer]  # fmt: skip
         if pool_name == "prefill":
-            argv += ["--disaggregation-bootstrap-port", str(free_port())]
-    env = {"CUDA_VISIBLE_DEVICES": ",".join(map(str, devices))}
-    return ProcessPlan(name, "engine", [*argv, *pool.engine_args], f"http://{HOST}:{port}",
+            argv += ["--disaggregation-bootstrap-port", str(at.port(name, "bootstrap"))]
+    env = {"CUDA_VISIBLE_DEVICES": ",".join(map(str, devices))} if at.pick_gpus else {}
+    return ProcessPlan(name, "engine", [*argv, *pool.engine_args], f"http://{at.host(name)}:{port}",
                        env={**env, **pool.env})  # fmt: skip
 
 
