@@ -23,6 +23,10 @@ class ConfigError(ValueError):
     """The configuration is invalid; the message names the offending field(s)."""
 
 
+TOKEN_ENV = "WARPLY_AUTH_TOKEN"
+"""The admin token's environment variable, read when the config file sets none."""
+
+
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
@@ -258,8 +262,11 @@ class RouterConfig(_Strict):
     port: int = Field(8000, ge=0, le=65535)
     pools: list[PoolConfig] = Field(min_length=1)
     strategy: StrategyConfig = StrategyConfig()
-    auth_token: str | None = Field(None, min_length=1)
-    """When set, /warply/* admin endpoints require `Authorization: Bearer <token>`."""
+    auth_token: str | None = Field(
+        default_factory=lambda: os.environ.get(TOKEN_ENV) or None, min_length=1
+    )
+    """When set, /warply/* admin endpoints require `Authorization: Bearer <token>`. Unset in
+    the file: the `WARPLY_AUTH_TOKEN` environment variable (a Kubernetes Secret, say)."""
     control_token: str | None = Field(
         default_factory=lambda: os.environ.get(CONTROL_TOKEN_ENV) or None, min_length=16
     )

@@ -13,7 +13,7 @@ import pytest
 
 import warply.common.loading as loading
 from router.__main__ import _parser, config_from_args
-from router.config import ConfigError, RouterConfig, StrategyConfig, load_config
+from router.config import TOKEN_ENV, ConfigError, RouterConfig, StrategyConfig, load_config
 from router.strategies import LeastLoaded, PrefixAffinity, make_strategy, strategy_class
 from router.workers import Workers
 
@@ -220,3 +220,15 @@ def test_index_section_and_the_moved_cap(tmp_path: Path) -> None:
         load_config(_write(tmp_path, GOOD + "index: {store: redis, url: '127.0.0.1:6379'}\n"))
     with pytest.raises(ConfigError, match=r"write `index: \{max_entries: 5\}` instead"):
         load_config(_write(tmp_path, GOOD + "index_max_entries: 5\n"))
+
+
+def test_the_admin_token_comes_from_the_environment_when_the_file_sets_none(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    config = {"model": "m", "tokenizer": "/t", "pools": [
+        {"name": "p", "workers": [{"name": "w", "url": "http://127.0.0.1:1"}]}]}  # fmt: skip
+    monkeypatch.delenv(TOKEN_ENV, raising=False)
+    assert RouterConfig.model_validate(config).auth_token is None
+    monkeypatch.setenv(TOKEN_ENV, "from-secret")
+    assert RouterConfig.model_validate(config).auth_token == "from-secret"
+    assert RouterConfig.model_validate({**config, "auth_token": "file"}).auth_token == "file"

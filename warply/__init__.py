@@ -24,10 +24,13 @@ _LAZY = {
     "KVTier": "warply.spec.tiers",
     "CacheStatsView": "warply.stats",
     "UpError": "warply.lifecycle",
+    "ExportError": "warply.export",
+    "export_yaml": "warply.export",
 }
 """Public name → the module that defines it."""
 
 if TYPE_CHECKING:
+    from warply.export import ExportError, export_yaml
     from warply.lifecycle import UpError
     from warply.spec.deployment import (
         CacheRouting,
@@ -41,8 +44,8 @@ if TYPE_CHECKING:
     from warply.stats import CacheStatsView
 
 __all__ = [
-    "CacheRouting", "CacheStatsView", "DisaggEngine", "Engine", "KVTier", "Pool", "SpecError",
-    "UpError", "__version__", "load_spec",
+    "CacheRouting", "CacheStatsView", "DisaggEngine", "Engine", "ExportError", "KVTier", "Pool",
+    "SpecError", "UpError", "__version__", "export_yaml", "load_spec",
 ]  # fmt: skip
 
 

@@ -9,10 +9,10 @@ import argparse
 import sys
 
 from warply import __version__
-from warply.cli import bench, demo, stats, up, watch, where
+from warply.cli import bench, demo, export, stats, up, watch, where
 from warply.cli.admin import CliError
 
-_VERBS = (up, stats, where, watch, bench, demo)
+_VERBS = (up, stats, where, export, watch, bench, demo)
 
 
 def _parser() -> argparse.ArgumentParser:

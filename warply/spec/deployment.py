@@ -280,6 +280,15 @@ class Deployment(_Spec):
         """Hit rate, bytes by tier, evictions by pool, affinity, TTFT (`warply.stats`)."""
         return self.running.cache_stats()
 
+    def export_yaml(self, target: Literal["kubernetes", "dynamo"] = "kubernetes",
+                    **options: Any) -> str:  # fmt: skip
+        """Kubernetes manifests for this deployment: plain Deployments and Services, or an
+        NVIDIA Dynamo DynamoGraphDeployment (`warply.export.export_yaml`'s options: `name`,
+        `image`, `namespace`, `model_pvc`, `token`)."""
+        from warply.export import export_yaml
+
+        return export_yaml(self, target, **options)  # type: ignore[arg-type]
+
     def model_dump_yaml(self) -> str:
         """This spec as the YAML `load_spec` reads back."""
         data = self.model_dump(mode="json", exclude_defaults=True)
