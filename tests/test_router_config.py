@@ -226,7 +226,8 @@ def test_the_admin_token_comes_from_the_environment_when_the_file_sets_none(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     config = {"model": "m", "tokenizer": "/t", "pools": [
-        {"name": "p", "workers": [{"name": "w", "url": "http://127.0.0.1:1"}]}]}  # fmt: skip
+        {"name": "p", "block_size": 16,
+         "workers": [{"name": "w", "url": "http://127.0.0.1:1"}]}]}  # fmt: skip
     monkeypatch.delenv(TOKEN_ENV, raising=False)
     assert RouterConfig.model_validate(config).auth_token is None
     monkeypatch.setenv(TOKEN_ENV, "from-secret")
