@@ -17,6 +17,7 @@ import warply as wp
 from router.config import TOKEN_ENV, RouterConfig
 from warply.cli import main
 from warply.export import ExportError, manifests
+from warply.protocol.plugin import CONTROL_TOKEN_ENV
 
 SCHEMAS = Path(__file__).parent / "data" / "schemas"
 
@@ -108,12 +109,14 @@ def test_the_router_reaches_every_engine_by_its_service(model_dir: str, shape: s
     by = {(d["kind"], d["metadata"]["name"]): d for d in docs}
     config = yaml.safe_load(by["ConfigMap", "demo-config"]["data"]["router.yaml"])
     assert "auth_token" not in config  # the token lives in the Secret
-    assert by["Secret", "demo-token"]["stringData"] == {"token": "s3cret"}
+    secret = by["Secret", "demo-token"]["stringData"]
+    assert secret["token"] == "s3cret" and len(secret["control-token"]) >= 16
     RouterConfig.model_validate(config)  # the router's own model accepts it
     router_ports = {p["port"] for p in by["Service", "demo-router"]["spec"]["ports"]}
     pods = {d["metadata"]["name"]: d["spec"]["template"]["spec"] for d in docs
             if d["kind"] == "Deployment"}  # fmt: skip
-    assert any(e.get("name") == TOKEN_ENV for e in pods["demo-router"]["containers"][0]["env"])
+    router_env = {e["name"] for e in pods["demo-router"]["containers"][0]["env"]}
+    assert {TOKEN_ENV, CONTROL_TOKEN_ENV} <= router_env
     for pool in config["pools"]:
         for worker in pool["workers"]:
             service = by["Service", f"demo-{worker['name']}"]
@@ -131,6 +134,8 @@ def test_the_router_reaches_every_engine_by_its_service(model_dir: str, shape: s
                 else {"events_endpoint": args[args.index("--warply-router") + 1]}  # fmt: skip
             # the engine connects to the router's port; LMCache stays on the pod's loopback
             assert warply_section["events_endpoint"] == f"tcp://demo-router:{events_port}"
+            # directives to the engine are signed with the token the router has
+            assert CONTROL_TOKEN_ENV in {e["name"] for e in main["env"]}
             gpus = spec.pools[pool["name"]].gpus_per_replica
             assert main.get("resources", {}).get("limits") == (
                 {"nvidia.com/gpu": str(gpus)} if gpus else None)  # fmt: skip
@@ -212,6 +217,7 @@ def test_cli_export(model_dir: str, tmp_path: Path, capsys: pytest.CaptureFixtur
 
 def test_the_spec_method_is_the_same_export(model_dir: str) -> None:
     spec = _specs(model_dir)["aggregated"]
-    text = spec.export_yaml("kubernetes", name="demo", token="t")
-    assert text == wp.export_yaml(spec, "kubernetes", name="demo", token="t")
+    tokens = {"token": "t", "control_token": "c" * 16}
+    text = spec.export_yaml("kubernetes", name="demo", **tokens)
+    assert text == wp.export_yaml(spec, "kubernetes", name="demo", **tokens)
     assert len(list(yaml.safe_load_all(text))) == 2 + 2 * 3

@@ -19,6 +19,7 @@ import yaml  # type: ignore[import-untyped]
 
 from warply import __version__
 from warply.plan import Binaries, Layout, Plan, ProcessPlan, make_plan
+from warply.protocol.plugin import CONTROL_TOKEN_ENV
 from warply.spec.deployment import Deployment
 
 Target = Literal["kubernetes", "dynamo"]
@@ -35,6 +36,8 @@ _CONFIG_DIR = PurePosixPath("/etc/warply")
 _TOKENIZER_DIR = "/warply/tokenizer"
 _MODELS_DIR = PurePosixPath("/models")
 _TOKEN_ENV = "WARPLY_AUTH_TOKEN"
+"""The router reads its admin token from here (`router.config.TOKEN_ENV`; a test keeps them
+equal: the SDK does not import the router)."""
 _NAME = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
 
 
@@ -81,6 +84,7 @@ def export_yaml(
     namespace: str | None = None,
     model_pvc: str | None = None,
     token: str | None = None,
+    control_token: str | None = None,
 ) -> str:
     """The manifests for `spec` as one multi-document YAML.
 
@@ -88,9 +92,10 @@ def export_yaml(
     the Services that name each engine replica). `name` prefixes every object; `image` is the
     engine + Warply image (default `warply:VERSION-BACKEND`); a local model folder is read from
     the PersistentVolumeClaim `model_pvc` (default `NAME-models`) mounted at /models; `token`
-    is the router's admin token (default: a fresh random one, in a Secret)."""
+    is the router's admin token and `control_token` signs its directives to the engines'
+    control sockets (default: fresh random ones; both go in a Secret)."""
     docs = manifests(spec, target, name=name, image=image, namespace=namespace,
-                     model_pvc=model_pvc, token=token)  # fmt: skip
+                     model_pvc=model_pvc, token=token, control_token=control_token)  # fmt: skip
     return str(yaml.dump_all(docs, Dumper=_Dumper, sort_keys=False))
 
 
@@ -115,6 +120,7 @@ def manifests(
     namespace: str | None = None,
     model_pvc: str | None = None,
     token: str | None = None,
+    control_token: str | None = None,
 ) -> list[dict[str, Any]]:
     """The objects `export_yaml` writes, as dicts (in apply order)."""
     if target not in ("kubernetes", "dynamo"):
@@ -148,7 +154,8 @@ def manifests(
     docs: list[dict[str, Any]] = [
         {"apiVersion": "v1", "kind": "Secret",
          "metadata": {"name": f"{name}-token", **meta, "labels": pods.labels("router")},
-         "type": "Opaque", "stringData": {"token": token or secrets.token_hex(16)}},
+         "type": "Opaque", "stringData": {"token": token or secrets.token_hex(16),
+                                          "control-token": control_token or secrets.token_hex(16)}},
         {"apiVersion": "v1", "kind": "ConfigMap",
          "metadata": {"name": f"{name}-config", **meta, "labels": pods.labels("router")},
          "data": {"router.yaml": yaml.safe_dump(plan.router_config, sort_keys=False),
@@ -213,13 +220,13 @@ class _Pods:
             volumes.append({"name": "models", "persistentVolumeClaim": {
                 "claimName": self.model_pvc, "readOnly": True}})  # fmt: skip
         main = self._container("main", p, mounts)
+        main["env"].append(self._secret(CONTROL_TOKEN_ENV, "control-token"))
         main["ports"] = [{"name": n, "containerPort": port} for n, port in self._ports(p)]
         main["readinessProbe"] = {"httpGet": {"path": p.health, "port": "http"},
                                   "periodSeconds": 5}  # fmt: skip
         pod: dict[str, Any] = {"containers": [main], "volumes": volumes}
         if p.kind == "router":
-            main["env"].append({"name": _TOKEN_ENV, "valueFrom": {"secretKeyRef": {
-                "name": f"{self.layout.release}-token", "key": "token"}}})  # fmt: skip
+            main["env"].append(self._secret(_TOKEN_ENV, "token"))
             if self.model_pvc is None:
                 pod["initContainers"] = [self._fetch_tokenizer(mounts)]
                 volumes.append({"name": "tokenizer", "emptyDir": {}})
@@ -236,6 +243,11 @@ class _Pods:
             pod["containers"] += [self._container(s.name, s, mounts)
                                   for s in self.sidecars.get(p.name, [])]  # fmt: skip
         return pod
+
+    def _secret(self, env: str, key: str) -> dict[str, Any]:
+        """An env var from the deployment's Secret."""
+        return {"name": env, "valueFrom": {"secretKeyRef": {
+            "name": f"{self.layout.release}-token", "key": key}}}  # fmt: skip
 
     def _container(self, name: str, p: ProcessPlan, mounts: list[Any]) -> dict[str, Any]:
         env: list[dict[str, Any]] = [

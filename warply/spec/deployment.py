@@ -284,10 +284,10 @@ class Deployment(_Spec):
                     **options: Any) -> str:  # fmt: skip
         """Kubernetes manifests for this deployment: plain Deployments and Services, or an
         NVIDIA Dynamo DynamoGraphDeployment (`warply.export.export_yaml`'s options: `name`,
-        `image`, `namespace`, `model_pvc`, `token`)."""
+        `image`, `namespace`, `model_pvc`, `token`, `control_token`)."""
         from warply.export import export_yaml
 
-        return export_yaml(self, target, **options)  # type: ignore[arg-type]
+        return export_yaml(self, target, **options)
 
     def model_dump_yaml(self) -> str:
         """This spec as the YAML `load_spec` reads back."""
