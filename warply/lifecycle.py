@@ -22,8 +22,10 @@ from typing import TYPE_CHECKING, Any
 
 import yaml  # type: ignore[import-untyped]
 
+from warply.admin import call
 from warply.launch import EngineProcess, http_json
 from warply.plan import Binaries, Plan, PlanError, ProcessPlan, check_devices, make_plan
+from warply.protocol.api import Where
 from warply.spec.deployment import Deployment, DisaggEngine
 
 if TYPE_CHECKING:
@@ -88,6 +90,17 @@ class Running:
         from warply.stats import fetch_cache_stats
 
         return fetch_cache_stats(self.url, self.token)
+
+    def where(self, prompt: str | list[dict[str, Any]], *, cache_key: str | None = None) -> Where:
+        """Which workers hold how much of `prompt` (text, or chat messages) on which tier, and
+        what the router would choose and why (each strategy's score per candidate); nothing is
+        booked."""
+        body: dict[str, Any] = (
+            {"prompt": prompt} if isinstance(prompt, str) else {"messages": prompt}
+        )
+        if cache_key is not None:
+            body["warply"] = {"cache_key": cache_key}
+        return call(self.url, "/warply/where", Where, body, token=self.token)
 
     def stop(self) -> None:
         """Stop every process (engines first, services last); idempotent."""

@@ -3,11 +3,11 @@ figures a user asks for first, typed; the full router view stays in `raw`."""
 
 from __future__ import annotations
 
-import urllib.request
 from collections import defaultdict
 
 import msgspec
 
+from warply.admin import call
 from warply.protocol.api import CacheStats
 
 
@@ -130,8 +130,4 @@ def fetch_cache_stats(
     router_url: str, token: str | None = None, timeout: float = 10
 ) -> CacheStatsView:
     """GET `/warply/cache_stats` from a router (with its admin token, if it has one)."""
-    headers = {"Authorization": f"Bearer {token}"} if token else {}
-    req = urllib.request.Request(router_url + "/warply/cache_stats", headers=headers)
-    with urllib.request.urlopen(req, timeout=timeout) as resp:
-        body = resp.read()
-    return view(msgspec.json.decode(body, type=CacheStats))
+    return view(call(router_url, "/warply/cache_stats", CacheStats, token=token, timeout=timeout))

@@ -99,6 +99,14 @@ def test_design_example_up_chat_stats_down(tiny_model: str, tmp_path: Path) -> N
         assert {"tenant:acme:rag-v3", "tenant:globex"} <= set(stats.affinity_map)
         assert set(stats.pools) == {"prefill", "decode"} and stats.pools["decode"].handoffs > 0
         assert stats.ttft_p50 is not None and stats.router_overhead_p50 is not None
+        # Where does the second tenant's conversation live? On some worker, and the router
+        # would send its next turn there; under another key, nowhere.
+        history = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "question 1"}]
+        where = engine.where(history, cache_key="tenant:globex")
+        held = {w.name: w.cached_tokens for p in where.pools for w in p.workers}
+        assert max(held.values()) > 0 and where.choice is not None, where
+        stranger = engine.where(history, cache_key="tenant:initech")
+        assert all(w.cached_tokens == 0 for p in stranger.pools for w in p.workers), stranger
     finally:
         engine.down()
     left = sorted(p for p in pids if Path(f"/proc/{p}").exists() and _alive(p))

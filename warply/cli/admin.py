@@ -6,13 +6,10 @@ the request or the configuration is wrong, e.g. a bad token or an unknown model)
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import urllib.error
-import urllib.request
 from typing import Any, TypeVar
 
-import msgspec
+from warply import admin
 
 _T = TypeVar("_T")
 
@@ -50,32 +47,7 @@ def add_router_args(parser: argparse.ArgumentParser) -> None:
 
 def call(args: argparse.Namespace, path: str, shape: type[_T], body: Any = None) -> _T:
     """GET `path` (POST `body` as JSON when given) on `args.router`, decoded as `shape`."""
-    url = args.router.rstrip("/") + path
-    headers = {"Content-Type": "application/json"}
-    if args.token:
-        headers["Authorization"] = f"Bearer {args.token}"
-    data = None if body is None else json.dumps(body).encode()
     try:
-        request = urllib.request.Request(url, data=data, headers=headers)
-        with urllib.request.urlopen(request, timeout=args.timeout) as resp:
-            raw = resp.read()
-    except urllib.error.HTTPError as exc:
-        code = USAGE if 400 <= exc.code < 500 else RUNTIME
-        raise CliError(f"{url}: {exc.code} {_message(exc.read()) or exc.reason}", code) from None
-    except ValueError as exc:  # a malformed URL
-        raise CliError(f"--router {args.router!r}: {exc}", USAGE) from None
-    except (urllib.error.URLError, OSError) as exc:
-        reason = getattr(exc, "reason", exc)
-        raise CliError(f"cannot reach the router at {args.router}: {reason}") from None
-    try:
-        return msgspec.json.decode(raw, type=shape)
-    except msgspec.DecodeError as exc:
-        raise CliError(f"{url}: not a Warply router's answer ({exc})") from None
-
-
-def _message(body: bytes) -> str:
-    """The message of an OpenAI-shaped error body ("" when it is not one)."""
-    try:
-        return str(json.loads(body)["error"]["message"])
-    except (ValueError, KeyError, TypeError):
-        return ""
+        return admin.call(args.router, path, shape, body, token=args.token, timeout=args.timeout)
+    except admin.AdminError as exc:
+        raise CliError(str(exc), USAGE if exc.usage else RUNTIME) from None

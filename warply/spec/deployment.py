@@ -38,6 +38,7 @@ if TYPE_CHECKING:
     import openai
 
     from warply.lifecycle import Running
+    from warply.protocol.api import Where
     from warply.stats import CacheStatsView
 
 Backend = Literal["vllm", "sglang"]
@@ -279,6 +280,11 @@ class Deployment(_Spec):
     def cache_stats(self) -> CacheStatsView:
         """Hit rate, bytes by tier, evictions by pool, affinity, TTFT (`warply.stats`)."""
         return self.running.cache_stats()
+
+    def where(self, prompt: str | list[dict[str, Any]], *, cache_key: str | None = None) -> Where:
+        """Which workers hold how much of `prompt` (text, or chat messages) on which tier, and
+        what the router would choose and why (`/warply/where`; nothing is booked)."""
+        return self.running.where(prompt, cache_key=cache_key)
 
     def export_yaml(self, target: Literal["kubernetes", "dynamo"] = "kubernetes",
                     **options: Any) -> str:  # fmt: skip
