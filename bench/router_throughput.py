@@ -1,0 +1,417 @@
+"""Router throughput and added latency on one core, against sglang-router in the same run.
+
+Processes (all on 127.0.0.1, each stopped by its PID's process group at the end):
+
+* fake upstreams: `--upstreams` OpenAI-shaped servers in one process (this script with
+  `--serve`), answering instantly (a JSON completion, or an SSE stream of a few events and a
+  usage chunk), pinned to the last core with the client;
+* warply-router, pinned to core 0 (`taskset -c 0`), one pool over those upstreams, the default
+  strategy, no event streams (the index stays empty: placement still keys, matches and picks);
+* sglang-router 0.3.2 (`--sglang-python`, its venv's interpreter), pinned to core 0 as well,
+  `--policy cache_aware` (its default); skipped with `--sglang-python ''`.
+
+Closed-loop clients (one keep-alive connection per stream, raw HTTP/1.1 on uvloop) send
+/v1/completions with ~150-token prompts from 64 conversations, at each of `--streams`, for
+`--seconds` (after `--warmup` seconds), to the upstreams directly, through warply and through
+sglang-router, one target after the other. Per row: requests/s, client latency p50/p99, and
+the router-added latency: the row's quantile minus the direct row's at the same concurrency
+(same run). Ratios are warply / sglang-router.
+
+    nice -n 10 .venvs/core/bin/python bench/router_throughput.py [--seconds 5] \\
+        [--streams 1 64 100] [--modes json stream] [--router-workers 1] [--profile FILE]
+
+`--profile FILE` runs warply-router under cProfile (slower; for finding hot spots, not for
+figures) and writes its stats to FILE when the router stops.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import os
+import random
+import re
+import shutil
+import signal
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from warply.launch import HOST, EngineProcess, free_port, http_json
+
+ROOT = Path(__file__).resolve().parent.parent
+MODEL = "bench"
+CACHE = Path.home() / ".cache" / "warply" / "models"
+_CONTENT_LENGTH = re.compile(rb"content-length:\s*(\d+)", re.IGNORECASE)
+_CHUNKED = re.compile(rb"transfer-encoding:\s*chunked", re.IGNORECASE)
+
+
+# -- fake upstream ---------------------------------------------------------------------------
+
+
+def _usage(prompt_tokens: int) -> dict[str, Any]:
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": 4,
+        "total_tokens": prompt_tokens + 4,
+        "prompt_tokens_details": {"cached_tokens": 0},
+    }
+
+
+def _json_answer() -> bytes:
+    body = json.dumps({
+        "id": "cmpl-bench", "object": "text_completion", "created": 0, "model": MODEL,
+        "choices": [{"index": 0, "text": " a b c d", "finish_reason": "length",
+                     "logprobs": None}],
+        "usage": _usage(150),
+    }).encode()
+    return (b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: "
+            + str(len(body)).encode() + b"\r\n\r\n" + body)
+
+
+def _stream_answer() -> bytes:
+    events = []
+    for text in (" a", " b", " c", " d"):
+        chunk = {"id": "cmpl-bench", "object": "text_completion", "created": 0, "model": MODEL,
+                 "choices": [{"index": 0, "text": text, "finish_reason": None}]}
+        events.append(b"data: " + json.dumps(chunk).encode() + b"\n\n")
+    last = {"id": "cmpl-bench", "object": "text_completion", "created": 0, "model": MODEL,
+            "choices": [], "usage": _usage(150)}
+    events.append(b"data: " + json.dumps(last).encode() + b"\n\n")
+    events.append(b"data: [DONE]\n\n")
+    chunks = b"".join(b"%x\r\n%s\r\n" % (len(e), e) for e in events) + b"0\r\n\r\n"
+    return (b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\n"
+            b"Transfer-Encoding: chunked\r\n\r\n" + chunks)
+
+
+def _get_answer(path: bytes) -> bytes:
+    if path.startswith(b"/v1/models"):
+        body = json.dumps({"object": "list", "data": [
+            {"id": MODEL, "object": "model", "max_model_len": 32768}]}).encode()
+    else:  # /health, sglang-router's /get_server_info, /get_model_info, ...
+        body = b"{}"
+    return (b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: "
+            + str(len(body)).encode() + b"\r\n\r\n" + body)
+
+
+class _Upstream(asyncio.Protocol):
+    """An OpenAI-shaped server that answers every request at once (HTTP/1.1 keep-alive)."""
+
+    JSON = _json_answer()
+    STREAM = _stream_answer()
+
+    def __init__(self) -> None:
+        self._buf = b""
+        self._transport: Any = None
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self._transport = transport  # uvloop's transports are not asyncio.Transport instances
+
+    def data_received(self, data: bytes) -> None:
+        self._buf += data
+        assert self._transport is not None
+        while True:
+            end = self._buf.find(b"\r\n\r\n")
+            if end < 0:
+                return
+            head = self._buf[:end]
+            m = _CONTENT_LENGTH.search(head)
+            size = int(m.group(1)) if m else 0
+            if len(self._buf) < end + 4 + size:
+                return
+            body = self._buf[end + 4: end + 4 + size]
+            self._buf = self._buf[end + 4 + size:]
+            if head.startswith(b"GET"):
+                self._transport.write(_get_answer(head.split(b" ", 2)[1]))
+            elif re.search(rb'"stream"\s*:\s*true', body):
+                self._transport.write(self.STREAM)
+            else:
+                self._transport.write(self.JSON)
+
+
+async def _serve(ports: list[int]) -> None:
+    loop = asyncio.get_running_loop()
+    servers = [await loop.create_server(_Upstream, HOST, p, backlog=1024) for p in ports]
+    stop = asyncio.Event()
+    loop.add_signal_handler(signal.SIGINT, stop.set)
+    loop.add_signal_handler(signal.SIGTERM, stop.set)
+    await stop.wait()
+    for s in servers:
+        s.close()
+
+
+# -- client ----------------------------------------------------------------------------------
+
+
+def _prompts(n: int) -> list[str]:
+    """~150-token prompts: 64 conversations of a shared system text and their own turns."""
+    rng = random.Random(0)
+    words = "the cache holds a prefix of tokens for each request and block router".split()
+    system = "You are a helpful assistant. " + " ".join(rng.choice(words) for _ in range(60))
+    convs = [" ".join(rng.choice(words) for _ in range(40)) for _ in range(64)]
+    return [f"{system}\n{convs[i % 64]}\nturn {i}: " + " ".join(
+        rng.choice(words) for _ in range(20)) for i in range(n)]
+
+
+def _request(port: int, prompt: str, stream: bool) -> bytes:
+    body = json.dumps({"model": MODEL, "prompt": prompt, "max_tokens": 4,
+                       "stream": stream}).encode()
+    return (f"POST /v1/completions HTTP/1.1\r\nHost: {HOST}:{port}\r\n"
+            f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n"
+            ).encode() + body
+
+
+async def _exchange(reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
+                    req: bytes) -> bool:
+    """One request on a keep-alive connection; True when it answered 200."""
+    writer.write(req)
+    head = await reader.readuntil(b"\r\n\r\n")
+    ok = head.startswith(b"HTTP/1.1 200")
+    m = _CONTENT_LENGTH.search(head)
+    if m is not None:
+        await reader.readexactly(int(m.group(1)))
+    elif _CHUNKED.search(head):
+        while True:
+            size = int((await reader.readuntil(b"\r\n")).split(b";")[0], 16)
+            await reader.readexactly(size + 2)
+            if size == 0:
+                break
+    else:
+        raise RuntimeError(f"response without a length: {head[:200]!r}")
+    return ok
+
+
+@dataclass
+class _Row:
+    target: str
+    mode: str
+    streams: int
+    latencies: list[float] = field(default_factory=list)
+    errors: int = 0
+    seconds: float = 0.0
+
+    @property
+    def rps(self) -> float:
+        return len(self.latencies) / self.seconds if self.seconds else 0.0
+
+    def q(self, p: float) -> float:
+        xs = sorted(self.latencies)
+        return xs[min(len(xs) - 1, int(p * (len(xs) - 1)))] if xs else float("nan")
+
+
+async def _load(row: _Row, ports: list[int], seconds: float, warmup: float,
+                max_requests: int) -> None:
+    """`row.streams` closed-loop clients for warmup + seconds; latencies after the warm-up."""
+    prompts = _prompts(512)
+    stream = row.mode == "stream"
+    start = time.perf_counter()
+    measure_from = start + warmup
+    stop_at = measure_from + seconds
+
+    async def client(i: int) -> None:
+        port = ports[i % len(ports)]
+        reader, writer = await asyncio.open_connection(HOST, port)
+        reqs = [_request(port, p, stream) for p in prompts[i % 8::8]]
+        k = 0
+        try:
+            while (now := time.perf_counter()) < stop_at and len(row.latencies) < max_requests:
+                try:
+                    ok = await _exchange(reader, writer, reqs[k % len(reqs)])
+                except (OSError, asyncio.IncompleteReadError):
+                    row.errors += 1
+                    writer.close()
+                    reader, writer = await asyncio.open_connection(HOST, port)
+                    continue
+                k += 1
+                done = time.perf_counter()
+                if now >= measure_from:
+                    if ok:
+                        row.latencies.append(done - now)
+                    else:
+                        row.errors += 1
+        finally:
+            writer.close()
+
+    await asyncio.gather(*(client(i) for i in range(row.streams)))
+    row.seconds = min(time.perf_counter(), stop_at) - measure_from
+
+
+# -- processes -------------------------------------------------------------------------------
+
+
+def _pinned(core: int, cmd: list[str]) -> list[str]:
+    taskset = shutil.which("taskset")
+    return [taskset, "-c", str(core), *cmd] if taskset else cmd
+
+
+def _newest_tiny() -> Path | None:
+    found = sorted(CACHE.glob("tiny-*/tokenizer.json"), key=lambda p: p.stat().st_mtime)
+    return found[-1].parent if found else None
+
+
+def _warply(args: argparse.Namespace, upstreams: list[str], work: Path) -> EngineProcess:
+    port = free_port()
+    router = ["-m", "router"]
+    if args.profile:
+        router = ["-m", "cProfile", "-o", str(args.profile), "-m", "router"]
+    cmd = [sys.executable, *router, "--model", MODEL, "--tokenizer", str(args.tokenizer),
+           "--block-size", "16", "--port", str(port), "--log-level", "WARNING",
+           *(x for u in upstreams for x in ("--worker", u))]
+    if args.router_workers > 1:
+        cmd += ["--processes", str(args.router_workers)]
+    env = {"PYTHONPATH": str(ROOT)}
+    return EngineProcess(_pinned(0, cmd), url=f"http://{HOST}:{port}",
+                         log_path=work / "warply.log", env=env)
+
+
+def _sglang(python: str, upstreams: list[str], work: Path) -> EngineProcess:
+    port = free_port()
+    cmd = [python, "-m", "sglang_router.launch_router", "--host", HOST, "--port", str(port),
+           "--policy", "cache_aware", "--log-level", "warn", "--worker-urls", *upstreams]
+    return EngineProcess(_pinned(0, cmd), url=f"http://{HOST}:{port}",
+                         log_path=work / "sglang.log")
+
+
+def _wait_sglang(router: EngineProcess, upstreams: list[str]) -> None:
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        with contextlib.suppress(OSError):
+            status, body = http_json("GET", router.url + "/workers", timeout=2)
+            if status == 200 and all(u in json.dumps(body) for u in upstreams):
+                return
+        time.sleep(0.3)
+    raise TimeoutError(f"sglang-router did not list its workers in 60 s:\n{router.log_tail()}")
+
+
+@contextlib.contextmanager
+def _processes(args: argparse.Namespace) -> Iterator[dict[str, list[int]]]:
+    """Start the upstreams and the routers; yield target -> ports; stop them all."""
+    work = Path(tempfile.mkdtemp(prefix="warply-throughput-"))
+    ports = [free_port() for _ in range(args.upstreams)]
+    urls = [f"http://{HOST}:{p}" for p in ports]
+    last = (os.cpu_count() or 2) - 1
+    procs: list[EngineProcess] = []
+    try:
+        up = EngineProcess(
+            _pinned(last, [sys.executable, __file__, "--serve", *map(str, ports)]),
+            url=urls[0], log_path=work / "upstream.log", env={"PYTHONPATH": str(ROOT)})
+        procs.append(up.start())
+        up.wait_healthy(30)
+        targets = {"direct": ports}
+        warply = _warply(args, urls, work)
+        procs.append(warply.start())
+        warply.wait_healthy(60)
+        targets["warply"] = [int(warply.url.rsplit(":", 1)[1])]
+        if args.sglang_python:
+            sgl = _sglang(args.sglang_python, urls, work)
+            procs.append(sgl.start())
+            _wait_sglang(sgl, urls)
+            targets["sglang"] = [int(sgl.url.rsplit(":", 1)[1])]
+        yield targets
+    finally:
+        for p in reversed(procs):
+            p.stop()
+        shutil.rmtree(work, ignore_errors=True)
+
+
+# -- report ----------------------------------------------------------------------------------
+
+
+def _ms(x: float) -> str:
+    return f"{x * 1e3:7.3f}"
+
+
+def _print(rows: list[_Row]) -> None:
+    direct = {(r.mode, r.streams): r for r in rows if r.target == "direct"}
+    print(f"{'mode':6s} {'streams':>7s} {'target':8s} {'req/s':>8s} {'p50 ms':>8s} "
+          f"{'p99 ms':>8s} {'added p50':>9s} {'added p99':>9s} {'errors':>6s}")
+    for r in rows:
+        d = direct.get((r.mode, r.streams))
+        added = ("", "") if d is None or r is d else (
+            _ms(r.q(0.5) - d.q(0.5)), _ms(r.q(0.99) - d.q(0.99)))
+        print(f"{r.mode:6s} {r.streams:7d} {r.target:8s} {r.rps:8.0f} {_ms(r.q(0.5)):>8s} "
+              f"{_ms(r.q(0.99)):>8s} {added[0]:>9s} {added[1]:>9s} {r.errors:6d}")
+    by = {(r.target, r.mode, r.streams): r for r in rows}
+    pairs = [(w, by.get(("sglang", w.mode, w.streams))) for w in rows if w.target == "warply"]
+    if any(s is not None for _, s in pairs):
+        print("\nwarply / sglang-router (req/s ratio > 1 and p99 ratio <= 1 favour warply):")
+        for w, s in pairs:
+            if s is None or not s.latencies or not w.latencies:
+                continue
+            print(f"{w.mode:6s} {w.streams:7d}  req/s {w.rps / s.rps:5.2f}x  "
+                  f"p50 {w.q(0.5) / s.q(0.5):5.2f}x  p99 {w.q(0.99) / s.q(0.99):5.2f}x")
+    print("\ntargets (warply): added p50 <= 1 ms at 1 stream, added p99 <= 5 ms at 100 streams "
+          "below saturation, req/s at 64 streams >= sglang-router's with p99 no worse")
+
+
+async def _run(args: argparse.Namespace, targets: dict[str, list[int]]) -> list[_Row]:
+    rows = []
+    for mode in args.modes:
+        for streams in args.streams:
+            for target, ports in targets.items():
+                row = _Row(target, mode, streams)
+                await _load(row, ports, args.seconds, args.warmup, args.max_requests)
+                rows.append(row)
+                print(f"  {mode} {streams:3d} streams {target:7s} {row.rps:7.0f} req/s "
+                      f"p50 {_ms(row.q(0.5))} ms p99 {_ms(row.q(0.99))} ms "
+                      f"errors {row.errors}", file=sys.stderr, flush=True)
+    return rows
+
+
+def _event_loop_policy() -> None:
+    with contextlib.suppress(ImportError):
+        import uvloop
+
+        asyncio.set_event_loop_policy(uvloop.EventLoopPolicy())
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--serve", type=int, nargs="+", metavar="PORT", help=argparse.SUPPRESS)
+    ap.add_argument("--streams", type=int, nargs="+", default=[1, 64, 100])
+    ap.add_argument("--modes", nargs="+", choices=["json", "stream"], default=["json", "stream"])
+    ap.add_argument("--seconds", type=float, default=5.0, help="measured seconds per row")
+    ap.add_argument("--warmup", type=float, default=1.0, help="unmeasured seconds per row")
+    ap.add_argument("--max-requests", type=int, default=50_000, help="per row, at most")
+    ap.add_argument("--upstreams", type=int, default=4, help="fake upstream workers")
+    ap.add_argument("--router-workers", type=int, default=1,
+                    help="warply-router processes on its one port (--processes)")
+    ap.add_argument("--tokenizer", type=Path, default=_newest_tiny())
+    ap.add_argument("--sglang-python", default=str(ROOT / ".venvs/sglang/bin/python"),
+                    help="interpreter with sglang-router installed ('' skips it)")
+    ap.add_argument("--profile", type=Path, help="run warply-router under cProfile, stats here")
+    args = ap.parse_args()
+    _event_loop_policy()
+    if args.serve:
+        asyncio.run(_serve(args.serve))
+        return 0
+    if args.tokenizer is None:
+        print("no tokenizer: build one with scripts/tiny_model.py or pass --tokenizer",
+              file=sys.stderr)
+        return 2
+    if args.sglang_python and not Path(args.sglang_python).exists():
+        print(f"no {args.sglang_python}: pass --sglang-python '' to skip sglang-router",
+              file=sys.stderr)
+        return 2
+    with contextlib.suppress(AttributeError, OSError):  # the client shares the upstreams' core
+        os.sched_setaffinity(0, {(os.cpu_count() or 2) - 1})
+    signal.signal(signal.SIGALRM, lambda *_: sys.exit("time limit reached"))
+    rows_n = len(args.modes) * len(args.streams) * 3
+    signal.alarm(int(120 + rows_n * (args.seconds + args.warmup + 10)))
+    print(f"load average {os.getloadavg()[0]:.2f} {os.getloadavg()[1]:.2f}; "
+          f"{args.upstreams} upstreams; {args.seconds:.0f} s per row", flush=True)
+    with _processes(args) as targets:
+        rows = asyncio.run(_run(args, targets))
+    _print(rows)
+    print(f"load average after {os.getloadavg()[0]:.2f}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
