@@ -72,6 +72,7 @@ class Prepared(Protocol):
     """What the dispatcher needs of a prepared request (`router.proxy`)."""
 
     body: dict[str, Any]
+    raw: bytes | None
     prompt: Prompt
     rest: asyncio.Future[Prompt] | None
     stream: bool
@@ -192,15 +193,18 @@ class Dispatcher:
         self._lost_after_s = lost_after_s
 
     @contextlib.asynccontextmanager
-    async def _post(self, url: str, **kw: Any) -> AsyncIterator[aiohttp.ClientResponse]:
-        """POST and yield the response once its headers arrived. Retried once when nothing
-        reached the engine: a pooled connection it closed meanwhile (its keep-alive ran out:
-        the body cannot be written, or the server disconnects before answering), or a
-        connection not made in time (a stalled machine). A refused connection is not retried
-        (`ClientConnectorError`: the caller tries another worker)."""
+    async def _post(
+        self, url: str, body: dict[str, Any] | bytes, **kw: Any
+    ) -> AsyncIterator[aiohttp.ClientResponse]:
+        """POST a JSON body (bytes are sent as they are) and yield the response once its headers
+        arrived. Retried once when nothing reached the engine: a pooled connection it closed
+        meanwhile (its keep-alive ran out: the body cannot be written, or the server disconnects
+        before answering), or a connection not made in time (a stalled machine). A refused
+        connection is not retried (`ClientConnectorError`: the caller tries another worker)."""
+        data = body if isinstance(body, bytes) else msgspec.json.encode(body)
         for attempt in (0, 1):
             try:
-                resp = await self._session().post(url, **kw)
+                resp = await self._session().post(url, data=data, **kw)
                 break
             except aiohttp.ClientConnectorError:
                 raise
@@ -258,7 +262,7 @@ class Dispatcher:
 
         async def exchange() -> tuple[int, bytes]:
             async with self._post(
-                url, json=prefill_body(prep.body), headers=headers, timeout=self._prefill_timeout
+                url, prefill_body(prep.body), headers=headers, timeout=self._prefill_timeout
             ) as up:
                 await self._settle(prep, account)
                 return up.status, await up.read()
@@ -341,7 +345,9 @@ class Dispatcher:
         worker = decision.worker
         if decision.prefill is not None and worker.pool.kv_handoff == "sglang":
             return await self._paired(request, kind, prep, decision, account, headers)
-        body = prep.body if params is None else {**prep.body, "kv_transfer_params": params}
+        body: dict[str, Any] | bytes = prep.body if prep.raw is None else prep.raw
+        if params is not None:
+            body = {**prep.body, "kv_transfer_params": params}
         account.answer_sent()
         started = asyncio.Event()
         relay = self._relay(request, kind, prep, decision, account, headers, body, started)
@@ -386,7 +392,7 @@ class Dispatcher:
         async def exchange() -> tuple[int, bytes, str]:
             async with self._post(
                 prefill.config.url + PATHS[kind],
-                json=body,
+                body,
                 headers=headers,
                 timeout=self._prefill_timeout,
             ) as up:
@@ -434,11 +440,11 @@ class Dispatcher:
         decision: Decision,
         account: RequestAccount,
         headers: Mapping[str, str],
-        body: dict[str, Any],
+        body: dict[str, Any] | bytes,
         started: asyncio.Event,
     ) -> Answer:
         async with self._post(
-            decision.worker.config.url + PATHS[kind], json=body, headers=headers
+            decision.worker.config.url + PATHS[kind], body, headers=headers
         ) as up:
             await self._settle(prep, account)
             if prep.stream and up.status == 200:

@@ -59,9 +59,9 @@ class ApiError(Exception):
         return web.json_response(body, status=self.status, headers=headers)
 
 
-async def read_object(request: web.Request) -> dict[str, Any]:
-    """The request's body as a JSON object: 413 past the app's `client_max_size`
-    (`limits.max_body_bytes`), 400 when it is not a JSON object."""
+async def read_body(request: web.Request) -> tuple[dict[str, Any], bytes]:
+    """The request's body as a JSON object, and its bytes: 413 past the app's
+    `client_max_size` (`limits.max_body_bytes`), 400 when it is not a JSON object."""
     try:
         raw = await request.read()
     except web.HTTPRequestEntityTooLarge:
@@ -77,4 +77,9 @@ async def read_object(request: web.Request) -> dict[str, Any]:
         raise ApiError(400, f"request body is not valid JSON: {exc}", "invalid_json") from None
     if not isinstance(body, dict):
         raise ApiError(400, "request body must be a JSON object", "invalid_json")
-    return body
+    return body, raw
+
+
+async def read_object(request: web.Request) -> dict[str, Any]:
+    """The request's body as a JSON object (`read_body`'s checks)."""
+    return (await read_body(request))[0]

@@ -11,6 +11,7 @@ which closes the upstream connection, and the engine aborts the request.
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 from collections.abc import Callable, Collection
 from concurrent.futures import ThreadPoolExecutor
@@ -24,7 +25,7 @@ from aiohttp import web
 from router.accounting import RequestAccount
 from router.config import LimitsConfig
 from router.dispatch import Dispatcher, Retry
-from router.errors import ApiError, read_object
+from router.errors import ApiError, read_body
 from router.metrics import RouterMetrics
 from router.placement import Decision, Placement
 from router.strategies import NoCandidate
@@ -34,11 +35,17 @@ from warply.protocol.api import CacheKey, Overrides
 
 _T = TypeVar("_T")
 _FORWARD_HEADERS = ("Authorization", "X-Request-Id")
+_JSON = {"Content-Type": "application/json"}
+_INLINE_BYTES = 4096
+"""Bodies up to this size are tokenized on the event loop (a ~1k-token encode, cached chunks
+mostly, costs less than handing it to the tokenizer thread and back)."""
 
 
 @dataclass(slots=True)
 class _Prepared:
     body: dict[str, Any]
+    raw: bytes | None
+    """The client's bytes, while the router left the body as it came (sent as they are)."""
     prompt: Prompt
     """The (first) prompt: whole, or its leading part while the router places it early."""
     namespace: str
@@ -146,9 +153,11 @@ class Proxy:
         )
         self._session: aiohttp.ClientSession | None = None
         self._dispatch = Dispatcher(lambda: self.session, prefill_timeout_s, lost_after_s)
-        # One thread: the chunk cache is not shared between threads, and a cold 8k-token prompt
-        # (10-30 ms in `tokenizers`, which releases the GIL) must not stall the event loop.
+        # One thread: a cold 8k-token prompt (10-30 ms in `tokenizers`, which releases the GIL)
+        # must not stall the event loop. The chunk cache is not thread-safe: the lock lets the
+        # loop encode a small prompt itself while the thread is idle.
         self._tokenize_pool = ThreadPoolExecutor(1, thread_name_prefix="warply-tokenize")
+        self._tokenize_lock = threading.Lock()
 
     @property
     def session(self) -> aiohttp.ClientSession:
@@ -173,8 +182,10 @@ class Proxy:
         account = RequestAccount(self._metrics, time.perf_counter())
         status = 500
         try:
-            prep = await self.prepare(await read_object(request), kind)
+            body, raw = await read_body(request)
+            prep = await self.prepare(body, kind, raw)
             headers = {h: request.headers[h] for h in _FORWARD_HEADERS if h in request.headers}
+            headers.update(_JSON)
             tried: set[str] = set()
             while True:
                 decision = await self.place(prep, tried)
@@ -225,18 +236,34 @@ class Proxy:
         except NoCandidate as exc:
             raise ApiError(503, str(exc), "no_healthy_worker") from None
 
-    async def _tokenize(self, fn: Callable[..., _T], *args: Any) -> _T:
-        """`fn(*args)` on the tokenizer thread."""
-        return await asyncio.get_running_loop().run_in_executor(self._tokenize_pool, fn, *args)
+    async def _tokenize(self, fn: Callable[..., _T], *args: Any, small: bool = False) -> _T:
+        """`fn(*args)` on the tokenizer thread; on the event loop itself when `small` and the
+        thread is idle."""
+        if small and self._tokenize_lock.acquire(blocking=False):
+            try:
+                return fn(*args)
+            finally:
+                self._tokenize_lock.release()
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._tokenize_pool, self._locked, fn, *args)
 
-    async def prepare(self, body: dict[str, Any], kind: str) -> _Prepared:
-        """Validate and rewrite the body; tokenize its prompt the engine's way (a long single
+    def _locked(self, fn: Callable[..., _T], *args: Any) -> _T:
+        with self._tokenize_lock:
+            return fn(*args)
+
+    async def prepare(
+        self, body: dict[str, Any], kind: str, raw: bytes | None = None
+    ) -> _Prepared:
+        """Validate and rewrite the body (`raw`: the bytes it was parsed from, sent on as they
+        are when nothing needs rewriting); tokenize its prompt the engine's way (a long single
         prompt only up to its second new chunk, unless its length must be checked)."""
         _check_fields(body)
         model = body.get("model")
         if model is not None and model not in self._served:
             raise ApiError(404, f"The model `{model}` does not exist.", "model_not_found", "model")
         self._check_counts(body)
+        small = raw is not None and len(raw) <= _INLINE_BYTES
+        untouched = "warply" not in body
         ov = _overrides(body)
         if ov.cache_key is not None:
             body["cache_salt"] = ov.cache_key
@@ -248,13 +275,13 @@ class Proxy:
                 raise ApiError(400, msg, "invalid_value", "cache_salt") from None
         namespace = request_namespace(body, self.model)
         try:
-            prompts = await self._tokenize(start_prompts, self._tokenizer, kind, body)
+            prompts = await self._tokenize(start_prompts, self._tokenizer, kind, body, small=small)
         except PromptError as exc:
             raise ApiError(400, str(exc), "invalid_prompt") from None
         first = prompts[0]
         limit = self._limits.max_prompt_tokens
         if not first.complete and (first.bound > limit or self._too_long(first.bound, body)):
-            first = await self._tokenize(self._tokenizer.finish, first)
+            first = await self._tokenize(self._tokenizer.finish, first, small=small)
         longest = max(p.estimate for p in [first, *prompts[1:]])
         param = "messages" if kind == "chat" else "prompt"
         if longest > limit:
@@ -273,10 +300,12 @@ class Proxy:
         stream = bool(body.get("stream", False))
         options = body.get("stream_options")
         wants_usage = isinstance(options, dict) and bool(options.get("include_usage"))
-        if stream:
+        if stream and not wants_usage:
             base = options if isinstance(options, dict) else {}
             body["stream_options"] = {**base, "include_usage": True}
-        return _Prepared(body, first, namespace, ov.prefix_reuse, stream, wants_usage, single)
+            untouched = False
+        raw = raw if untouched else None
+        return _Prepared(body, raw, first, namespace, ov.prefix_reuse, stream, wants_usage, single)
 
     async def tokens(self, body: dict[str, Any], kind: str) -> tuple[list[int], str, bool]:
         """The request's (first) prompt, whole, as the engine tokenizes it, with its namespace

@@ -89,6 +89,8 @@ class FakeEngine:
     """Not served: its port refuses connections."""
     max_model_len: int = 64
     bodies: list[dict[str, Any]] = field(default_factory=list)
+    raw: list[bytes] = field(default_factory=list)
+    """The bytes of each body, as received."""
     cancelled: asyncio.Event = field(default_factory=asyncio.Event)
     metrics_text: str = ""
     """What its /metrics answers (e.g. vLLM's KV-transfer counters)."""
@@ -117,7 +119,8 @@ class FakeEngine:
         return web.Response(text=self.metrics_text)
 
     async def _generate(self, request: web.Request) -> web.StreamResponse:
-        body = await request.json()
+        self.raw.append(await request.read())
+        body = json.loads(self.raw[-1])
         self.bodies.append(body)
         usage = usage_block(10, 2, self.cached_tokens)
         if not body.get("stream"):
@@ -288,6 +291,23 @@ def test_passthrough_and_overrides(tokenizer_dir: Path) -> None:
             stats = await router.cache_stats()
             assert stats.affinity[0].namespace == "tenant-a"
             assert stats.engine_cached_tokens == 4
+
+    _run(scenario())
+
+
+def test_a_body_the_router_need_not_rewrite_is_sent_as_it_came(tokenizer_dir: Path) -> None:
+    async def scenario() -> None:
+        engine = FakeEngine("a")
+        async with running(tokenizer_dir, [engine]) as (_r, call, _s, _b):
+            raw = b'{ "prompt" : "caf\\u00e9 holds",  "max_tokens":3, "model":"m" }'
+            status, _ = await call(
+                "POST", "/v1/completions", raw, headers={"Content-Type": "application/json"}
+            )
+            assert status == 200 and engine.raw[-1] == raw
+            streamed = b'{"prompt": "x", "stream": true, "model": "m"}'
+            status, _ = await call("POST", "/v1/completions", streamed)
+            assert status == 200 and engine.raw[-1] != streamed  # usage asked for: rewritten
+            assert engine.bodies[-1]["stream_options"] == {"include_usage": True}
 
     _run(scenario())
 

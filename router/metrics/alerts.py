@@ -33,28 +33,60 @@ class Sample:
     prompt: int
     predicted: int
     engine: int | None = None
+    seq: int = 0
+    """Its place in the order of added samples (tells whether it is still in the window)."""
 
 
 class HitWindow:
-    """Sliding window of recent requests' prompt / predicted / engine-reported cached tokens."""
+    """Sliding window of recent requests' prompt / predicted / engine-reported cached tokens.
+
+    The sums are kept as samples enter and leave, so reading a ratio (every request checks the
+    alert) costs O(1), not a walk over the window."""
 
     def __init__(self, size: int) -> None:
         self._samples: deque[Sample] = deque(maxlen=size)
+        self._added = 0
+        self._prompt = self._predicted = 0
+        self._engine_prompt = self._engine = 0
+        """Sums over the samples whose engine numbers arrived."""
 
     def add(self, prompt: int, predicted: int) -> Sample:
-        sample = Sample(prompt, predicted)
-        self._samples.append(sample)
+        samples = self._samples
+        if len(samples) == samples.maxlen:
+            self._drop(samples[0])
+        self._added += 1
+        sample = Sample(prompt, predicted, seq=self._added)
+        samples.append(sample)
+        self._prompt += prompt
+        self._predicted += predicted
         return sample
+
+    def _drop(self, old: Sample) -> None:
+        self._prompt -= old.prompt
+        self._predicted -= old.predicted
+        if old.engine is not None:
+            self._engine_prompt -= old.prompt
+            self._engine -= old.engine
+
+    def set_engine(self, sample: Sample, cached: int) -> None:
+        """The engine reported `cached` prompt tokens for `sample`'s request."""
+        in_window = sample.seq > self._added - len(self._samples)
+        if in_window and sample.engine is not None:
+            self._engine_prompt -= sample.prompt
+            self._engine -= sample.engine
+        sample.engine = cached
+        if in_window:
+            self._engine_prompt += sample.prompt
+            self._engine += cached
 
     def __len__(self) -> int:
         return len(self._samples)
 
     def predicted(self) -> float | None:
-        return ratio(sum(s.predicted for s in self._samples), sum(s.prompt for s in self._samples))
+        return ratio(self._predicted, self._prompt)
 
     def engine(self) -> float | None:
-        done = [s for s in self._samples if s.engine is not None]
-        return ratio(sum(s.engine or 0 for s in done), sum(s.prompt for s in done))
+        return ratio(self._engine, self._engine_prompt)
 
 
 def load_callback(spec: str | None) -> AlertCallback | None:
@@ -87,7 +119,7 @@ class HitAlert:
 
     def engine(self, sample: Sample, cached: int) -> None:
         """The engine reported `cached` prompt tokens for `sample`'s request."""
-        sample.engine = cached
+        self.window.set_engine(sample, cached)
         self.check()
 
     def check(self) -> None:
