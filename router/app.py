@@ -60,7 +60,9 @@ class Router:
 
     def __init__(self, config: RouterConfig, tokenizer: RouterTokenizer | None = None) -> None:
         self.config = config
-        self.index = PrefixIndex(config.model, open_store(config.index))
+        self.index = PrefixIndex(
+            config.model, open_store(config.index), config.index.max_entries
+        )
         self.workers = Workers(config.pools, config.breaker)
         self.health = IndexHealth(config.index)
         self.placement = Placement(config, self.index, self.workers, health=self.health)

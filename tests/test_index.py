@@ -339,3 +339,26 @@ def test_many_workers_share_blocks() -> None:
     idx.drop_worker("w5")
     after = idx.match(prefix_keys(prompt, BS, MODEL), ["w5", "w11"])
     assert (after["w5"].blocks, after["w11"]) == (0, m["w11"])
+
+
+def test_engine_hash_maps_stay_within_the_cap_and_the_store_follows() -> None:
+    """Engines that never remove (or whose removals were lost): each worker's map keeps at
+    most its share of `max_hashes`; the blocks it dropped leave the store too, so every entry
+    the store holds can still be removed by the worker's events."""
+    store = MemoryStore(100_000)
+    index = PrefixIndex(MODEL, store, max_hashes=60)
+    rng = random.Random(5)
+    next_hash = 1
+    for step in range(300):
+        worker = f"w{step % 3}"
+        tokens = [rng.randrange(1000) for _ in range(BS * rng.randrange(1, 6))]
+        completed(index.apply(worker, [_stored(tokens, next_hash)]))
+        next_hash += len(tokens) // BS
+        assert index.ingest.hashes() <= 60 + 5
+    held = Counter(worker for _, worker, _ in store.entries())
+    maps = index.ingest._engine
+    assert all(held[w] == len(maps[w]) <= 20 + 5 for w in maps)
+    assert completed(index.stats()).skipped["hash_cap"] > 0
+    for w, hashes in maps.items():  # every block still indexed can be removed
+        completed(index.apply(w, [BlockRemoved(list(hashes))]))
+    assert completed(index.stats()).entries == 0

@@ -9,12 +9,20 @@ nothing of how a store keeps holders: it speaks only the `IndexStore` contract.
 Events ingestion cannot apply are counted in `skipped`: `unknown_parent` (blocks whose parent
 it never saw, so no key can be computed) and `unknown_block` (a removal or move of an engine
 hash it has no key for, or a move of a block the worker no longer holds).
+
+The maps are bounded: all workers' together hold at most `max_hashes` engine hashes (the
+store's entry cap: it could not hold more blocks anyway). A worker whose map grows past its
+share (`max_hashes` / workers) loses its oldest hashes, and their blocks leave the store too,
+so the index never holds a block whose removal it could no longer apply (counted in `skipped`
+as `hash_cap`). Without that, blocks the store's cap evicted, or whose removal was lost, kept
+their map entries until the engine removed them.
 """
 
 from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Iterable, KeysView, Sequence
+from itertools import islice
 
 from router.index.contract import IndexStore
 from warply.protocol import (
@@ -32,12 +40,13 @@ from warply.protocol import (
 class Ingest:
     """Turns one model's state streams into calls on one store."""
 
-    def __init__(self, model: str, store: IndexStore) -> None:
+    def __init__(self, model: str, store: IndexStore, max_hashes: int = 4_000_000) -> None:
         self.model = model
         self.store = store
-        # worker -> engine hash -> canonical key (the namespace is folded into the key's chain).
-        # Entries whose block the store evicted stay: a later child block still chains from
-        # them, and a later removal drops them (so the maps are bounded by the engines' caches).
+        self.max_hashes = max_hashes
+        # worker -> engine hash -> canonical key (the namespace is folded into the key's chain),
+        # oldest first. Entries whose block the store evicted stay while under the cap: a later
+        # child block still chains from them, and a later removal drops them.
         self._engine: dict[str, dict[int, int]] = {}
         self.skipped: Counter[str] = Counter()
 
@@ -55,6 +64,8 @@ class Ingest:
                 keys = self._keys(hashes, ev)
                 if keys:
                     await store.add(worker, ev.tier, keys)
+                    if len(hashes) > self.max_hashes // len(self._engine):
+                        await self._shed(worker, hashes)
             elif isinstance(ev, BlockRemoved):
                 await self._remove(worker, hashes, ev.block_hashes, ev.tier)
             elif isinstance(ev, TierMoved):
@@ -81,6 +92,19 @@ class Ingest:
         keys = chain_keys(ev.token_ids, ev.block_size, seed)  # one per hash: BlockStored checks
         hashes.update(zip(ev.block_hashes, keys, strict=True))
         return keys
+
+    def hashes(self) -> int:
+        """Engine hashes held in all workers' maps."""
+        return sum(len(h) for h in self._engine.values())
+
+    async def _shed(self, worker: str, hashes: dict[int, int]) -> None:
+        """Drop the worker's oldest hashes past its share of the cap, and their blocks."""
+        excess = len(hashes) - max(1, self.max_hashes // len(self._engine))
+        oldest = list(islice(hashes.items(), excess))
+        for engine_hash, _ in oldest:
+            del hashes[engine_hash]
+        await self.store.remove(worker, None, [key for _, key in oldest])
+        self.skipped["hash_cap"] += len(oldest)
 
     async def _remove(
         self, worker: str, hashes: dict[int, int], engine_hashes: Sequence[int], tier: Tier | None

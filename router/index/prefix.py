@@ -19,10 +19,11 @@ class PrefixIndex:
     store. Every method returns a coroutine (the store may be on the network); over the memory store
     none suspends."""
 
-    def __init__(self, model: str, store: IndexStore) -> None:
+    def __init__(self, model: str, store: IndexStore, max_hashes: int = 4_000_000) -> None:
+        """`max_hashes`: engine hashes ingestion keeps for all workers together (`Ingest`)."""
         self.model = model
         self.store = store
-        self.ingest = Ingest(model, store)
+        self.ingest = Ingest(model, store, max_hashes)
         self.outage = StoreOutage()
         self._corrected: Counter[str] = Counter()
 
