@@ -20,11 +20,17 @@ for half its blocks, a fallback worker's for none.
 `explain` runs the same choice without changing anything (no strategy state, no turn taken):
 each pool's strategy previews its pick with the scores behind it (`Strategy.preview`), for
 `/warply/where`.
+
+A prompt that repeats one placed before (a conversation's next turn: `Lineage` from the chunk
+cache) extends that prompt's key chain instead of hashing its history again; chains are kept
+per (prompt, block size, namespace), at most `CHAIN_KEYS` keys in all, least recently used
+dropped first.
 """
 
 from __future__ import annotations
 
 import dataclasses
+from collections import OrderedDict
 from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Literal
@@ -41,13 +47,17 @@ from router.strategies import (
     Strategy,
     make_strategy,
 )
+from router.token_cache import Lineage
 from router.workers import Pool, Worker, Workers
-from warply.protocol import prefix_keys
+from warply.protocol import chain_keys, prefix_keys, root_seed
 from warply.protocol.api import Role, StrategyState
 
 Mode = Literal["aggregated", "remote", "local"]
 """How a request is served: by a `both` worker alone; prefilled on a prefill worker and decoded
 on a decode worker; or prefilled and decoded on a decode worker."""
+
+CHAIN_KEYS = 1 << 20
+"""Keys kept of recent prompts' chains (~40 MiB), for their next turns to extend."""
 
 LocalReason = Literal["", "below_threshold", "no_prefill_worker", "prefill_failed", "batch"]
 """Why a decode worker prefills a request itself ("" unless the mode is `local`); `batch`: the
@@ -184,6 +194,33 @@ class Placement:
             cfg = pool.config
             entry = _Pool(cfg.name, cfg.block_size, pool, strategy, cfg.local_prefill)
             (self._prefill if pool.role == "prefill" else self._answer).append(entry)
+        self._chains: OrderedDict[tuple[int, int, str], list[int]] = OrderedDict()
+        """(prompt ident, block size, namespace) -> its key chain (`Lineage`)."""
+        self._chain_keys = 0
+
+    def keys(
+        self, tokens: Sequence[int], block_size: int, namespace: str, lineage: Lineage | None
+    ) -> list[int]:
+        """The prompt's key chain: the earlier prompt's chain extended over the tokens past
+        what they share, when it is still kept; else hashed from the start."""
+        chains = self._chains
+        base = None
+        if lineage is not None and lineage.base:
+            base = chains.get((lineage.base, block_size, namespace))
+        if base is None:
+            keys = prefix_keys(tokens, block_size, self.model, namespace)
+        else:
+            n = min(len(base), lineage.shared // block_size) if lineage else 0
+            seed = base[n - 1] if n else root_seed(self.model, namespace)
+            keys = base[:n] + chain_keys(tokens[n * block_size :], block_size, seed)
+        if lineage is not None:
+            slot = (lineage.ident, block_size, namespace)
+            old = chains.pop(slot, None)
+            self._chain_keys += len(keys) - (len(old) if old is not None else 0)
+            chains[slot] = keys
+            while self._chain_keys > CHAIN_KEYS:
+                self._chain_keys -= len(chains.popitem(last=False)[1])
+        return keys
 
     def forget(self, worker: str) -> None:
         """`worker` left: every strategy drops what it kept for it (`Strategy.forget`)."""
@@ -204,9 +241,12 @@ class Placement:
         namespace: str = "",
         prefix_reuse: bool = True,
         exclude: Collection[str] = (),
+        lineage: Lineage | None = None,
     ) -> Decision:
         """The placement for a prompt; raises `NoCandidate` when no worker may take it."""
-        decision = await self._choose(tokens, len(tokens), namespace, prefix_reuse, exclude, False)
+        decision = await self._choose(
+            tokens, len(tokens), namespace, prefix_reuse, exclude, False, lineage
+        )
         assert decision is not None  # only early choices give up
         return decision
 
@@ -217,13 +257,16 @@ class Placement:
         namespace: str = "",
         prefix_reuse: bool = True,
         exclude: Collection[str] = (),
+        lineage: Lineage | None = None,
     ) -> Decision | None:
         """The placement for a prompt of `prompt_tokens` tokens from its leading `tokens` alone;
         None when some worker holds every full block of them (the rest could extend its match,
         so the caller must tokenize the whole prompt and `choose`). Key chains are prefix
         hashes: once every worker's match has ended inside `tokens`, no later token changes it.
         """
-        return await self._choose(tokens, prompt_tokens, namespace, prefix_reuse, exclude, True)
+        return await self._choose(
+            tokens, prompt_tokens, namespace, prefix_reuse, exclude, True, lineage
+        )
 
     async def explain(
         self, tokens: Sequence[int], namespace: str = "", prefix_reuse: bool = True
@@ -233,7 +276,7 @@ class Placement:
         picks: dict[str, tuple[str, dict[str, Score]]] = {}
         try:
             decision = await self._choose(
-                tokens, len(tokens), namespace, prefix_reuse, (), False, picks
+                tokens, len(tokens), namespace, prefix_reuse, (), False, None, picks
             )
             unavailable = ""
         except NoCandidate as exc:
@@ -260,10 +303,12 @@ class Placement:
         prefix_reuse: bool,
         exclude: Collection[str],
         early: bool,
+        lineage: Lineage | None,
         previews: dict[str, tuple[str, dict[str, Score]]] | None = None,
     ) -> Decision | None:
-        """`previews`: given, strategies only preview their picks, which land there by pool."""
-        args = (tokens, prompt_tokens, namespace, prefix_reuse, exclude, early, previews)
+        """`lineage`: the earlier prompt this one extends (its key chain is extended);
+        `previews`: given, strategies only preview their picks, which land there by pool."""
+        args = (tokens, prompt_tokens, namespace, prefix_reuse, exclude, early, lineage, previews)
         answer = self._answer
         if not any(w.available and w.name not in exclude for p in self._prefill for w in p.workers):
             answer = [pool for pool in answer if pool.local_prefill]
@@ -298,6 +343,7 @@ class Placement:
         prefix_reuse: bool,
         exclude: Collection[str],
         early: bool,
+        lineage: Lineage | None,
         previews: dict[str, tuple[str, dict[str, Score]]] | None,
     ) -> Decision | None:
         """Each pool's pick; the router's strategy prefers one (`Strategy.prefer`).
@@ -308,7 +354,7 @@ class Placement:
             candidates = [w for w in pool.workers if w.available and w.name not in exclude]
             if not candidates:
                 continue
-            keys = prefix_keys(tokens, pool.block_size, self.model, namespace)
+            keys = self.keys(tokens, pool.block_size, namespace, lineage)
             matches = await self.index.match(keys, [w.name for w in candidates])
             if self.health is not None:
                 matches = self.health.trim(matches)

@@ -223,7 +223,12 @@ class Proxy:
             prompt = prep.prompt
             if not prompt.complete:
                 decision = await self._placement.choose_early(
-                    prompt.tokens, prompt.estimate, prep.namespace, prep.prefix_reuse, tried
+                    prompt.tokens,
+                    prompt.estimate,
+                    prep.namespace,
+                    prep.prefix_reuse,
+                    tried,
+                    prompt.lineage,
                 )
                 if decision is not None:
                     rest = self._tokenize(self._tokenizer.finish, prompt)
@@ -231,7 +236,7 @@ class Proxy:
                     return decision
                 prep.prompt = prompt = await self._tokenize(self._tokenizer.finish, prompt)
             return await self._placement.choose(
-                prompt.tokens, prep.namespace, prep.prefix_reuse, tried
+                prompt.tokens, prep.namespace, prep.prefix_reuse, tried, prompt.lineage
             )
         except NoCandidate as exc:
             raise ApiError(503, str(exc), "no_healthy_worker") from None

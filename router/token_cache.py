@@ -20,6 +20,14 @@ Both are checked once at load time against whole-text encodes of a probe; a toke
 disagrees gets the plain whole-text encode. Misses are encoded with `encode_batch_fast`, which
 releases the GIL and spreads a batch over cores. `begin` / `encode_rest` split one encode in
 two, so the router can place a never-seen prompt from its leading part (router/placement.py).
+
+A conversation's next turn repeats its whole history, so even cached chunks cost time in
+proportion to it (cutting, looking up and joining 128k tokens' chunks: ~10 ms). Recently encoded
+texts are therefore remembered whole (`_Seen`: the text, where its pieces end in characters and
+in tokens, its ids), found again by hashes of their leading 1k, 4k, 16k, ... characters, and a
+new text that starts like one of them reuses its ids up to the last piece end they share: only
+the rest is cut and looked up. The reuse is reported (`Lineage`) so that key chains are also
+extended rather than rehashed (router/placement.py). Remembered texts have their own byte budget.
 """
 
 from __future__ import annotations
@@ -75,6 +83,30 @@ def _pre_tokenizer_allows_newline_cuts(spec: object) -> bool:
 
 
 @dataclass(frozen=True, slots=True)
+class Lineage:
+    """A text's ids in relation to a text encoded earlier: its first `shared` ids are that
+    text's. `ident` names this text, `base` the earlier one (0: none)."""
+
+    ident: int
+    base: int = 0
+    shared: int = 0
+
+
+@dataclass(slots=True)
+class _Seen:
+    """A remembered text: the character and token offsets where each of its pieces ends."""
+
+    lineage: Lineage
+    text: str
+    cuts: array[int]
+    marks: array[int]
+    ids: array[int]
+    levels: list[tuple[int, int]]
+    """Its (length, hash) keys in the level map."""
+    nbytes: int = 0
+
+
+@dataclass(frozen=True, slots=True)
 class Partial:
     """A text encoded up to a cut (`ChunkCache.begin`): leading ids, and what is left."""
 
@@ -85,22 +117,43 @@ class Partial:
     """Tokens the rest is expected to have (from the tokens per character encoded so far)."""
     bound: int
     """Tokens the rest has at most."""
+    lineage: Lineage | None = None
+    """Its ids' relation to a text encoded earlier (None: nothing remembered)."""
+    _seen: _Seen | None = None
+    """What is remembered of it once its rest is encoded."""
 
 
 class ChunkCache:
     """Token ids of a text (no special tokens added), reusing the ids of chunks seen before."""
 
-    def __init__(self, tok: Tokenizer, max_bytes: int = 64 << 20, min_chunk_chars: int = 256):
+    def __init__(
+        self,
+        tok: Tokenizer,
+        max_bytes: int = 64 << 20,
+        min_chunk_chars: int = 256,
+        min_level_chars: int = 1024,
+    ):
         self._tok = tok
         self.max_bytes = max_bytes
         self.min_chunk_chars = min_chunk_chars
         self.stats = ChunkStats()
         self._cache: OrderedDict[str, array[int]] = OrderedDict()
+        self._seen: OrderedDict[int, _Seen] = OrderedDict()
+        """Remembered texts by `Lineage.ident`, least recently used first."""
+        self._levels: dict[tuple[int, int], _Seen] = {}
+        """(length, hash of a text's first `length` characters) -> the latest such text."""
+        self._level_sizes = [min_level_chars << 2 * i for i in range(8)]
+        self._next_ident = 1
+        self.seen_bytes = 0
+        self.max_seen_bytes = max_bytes // 2
         self._new_chars = self._new_tokens = 0
         """Text encoded so far and its tokens: the ratio estimates the length of a rest."""
         decoder = tok.get_added_tokens_decoder()
         added = list(decoder.values())
         self._special_ids = {t.content: i for i, t in decoder.items()}
+        self._special_chars = {i: len(t.content) for i, t in decoder.items()}
+        self._margin = max([1, *self._special_chars.values()])
+        """Characters past a piece end that decide it (a special token starting there)."""
         plain = all(not (t.normalized or t.lstrip or t.rstrip or t.single_word) for t in added)
         contents = sorted(self._special_ids, key=len, reverse=True)
         self._special_split = (
@@ -118,6 +171,9 @@ class ChunkCache:
         if self._ids(self._pieces(probe, 1)).tolist() != want:
             self.enabled = False
         self._cache.clear()
+        self._seen.clear()
+        self._levels.clear()
+        self.seen_bytes = 0
         self.stats = ChunkStats()
 
     @property
@@ -139,30 +195,114 @@ class ChunkCache:
         """Ids of `text` up to its second chunk never seen before; the rest is left for
         `encode_rest`. A cold prompt then costs one chunk's encode before the router can see
         whether any worker's cached prefix reaches past it (with newline cuts only: elsewhere
-        the whole text is encoded)."""
-        if not (self.enabled and self._newline_cuts):
+        the whole text is encoded). A text starting like one encoded before reuses its ids up
+        to the last piece end they share (`lineage`)."""
+        if not self.enabled:
             return Partial(self.encode(text), [], 0, 0)
-        pieces = self._pieces(text, self.min_chunk_chars)
-        cache, cut, first_new = self._cache, len(pieces), True
-        for i, p in enumerate(pieces):
-            if isinstance(p, str) and p not in cache:
-                if not first_new:
-                    cut = i
-                    break
-                first_new = False
+        seen, start = self._recall(text)
+        ident = self._next_ident
+        self._next_ident += 1
+        if seen is None:
+            lineage = Lineage(ident)
+            cuts, marks, ids = array("Q"), array("Q"), array("I")
+        else:
+            lineage = Lineage(ident, seen.lineage.ident, seen.marks[start - 1])
+            cuts, marks = seen.cuts[:start], seen.marks[:start]
+            ids = seen.ids[: lineage.shared]
+        offset = cuts[-1] if cuts else 0
+        pieces = self._pieces(text[offset:], self.min_chunk_chars)
+        cache, cut = self._cache, len(pieces)
+        if self._newline_cuts:
+            first_new = True
+            for i, p in enumerate(pieces):
+                if isinstance(p, str) and p not in cache:
+                    if not first_new:
+                        cut = i
+                        break
+                    first_new = False
         rest = pieces[cut:]
         chars = sum(len(p) for p in rest if isinstance(p, str))
         specials = len(rest) - sum(isinstance(p, str) for p in rest)
         ratio = self._new_tokens / max(1, self._new_chars)
-        ids = self._ids(pieces[:cut])
+        ids.extend(self._ids(pieces[:cut], cuts, marks))
         # Byte-level BPE: every token covers at least one UTF-8 byte of its piece.
         bound = specials + sum(len(p.encode()) for p in rest if isinstance(p, str))
         estimate = min(bound, specials + max(1, round(chars * ratio))) if rest else 0
-        return Partial(ids, rest, estimate, bound)
+        remembered = _Seen(lineage, text, cuts, marks, ids, [])
+        if not rest:
+            self._remember(remembered)
+        return Partial(ids, rest, estimate, bound, lineage, remembered)
 
     def encode_rest(self, partial: Partial) -> array[int]:
         """Ids of what `begin` left of a text: its ids follow `partial.ids`."""
-        return self._ids(partial.rest)
+        seen = partial._seen
+        if seen is None:
+            return self._ids(partial.rest)
+        more = self._ids(partial.rest, seen.cuts, seen.marks)
+        if partial.rest:
+            seen.ids = seen.ids + more
+            self._remember(seen)
+        return more
+
+    def _recall(self, text: str) -> tuple[_Seen | None, int]:
+        """The remembered text sharing the longest run of leading pieces with `text` (found by
+        its level hashes, longest level first), and how many pieces they share."""
+        margin = self._margin
+        for size in reversed(self._level_sizes):
+            if size > len(text):
+                continue
+            seen = self._levels.get((size, hash(text[:size])))
+            if seen is None:
+                continue
+            # Binary search for the last piece end whose deciding characters both texts share;
+            # each probe compares only what the last success has not already compared.
+            lo, hi, agreed = 0, len(seen.cuts), 0
+            limit = min(len(text), len(seen.text))
+            while lo < hi:
+                mid = (lo + hi + 1) // 2
+                end = seen.cuts[mid - 1] + margin
+                if end <= limit and text.startswith(seen.text[agreed:end], agreed):
+                    lo, agreed = mid, end
+                else:
+                    hi = mid - 1
+            if lo:
+                self._seen.move_to_end(seen.lineage.ident)
+                return seen, lo
+        return None, 0
+
+    def _remember(self, seen: _Seen) -> None:
+        """Keep `seen` (least recently used texts go first past the byte budget); a text that
+        every level key of an older one now points past is dropped at once."""
+        text = seen.text
+        if len(text) < self._level_sizes[0] or seen.lineage.ident in self._seen:
+            return
+        seen.nbytes = (
+            sys.getsizeof(text) + 4 * len(seen.ids) + 8 * (len(seen.cuts) + len(seen.marks)) + 300
+        )
+        if seen.nbytes > self.max_seen_bytes:
+            return
+        for size in self._level_sizes:
+            if size > len(text):
+                break
+            key = (size, hash(text[:size]))
+            old = self._levels.get(key)
+            self._levels[key] = seen
+            seen.levels.append(key)
+            if old is not None and old is not seen and old.lineage.ident in self._seen:
+                old.levels.remove(key)
+                if not old.levels:
+                    self._forget(old)
+        self._seen[seen.lineage.ident] = seen
+        self.seen_bytes += seen.nbytes
+        while self.seen_bytes > self.max_seen_bytes:
+            self._forget(next(iter(self._seen.values())))
+
+    def _forget(self, seen: _Seen) -> None:
+        del self._seen[seen.lineage.ident]
+        self.seen_bytes -= seen.nbytes
+        for key in seen.levels:
+            if self._levels.get(key) is seen:
+                del self._levels[key]
 
     def _pieces(self, text: str, min_chunk: int) -> list[str | int]:
         """The text cut into chunks and special-token ids."""
@@ -177,8 +317,15 @@ class ChunkCache:
             pieces.extend(self._chunks(text, min_chunk))
         return pieces
 
-    def _ids(self, pieces: Sequence[str | int]) -> array[int]:
-        """Ids of the pieces: cached chunks reused, the others encoded in one batch."""
+    def _ids(
+        self,
+        pieces: Sequence[str | int],
+        cuts: array[int] | None = None,
+        marks: array[int] | None = None,
+    ) -> array[int]:
+        """Ids of the pieces: cached chunks reused, the others encoded in one batch. `cuts` and
+        `marks` get the character and token offset where each piece ends (continuing theirs).
+        """
         cache = self._cache
         missing = list(dict.fromkeys(p for p in pieces if isinstance(p, str) and p not in cache))
         fresh: dict[str, array[int]] = {}
@@ -186,6 +333,8 @@ class ChunkCache:
             encoded = self._tok.encode_batch_fast(missing, add_special_tokens=False)
             fresh = {c: array("I", enc.ids) for c, enc in zip(missing, encoded, strict=True)}
         out = array("I")
+        ends = (cuts, marks) if cuts is not None and marks is not None else None
+        char, base = (cuts[-1], marks[-1]) if cuts and marks else (0, 0)
         for p in pieces:
             if isinstance(p, int):
                 out.append(p)
@@ -195,6 +344,10 @@ class ChunkCache:
                 out.extend(cache[p])
                 cache.move_to_end(p)
                 self.stats.hits += 1
+            if ends is not None:
+                char += self._special_chars[p] if isinstance(p, int) else len(p)
+                ends[0].append(char)
+                ends[1].append(base + len(out))
         self.stats.misses += len(fresh)
         for chunk, ids in fresh.items():  # after the lookups: storing may evict older chunks
             self._store(chunk, ids)

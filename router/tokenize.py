@@ -13,7 +13,8 @@ BOS), completion prompts with them (`add_special_tokens` in the request override
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping
+from array import array
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
@@ -24,7 +25,7 @@ import jinja2.ext
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer
 
-from router.token_cache import ChunkCache, Partial
+from router.token_cache import ChunkCache, Lineage, Partial
 
 _SPECIAL_NAMES = (
     "bos_token",
@@ -46,11 +47,14 @@ class Prompt:
     """A prompt's token ids: all of them, or (while `complete` is false) a leading part, with
     the expected and the largest possible whole length. `RouterTokenizer.finish` completes it."""
 
-    tokens: list[int]
+    tokens: Sequence[int]
+    """A list, or an `array("I")` from the chunk cache (no conversion on the request path)."""
     estimate: int
     """Whole-prompt tokens: exact when complete, else expected."""
     bound: int
     """Whole-prompt tokens at most."""
+    lineage: Lineage | None = None
+    """How its tokens relate to a prompt tokenized before (`router.token_cache`)."""
     _partial: Partial | None = None
     _tail: tuple[int, ...] = ()
 
@@ -59,8 +63,8 @@ class Prompt:
         return self._partial is None
 
     @classmethod
-    def whole(cls, tokens: list[int]) -> Prompt:
-        return cls(tokens, len(tokens), len(tokens))
+    def whole(cls, tokens: Sequence[int], lineage: Lineage | None = None) -> Prompt:
+        return cls(tokens, len(tokens), len(tokens), lineage)
 
 
 def _raise_exception(message: str) -> None:
@@ -181,7 +185,7 @@ class RouterTokenizer:
     def encode(self, text: str, add_special_tokens: bool) -> list[int]:
         """Token ids of `text` (with the tokenizer's post-processor when add_special_tokens),
         reusing cached chunks of earlier prompts (`router.token_cache`)."""
-        return self.finish(self.start(text, add_special_tokens)).tokens
+        return list(self.finish(self.start(text, add_special_tokens)).tokens)
 
     def whole(self, text: str, add_special_tokens: bool) -> list[int]:
         """Token ids of `text` encoded in one piece, past the chunk cache (probes)."""
@@ -196,18 +200,24 @@ class RouterTokenizer:
                 return Prompt.whole(list(self._tok.encode(text, add_special_tokens=True).ids))
             head, tail = self._wrap
         part = self.cache.begin(text)
-        tokens = head + part.ids.tolist()
+        # `head` shifts every id of the text: a prompt with a head keeps no lineage.
+        lineage = part.lineage if not head else None
+        tokens = array("I", head) + part.ids if head else part.ids
         if not part.rest:
-            return Prompt.whole(tokens + tail)
+            return Prompt.whole(tokens + array("I", tail) if tail else tokens, lineage)
         extra = len(tail) + len(tokens)
-        return Prompt(tokens, extra + part.estimate, extra + part.bound, part, tuple(tail))
+        return Prompt(
+            tokens, extra + part.estimate, extra + part.bound, lineage, part, tuple(tail)
+        )
 
     def finish(self, prompt: Prompt) -> Prompt:
         """The whole prompt of a `start` (itself when already complete)."""
         if prompt._partial is None:
             return prompt
-        tokens = prompt.tokens + self.cache.encode_rest(prompt._partial).tolist()
-        return Prompt.whole(tokens + list(prompt._tail))
+        tokens = array("I", prompt.tokens) + self.cache.encode_rest(prompt._partial)
+        if prompt._tail:
+            tokens += array("I", prompt._tail)
+        return Prompt.whole(tokens, prompt.lineage)
 
     def render_chat(self, body: Mapping[str, Any]) -> str:
         """The prompt text the chat template makes of a /v1/chat/completions body."""
@@ -251,7 +261,7 @@ class RouterTokenizer:
 
     def chat_tokens(self, body: Mapping[str, Any]) -> list[int]:
         """Prompt tokens of a /v1/chat/completions body."""
-        return self.finish(self.start_chat(body)).tokens
+        return list(self.finish(self.start_chat(body)).tokens)
 
     def start_chat(self, body: Mapping[str, Any]) -> Prompt:
         """`start` on the prompt of a /v1/chat/completions body."""

@@ -4,14 +4,18 @@ suspends, so `completed` drives the coroutines)."""
 
 from __future__ import annotations
 
+import random
+
 import pytest
 
+from router import placement as placement_module
 from router.config import RouterConfig
 from router.index import MemoryStore, PrefixIndex, completed
 from router.placement import Placement
 from router.strategies import NoCandidate
+from router.token_cache import Lineage
 from router.workers import Workers
-from warply.protocol import BlockStored
+from warply.protocol import BlockStored, prefix_keys
 
 MODEL = "m"
 TOKENS = list(range(100, 140))  # 40 tokens: 10 blocks of 4, 5 of 8
@@ -229,3 +233,27 @@ def test_explain_shows_both_legs_of_a_handoff_and_books_nothing() -> None:
     # the same choice, now made for real
     real = completed(placement.choose(PD_TOKENS))
     assert (real.worker.name, real.prefill.worker.name if real.prefill else None) == ("d1", "p1")
+
+
+def test_a_next_turn_extends_the_earlier_chain_and_equals_a_fresh_one(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Chains extended from an earlier prompt's (any shared length, any namespace, the earlier
+    chain kept or dropped) equal chains hashed from the start; kept keys stay under the cap."""
+    monkeypatch.setattr(placement_module, "CHAIN_KEYS", 200)
+    placement, _, _ = _placement()
+    rng = random.Random(3)
+    turn: list[int] = []
+    common = 0  # leading tokens this turn shares with the one before
+    for ident in range(1, 60):
+        if not turn:
+            turn = [rng.randrange(1000) for _ in range(40)]
+        shared = common if rng.random() < 0.8 else rng.randrange(common + 1)
+        lineage = Lineage(ident, ident - 1, shared)
+        for bs in (4, 8):
+            for ns in ("", "tenant"):
+                want = prefix_keys(turn, bs, MODEL, ns)
+                assert placement.keys(turn, bs, ns, lineage) == want
+        assert placement._chain_keys <= 200
+        common = rng.randrange(len(turn) + 1)
+        turn = turn[:common] + [rng.randrange(1000) for _ in range(rng.randrange(1, 40))]

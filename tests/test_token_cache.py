@@ -123,3 +123,43 @@ def test_begin_then_rest_equals_whole_encode() -> None:
         left += bool(part.rest)
         assert not cache.begin(text).rest, "every chunk of a text seen before is cached"
     assert left > 20, "long texts leave a rest"
+
+
+@pytest.mark.parametrize("build", [_bytelevel, _split_bytelevel, _metaspace])
+def test_next_turns_reuse_remembered_texts_and_equal_whole_encodes(build: object) -> None:
+    """Interleaved conversations sharing a system text, each turn starting like the last one
+    (sometimes with an earlier message edited): ids equal whole encodes, and a next turn
+    shares the previous turn's ids."""
+    tok: Tokenizer = build()  # type: ignore[operator]
+    cache = ChunkCache(tok, min_chunk_chars=16, min_level_chars=32)
+    rng = random.Random(11)
+    system = "<|start|>system\n" + _text(rng, 60) + "<|end|>"
+    convs = [system] * 4
+    reused = 0
+    for step in range(80):
+        c = step % 4
+        if rng.random() < 0.1 and len(convs[c]) > 80:  # an edit inside the history
+            at = rng.randrange(len(system), len(convs[c]))
+            convs[c] = convs[c][:at] + rng.choice(PIECES) + convs[c][at:]
+        convs[c] += "<|start|>user\n" + _text(rng, rng.randrange(5, 60)) + "<|end|>"
+        text = convs[c] + "<|start|>assistant\n"
+        want = tok.encode(text, add_special_tokens=False).ids
+        part = cache.begin(text)
+        assert part.ids.tolist() + cache.encode_rest(part).tolist() == want, text
+        assert part.lineage is not None and part.lineage.shared <= len(want)
+        reused += part.lineage.shared > len(system) // 4
+    assert reused > 40, "next turns reuse their history"
+    assert cache.seen_bytes <= cache.max_seen_bytes
+
+
+def test_remembered_texts_stay_within_their_budget() -> None:
+    tok = _bytelevel()
+    cache = ChunkCache(tok, max_bytes=1 << 16, min_chunk_chars=16, min_level_chars=32)
+    rng = random.Random(13)
+    for n in range(200):
+        text = _text(rng, 20 * (n % 40) + 10)
+        part = cache.begin(text)
+        rest = cache.encode_rest(part).tolist()
+        assert part.ids.tolist() + rest == tok.encode(text, add_special_tokens=False).ids
+        assert cache.seen_bytes <= cache.max_seen_bytes
+    assert cache.seen_bytes > cache.max_seen_bytes // 2, "texts are remembered up to the budget"

@@ -13,8 +13,9 @@ contract with `completed`.
 
 from __future__ import annotations
 
-from collections import Counter, OrderedDict
+from collections import Counter, OrderedDict, deque
 from collections.abc import Collection, Coroutine, Iterable, Iterator, Sequence
+from itertools import repeat
 from typing import Any, TypeVar
 
 from router.index.contract import IndexStats, IndexStore, WorkerMatch
@@ -29,6 +30,8 @@ _SLOT = 4
 """Bits per worker in a block's holders int (`_occupied` folds exactly this many)."""
 assert len(_TIERS) <= _SLOT, "a worker's tier bits must fit its slot"
 _NIBBLE = (1 << _SLOT) - 1
+_STEP = 512
+"""Keys per step of a one-worker walk (`MemoryStore._run`)."""
 
 
 def completed(coro: Coroutine[Any, Any, _T]) -> _T:
@@ -219,13 +222,7 @@ class MemoryStore(IndexStore):
             if not live & (live - 1):
                 break
         if live and not live & (live - 1):  # one worker left (the deep part of most walks)
-            slot = _NIBBLE << live.bit_length() - 1
-            for key in it:
-                holders = get(key, 0)
-                if not holders & slot:
-                    break
-                touch(key)
-                append(holders)
+            self._run(keys, chain, _NIBBLE << live.bit_length() - 1)
         for w, s in shifts.items():
             if live >> s & 1:
                 depth[w] = len(chain)
@@ -233,6 +230,25 @@ class MemoryStore(IndexStore):
             w: WorkerMatch(d, self._by_tier(chain, shifts[w], d) if d else {})
             for w, d in depth.items()
         }
+
+    def _run(self, keys: Sequence[int], chain: list[int], slot: int) -> None:
+        """Extend `chain` over the run of `keys` past it held in `slot`, touching each block:
+        in steps of `_STEP` keys, each looked up, masked and searched in C (a long
+        conversation's prompt walks thousands of blocks here)."""
+        get, touch, held = self._blocks.get, self._blocks.move_to_end, slot.__and__
+        start = len(chain)
+        while start < len(keys):
+            part = keys[start : start + _STEP]
+            holders = list(map(get, part, repeat(0, len(part))))
+            try:
+                end = list(map(held, holders)).index(0)
+            except ValueError:
+                end = len(part)
+            chain += holders[:end]
+            deque(map(touch, part[:end]), maxlen=0)
+            if end < len(part):
+                return
+            start += end
 
     @staticmethod
     def _by_tier(chain: list[int], shift: int, depth: int) -> dict[Tier, int]:
