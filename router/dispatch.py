@@ -481,7 +481,8 @@ class Dispatcher:
         account: RequestAccount,
         started: asyncio.Event,
     ) -> Answer:
-        """Relay SSE events; read (and maybe hide) the final usage chunk; time the first one.
+        """Relay SSE events (those of one upstream read in one write); read (and maybe hide)
+        the final usage chunk; time the first one.
         The client's response starts with the first event (until then a failure is still an
         HTTP error, or a hand-off can still be retried locally); an upstream failure after
         that ends the stream with an error event."""
@@ -493,12 +494,15 @@ class Dispatcher:
         try:
             async for chunk in up.content.iter_any():
                 buf += chunk
-                while b"\n\n" in buf:
-                    event, buf = buf.split(b"\n\n", 1)
-                    if not started.is_set():
-                        started.set()
-                        account.first_event()
-                        await resp.prepare(request)
+                if b"\n\n" not in buf:
+                    continue
+                *events, buf = buf.split(b"\n\n")
+                if not started.is_set():
+                    started.set()
+                    account.first_event()
+                    await resp.prepare(request)
+                out = []
+                for event in events:
                     if b'"usage"' in event and event.startswith(b"data: {"):
                         parsed = msgspec.json.decode(event[6:])
                         if isinstance(parsed.get("usage"), dict):
@@ -507,7 +511,9 @@ class Dispatcher:
                                 continue
                     elif event.startswith(b"data: {"):
                         account.generated(1)
-                    await resp.write(event + b"\n\n")
+                    out.append(event)
+                if out:  # the events of one upstream read in one write
+                    await resp.write(b"\n\n".join(out) + b"\n\n")
             if not started.is_set():
                 started.set()
                 await resp.prepare(request)
