@@ -18,7 +18,10 @@ the router-added latency: the row's quantile minus the direct row's at the same 
 (same run). Ratios are warply / sglang-router.
 
     nice -n 10 .venvs/core/bin/python bench/router_throughput.py [--seconds 5] \\
-        [--streams 1 64 100] [--modes json stream] [--router-workers 1] [--profile FILE]
+        [--streams 1 64 100] [--modes json stream] [--paced 500] [--profile FILE]
+
+`--paced R` adds rows at the largest stream count with the clients paced to R requests/s in
+all (below saturation: added latency without the queue a saturated router builds).
 
 `--profile FILE` runs warply-router under cProfile (slower; for finding hot spots, not for
 figures) and writes its stats to FILE when the router stops.
@@ -192,6 +195,8 @@ class _Row:
     target: str
     mode: str
     streams: int
+    rate: float = 0.0
+    """Requests/s the clients are paced to in all (0: closed loop, as fast as answered)."""
     latencies: list[float] = field(default_factory=list)
     errors: int = 0
     seconds: float = 0.0
@@ -214,13 +219,21 @@ async def _load(row: _Row, ports: list[int], seconds: float, warmup: float,
     measure_from = start + warmup
     stop_at = measure_from + seconds
 
+    interval = row.streams / row.rate if row.rate else 0.0
+
     async def client(i: int) -> None:
         port = ports[i % len(ports)]
         reader, writer = await asyncio.open_connection(HOST, port)
         reqs = [_request(port, p, stream) for p in prompts[i % 8::8]]
         k = 0
+        slot = start + interval * i / row.streams
         try:
             while (now := time.perf_counter()) < stop_at and len(row.latencies) < max_requests:
+                if interval:
+                    slot += interval
+                    if slot > now:
+                        await asyncio.sleep(slot - now)
+                        now = time.perf_counter()
                 try:
                     ok = await _exchange(reader, writer, reqs[k % len(reqs)])
                 except (OSError, asyncio.IncompleteReadError):
@@ -255,7 +268,8 @@ def _newest_tiny() -> Path | None:
     return found[-1].parent if found else None
 
 
-def _warply(args: argparse.Namespace, upstreams: list[str], work: Path) -> EngineProcess:
+def _warply(args: argparse.Namespace, upstreams: list[str], work: Path,
+            root: Path = ROOT, tag: str = "warply") -> EngineProcess:
     port = free_port()
     router = ["-m", "router"]
     if args.profile:
@@ -263,11 +277,9 @@ def _warply(args: argparse.Namespace, upstreams: list[str], work: Path) -> Engin
     cmd = [sys.executable, *router, "--model", MODEL, "--tokenizer", str(args.tokenizer),
            "--block-size", "16", "--port", str(port), "--log-level", "WARNING",
            *(x for u in upstreams for x in ("--worker", u))]
-    if args.router_workers > 1:
-        cmd += ["--processes", str(args.router_workers)]
-    env = {"PYTHONPATH": str(ROOT)}
+    env = {"PYTHONPATH": str(root)}
     return EngineProcess(_pinned(0, cmd), url=f"http://{HOST}:{port}",
-                         log_path=work / "warply.log", env=env)
+                         log_path=work / f"{tag}.log", env=env)
 
 
 def _sglang(python: str, upstreams: list[str], work: Path) -> EngineProcess:
@@ -308,6 +320,11 @@ def _processes(args: argparse.Namespace) -> Iterator[dict[str, list[int]]]:
         procs.append(warply.start())
         warply.wait_healthy(60)
         targets["warply"] = [int(warply.url.rsplit(":", 1)[1])]
+        if args.baseline:
+            base = _warply(args, urls, work, args.baseline, "base")
+            procs.append(base.start())
+            base.wait_healthy(60)
+            targets["base"] = [int(base.url.rsplit(":", 1)[1])]
         if args.sglang_python:
             sgl = _sglang(args.sglang_python, urls, work)
             procs.append(sgl.start())
@@ -328,37 +345,53 @@ def _ms(x: float) -> str:
 
 
 def _print(rows: list[_Row]) -> None:
-    direct = {(r.mode, r.streams): r for r in rows if r.target == "direct"}
-    print(f"{'mode':6s} {'streams':>7s} {'target':8s} {'req/s':>8s} {'p50 ms':>8s} "
+    direct = {(r.mode, r.streams, r.rate): r for r in rows if r.target == "direct"}
+    print(f"{'mode':6s} {'streams':>7s} {'paced':>6s} {'target':8s} {'req/s':>8s} {'p50 ms':>8s} "
           f"{'p99 ms':>8s} {'added p50':>9s} {'added p99':>9s} {'errors':>6s}")
     for r in rows:
-        d = direct.get((r.mode, r.streams))
+        d = direct.get((r.mode, r.streams, r.rate))
         added = ("", "") if d is None or r is d else (
             _ms(r.q(0.5) - d.q(0.5)), _ms(r.q(0.99) - d.q(0.99)))
-        print(f"{r.mode:6s} {r.streams:7d} {r.target:8s} {r.rps:8.0f} {_ms(r.q(0.5)):>8s} "
+        paced = f"{r.rate:6.0f}" if r.rate else f"{'-':>6s}"
+        print(f"{r.mode:6s} {r.streams:7d} {paced} {r.target:8s} {r.rps:8.0f} {_ms(r.q(0.5)):>8s} "
               f"{_ms(r.q(0.99)):>8s} {added[0]:>9s} {added[1]:>9s} {r.errors:6d}")
-    by = {(r.target, r.mode, r.streams): r for r in rows}
-    pairs = [(w, by.get(("sglang", w.mode, w.streams))) for w in rows if w.target == "warply"]
+    by = {(r.target, r.mode, r.streams, r.rate): r for r in rows}
+    pairs = [(w, by.get(("sglang", w.mode, w.streams, w.rate))) for w in rows
+             if w.target == "warply"]
     if any(s is not None for _, s in pairs):
         print("\nwarply / sglang-router (req/s ratio > 1 and p99 ratio <= 1 favour warply):")
         for w, s in pairs:
             if s is None or not s.latencies or not w.latencies:
                 continue
-            print(f"{w.mode:6s} {w.streams:7d}  req/s {w.rps / s.rps:5.2f}x  "
+            paced = f"@{w.rate:.0f}/s" if w.rate else ""
+            print(f"{w.mode:6s} {w.streams:7d}{paced:>8s}  req/s {w.rps / s.rps:5.2f}x  "
                   f"p50 {w.q(0.5) / s.q(0.5):5.2f}x  p99 {w.q(0.99) / s.q(0.99):5.2f}x")
+    bases = [(w, by.get(("base", w.mode, w.streams, w.rate))) for w in rows
+              if w.target == "warply"]
+    if any(b is not None for _, b in bases):
+        print("\nwarply / base (the --baseline checkout):")
+        for w, b in bases:
+            if b is None or not b.latencies or not w.latencies:
+                continue
+            paced = f"@{w.rate:.0f}/s" if w.rate else ""
+            print(f"{w.mode:6s} {w.streams:7d}{paced:>8s}  req/s {w.rps / b.rps:5.2f}x  "
+                  f"p50 {w.q(0.5) / b.q(0.5):5.2f}x  p99 {w.q(0.99) / b.q(0.99):5.2f}x")
     print("\ntargets (warply): added p50 <= 1 ms at 1 stream, added p99 <= 5 ms at 100 streams "
           "below saturation, req/s at 64 streams >= sglang-router's with p99 no worse")
 
 
 async def _run(args: argparse.Namespace, targets: dict[str, list[int]]) -> list[_Row]:
     rows = []
+    plan = [(streams, 0.0) for streams in args.streams]
+    if args.paced:
+        plan.append((max(args.streams), args.paced))
     for mode in args.modes:
-        for streams in args.streams:
+        for streams, rate in plan:
             for target, ports in targets.items():
-                row = _Row(target, mode, streams)
+                row = _Row(target, mode, streams, rate)
                 await _load(row, ports, args.seconds, args.warmup, args.max_requests)
                 rows.append(row)
-                print(f"  {mode} {streams:3d} streams {target:7s} {row.rps:7.0f} req/s "
+                print(f"  {mode} {streams:3d} streams @{rate:.0f} {target:7s} {row.rps:7.0f} req/s "
                       f"p50 {_ms(row.q(0.5))} ms p99 {_ms(row.q(0.99))} ms "
                       f"errors {row.errors}", file=sys.stderr, flush=True)
     return rows
@@ -380,12 +413,15 @@ def main() -> int:
     ap.add_argument("--warmup", type=float, default=1.0, help="unmeasured seconds per row")
     ap.add_argument("--max-requests", type=int, default=50_000, help="per row, at most")
     ap.add_argument("--upstreams", type=int, default=4, help="fake upstream workers")
-    ap.add_argument("--router-workers", type=int, default=1,
-                    help="warply-router processes on its one port (--processes)")
+    ap.add_argument("--paced", type=float, default=500.0,
+                    help="req/s in all for paced rows at the largest stream count (0: none)")
     ap.add_argument("--tokenizer", type=Path, default=_newest_tiny())
     ap.add_argument("--sglang-python", default=str(ROOT / ".venvs/sglang/bin/python"),
                     help="interpreter with sglang-router installed ('' skips it)")
     ap.add_argument("--profile", type=Path, help="run warply-router under cProfile, stats here")
+    ap.add_argument("--baseline", type=Path, metavar="DIR",
+                    help="also run the router of another checkout (e.g. `git archive` of an "
+                         "earlier commit) as target 'base', for before/after in one run")
     args = ap.parse_args()
     _event_loop_policy()
     if args.serve:
@@ -402,7 +438,7 @@ def main() -> int:
     with contextlib.suppress(AttributeError, OSError):  # the client shares the upstreams' core
         os.sched_setaffinity(0, {(os.cpu_count() or 2) - 1})
     signal.signal(signal.SIGALRM, lambda *_: sys.exit("time limit reached"))
-    rows_n = len(args.modes) * len(args.streams) * 3
+    rows_n = len(args.modes) * (len(args.streams) + 1) * 4
     signal.alarm(int(120 + rows_n * (args.seconds + args.warmup + 10)))
     print(f"load average {os.getloadavg()[0]:.2f} {os.getloadavg()[1]:.2f}; "
           f"{args.upstreams} upstreams; {args.seconds:.0f} s per row", flush=True)
