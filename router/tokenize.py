@@ -200,8 +200,11 @@ class RouterTokenizer:
                 return Prompt.whole(list(self._tok.encode(text, add_special_tokens=True).ids))
             head, tail = self._wrap
         part = self.cache.begin(text)
-        # `head` shifts every id of the text: a prompt with a head keeps no lineage.
-        lineage = part.lineage if not head else None
+        lineage = part.lineage
+        if lineage is not None:  # prompts with and without a head are told apart
+            h = 1 if head else 0
+            base = 2 * lineage.base + h if lineage.base else 0
+            lineage = Lineage(2 * lineage.ident + h, base, len(head) + lineage.shared)
         tokens = array("I", head) + part.ids if head else part.ids
         if not part.rest:
             return Prompt.whole(tokens + array("I", tail) if tail else tokens, lineage)

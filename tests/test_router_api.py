@@ -21,8 +21,12 @@ from tokenizers import Tokenizer, models, pre_tokenizers, processors, trainers
 
 from router.app import Router
 from router.config import RouterConfig
+from router.index import MemoryStore, PrefixIndex
+from router.placement import Placement
 from router.tiering import Action, TierPolicy, TierState
+from router.token_cache import ChunkCache
 from router.tokenize import RouterTokenizer
+from router.workers import Workers
 from warply.protocol import (
     BlockStored,
     DecodedBatch,
@@ -728,3 +732,25 @@ def test_a_failing_tier_policy_is_counted_and_routing_goes_on(tokenizer_dir: Pat
             assert "warply_tiering_policy_failures_total" in text
 
     _run(scenario())
+
+
+def test_growing_prompts_keep_their_key_chains_exact(tokenizer_dir: Path) -> None:
+    """Growing texts, encoded with and without the BOS head in turn: every prompt's chain,
+    extended from an earlier prompt's where the tokenizer reports one, equals a fresh chain."""
+    tok = RouterTokenizer(tokenizer_dir)
+    tok.cache = ChunkCache(tok._tok, min_chunk_chars=16, min_level_chars=32)
+    config = RouterConfig.model_validate(
+        {"model": "m", "tokenizer": tokenizer_dir,
+         "pools": [{"name": "p", "block_size": BS, "workers": [{"name": "a", "url": "http://a"}]}]}
+    )
+    placement = Placement(config, PrefixIndex("m", MemoryStore()), Workers(config.pools))
+    text, extended = "the cache holds\n", 0
+    for step in range(40):
+        text += f"line {step}: the cache holds a prefix of tokens\n"
+        prompt = tok.finish(tok.start(text, add_special_tokens=step % 3 == 0))
+        lineage = prompt.lineage
+        assert lineage is not None
+        keys = placement.keys(prompt.tokens, BS, "", lineage)
+        assert keys == prefix_keys(prompt.tokens, BS, "m", "")
+        extended += lineage.shared > 0
+    assert extended > 30
