@@ -29,6 +29,7 @@ from router.errors import ApiError, read_object
 from router.feed import IndexFeed
 from router.index import PrefixIndex, open_store
 from router.index_health import IndexHealth
+from router.load import open_ledger
 from router.membership import Membership
 from router.metrics import RouterMetrics, kv_transfer_stats
 from router.openapi import openapi_document
@@ -65,7 +66,12 @@ class Router:
         )
         self.workers = Workers(config.pools, config.breaker)
         self.health = IndexHealth(config.index)
-        self.placement = Placement(config, self.index, self.workers, health=self.health)
+        self.ledger = open_ledger(config.index, self.index.outage)
+        if self.ledger.shared:
+            self.workers.watch(self.ledger.changed)
+        self.placement = Placement(
+            config, self.index, self.workers, health=self.health, ledger=self.ledger
+        )
         tokenizer = tokenizer or RouterTokenizer(config.tokenizer)
         self._probes = Probes.build(tokenizer, config.model) if config.index.parity_check else None
         self.metrics = RouterMetrics(config, self.workers, tokenizer.cache.stats)
@@ -129,6 +135,7 @@ class Router:
 
     async def _startup(self, _: web.Application) -> None:
         self.feed.start()
+        self.ledger.start(lambda: [w.load for w in self.workers.values()])
         await self.feed.caught_up(_CATCH_UP_S)
         await self.check_health()
         if self.proxy.max_model_len is None:
@@ -145,6 +152,7 @@ class Router:
         await self.membership.stop()
         await self.feed.stop()
         await self.proxy.close()
+        await self.ledger.close()
         await self.index.store.close()
 
     async def check_health(self) -> None:

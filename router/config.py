@@ -224,6 +224,12 @@ class IndexConfig(_Strict):
     parity_check: bool = True
     """Compare each engine's own tokenization of probe prompts (its `/tokenize`) with the
     router's when it turns healthy; on a mismatch its prefix matches are not used."""
+    share_load: bool = True
+    """With store `redis`: replicas publish their bookings (in-flight requests, pending
+    prefill) there and place on the sum of every replica's (`router.load`)."""
+    load_ttl_s: float = Field(10.0, gt=0)
+    """How long a replica's published bookings outlive its last write: a replica that died
+    stops counting after this (live ones rewrite theirs every third of it)."""
 
     @model_validator(mode="after")
     def _url_for_redis(self) -> IndexConfig:

@@ -25,10 +25,14 @@ A prompt that repeats one placed before (a conversation's next turn: `Lineage` f
 cache) extends that prompt's key chain instead of hashing its history again; chains are kept
 per (prompt, block size, namespace), at most `CHAIN_KEYS` keys in all, least recently used
 dropped first.
+
+The candidates' loads come from a `LoadLedger` (`router.load`): this router's own bookings, plus
+other replicas' when they share them, read concurrently with the index match.
 """
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 from collections import OrderedDict
 from collections.abc import Collection, Mapping, Sequence
@@ -38,6 +42,7 @@ from typing import Literal
 from router.config import RouterConfig
 from router.index import PrefixIndex, WorkerMatch
 from router.index_health import IndexHealth
+from router.load import LoadLedger, LocalLedger
 from router.strategies import (
     NO_MATCH,
     NoCandidate,
@@ -45,6 +50,7 @@ from router.strategies import (
     RequestView,
     Score,
     Strategy,
+    WorkerLoad,
     make_strategy,
 )
 from router.token_cache import Lineage
@@ -173,15 +179,18 @@ class Placement:
         strategies: Mapping[str, Strategy] | None = None,
         ranker: Strategy | None = None,
         health: IndexHealth | None = None,
+        ledger: LoadLedger | None = None,
     ) -> None:
         """`strategies`: pool name → the strategy instance to use instead of one built from the
         config (the trace replayer passes its own, baselines included); `ranker`: the one that
         compares the pools' picks instead of the router's `strategy`; `health`: how far each
-        worker's matches are trusted (None: fully)."""
+        worker's matches are trusted (None: fully); `ledger`: where the candidates' loads are
+        read (default: this router's own bookings)."""
         self.model = config.model
         self.index = index
         self.health = health
         self.workers = workers
+        self.ledger = ledger or LocalLedger()
         self.local_prefill_tokens = config.pd.local_prefill_tokens
         self._ranker = ranker or make_strategy(config.strategy)
         """The router's strategy compares the pools' picks (`Strategy.prefer`)."""
@@ -349,34 +358,46 @@ class Placement:
         """Each pool's pick; the router's strategy prefers one (`Strategy.prefer`).
         None: no available worker. Raises `_GiveUp` when an early choice must see the whole
         prompt."""
-        picks: list[tuple[_Pool, Sequence[int], dict[str, WorkerMatch], list[Worker]]] = []
+        picks: list[
+            tuple[_Pool, Sequence[int], dict[str, WorkerMatch], list[Worker], Sequence[WorkerLoad]]
+        ] = []
         for pool in pools:
             candidates = [w for w in pool.workers if w.available and w.name not in exclude]
             if not candidates:
                 continue
             keys = self.keys(tokens, pool.block_size, namespace, lineage)
-            matches = await self.index.match(keys, [w.name for w in candidates])
+            matches, loads = await self._read(keys, candidates)
             if self.health is not None:
                 matches = self.health.trim(matches)
             if early and any(m.blocks >= len(keys) for m in matches.values()):
                 raise _GiveUp
-            picks.append((pool, keys, matches, candidates))
+            picks.append((pool, keys, matches, candidates, loads))
         options: list[tuple[Decision, Pick]] = []
-        for pool, chain, matches, candidates in picks:
+        for pool, chain, matches, candidates, loads in picks:
             bs = pool.block_size
             view = RequestView(chain, prompt_tokens, bs, namespace, prefix_reuse)
-            loads = [w.load for w in candidates]
             if previews is None:
                 name = pool.strategy.choose(view, loads, matches)
             else:
                 name, scores = pool.strategy.preview(view, loads, matches)
                 previews[pool.name] = (name, scores)
-            worker = next(w for w in candidates if w.name == name)
+            i = next(i for i, w in enumerate(candidates) if w.name == name)
+            worker = candidates[i]
             match = matches.get(name, NO_MATCH)
             predicted = predicted_cached(match.blocks, prompt_tokens, bs)
             decision = Decision(worker, chain, match.blocks, predicted, prompt_tokens, namespace)
-            options.append((decision, Pick(view, worker.load, match, predicted)))
+            options.append((decision, Pick(view, loads[i], match, predicted)))
         if len(options) <= 1:
             return options[0][0] if options else None
         winner = self._ranker.prefer([pick for _, pick in options])
         return next(decision for decision, pick in options if pick is winner)
+
+    async def _read(
+        self, keys: Sequence[int], candidates: list[Worker]
+    ) -> tuple[dict[str, WorkerMatch], Sequence[WorkerLoad]]:
+        """The candidates' index matches and loads; a shared ledger's read overlaps the match."""
+        match = self.index.match(keys, [w.name for w in candidates])
+        local = [w.load for w in candidates]
+        if not self.ledger.shared:
+            return await match, local
+        return await asyncio.gather(match, self.ledger.loads(local))

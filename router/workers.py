@@ -9,7 +9,8 @@ Health comes from two places, both through `Worker.set_health`: the periodic `/h
 (the next probe brings it back). A circuit breaker (`Breaker`) counts each worker's failed
 requests in a row and takes it out of placement while open. Load per worker = the router's
 own in-flight requests / tokens (`Worker.book` → `Booking`, one per request attempt) + the
-engine's last `LoadSnapshot`.
+engine's last `LoadSnapshot`; a shared ledger (`router.load`) hears of each
+booking's start, first token and end (`Workers.watch`).
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ import asyncio
 import dataclasses
 import logging
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 
 import aiohttp
@@ -29,6 +30,10 @@ from warply.protocol import LoadSnapshot
 from warply.protocol.api import BreakerState, IndexHealthView, Role, StreamStats, WorkerView
 
 _log = logging.getLogger("warply.router")
+
+
+LoadChanged = Callable[[WorkerLoad], None]
+"""Told when a booking starts, reaches its first token or ends (`LoadLedger.changed`)."""
 
 
 class Breaker:
@@ -76,10 +81,17 @@ class Breaker:
 class Booking:
     """One request attempt's load on its worker, from placement until it ends."""
 
-    __slots__ = ("_load", "_open", "generated", "prefill_tokens", "prompt_tokens")
+    __slots__ = ("_changed", "_load", "_open", "generated", "prefill_tokens", "prompt_tokens")
 
-    def __init__(self, load: WorkerLoad, prompt_tokens: int, prefill_tokens: int) -> None:
+    def __init__(
+        self,
+        load: WorkerLoad,
+        prompt_tokens: int,
+        prefill_tokens: int,
+        changed: LoadChanged | None = None,
+    ) -> None:
         self._load = load
+        self._changed = changed
         self.prompt_tokens = prompt_tokens
         self.prefill_tokens = prefill_tokens
         """Uncached prompt tokens: queued prefill until the first generated token."""
@@ -88,6 +100,8 @@ class Booking:
         load.in_flight += 1
         load.in_flight_tokens += prompt_tokens
         load.pending_prefill_tokens += prefill_tokens
+        if changed is not None:
+            changed(load)
 
     def progressed(self, tokens: int) -> None:
         """`tokens` more generated; the first one ends the request's prefill."""
@@ -95,6 +109,8 @@ class Booking:
         load.in_flight_tokens += tokens
         if self.generated == 0 and tokens:
             load.pending_prefill_tokens -= self.prefill_tokens
+            if self._changed is not None:
+                self._changed(load)
         self.generated += tokens
 
     def release(self) -> None:
@@ -107,6 +123,8 @@ class Booking:
         load.in_flight_tokens -= self.prompt_tokens + self.generated
         if self.generated == 0:  # never streamed a token (non-streaming, or failed): still queued
             load.pending_prefill_tokens -= self.prefill_tokens
+        if self._changed is not None:
+            self._changed(load)
 
 
 @dataclass(slots=True)
@@ -133,6 +151,8 @@ class Worker:
     failed_probes: int = 0
     """`/health` probes failed in a row (not counting refused connections)."""
     breaker: Breaker = dataclasses.field(default_factory=lambda: Breaker(BreakerConfig()))
+    changed: LoadChanged | None = None
+    """Told of its bookings' changes (`Workers.watch`)."""
 
     @property
     def name(self) -> str:
@@ -181,7 +201,7 @@ class Worker:
 
     def book(self, prompt_tokens: int, prefill_tokens: int) -> Booking:
         """Count a request as in flight here, its uncached prompt as queued prefill."""
-        return Booking(self.load, prompt_tokens, prefill_tokens)
+        return Booking(self.load, prompt_tokens, prefill_tokens, self.changed)
 
     def engine_load(self, snapshot: LoadSnapshot) -> None:
         """Apply an engine `LoadSnapshot`."""
@@ -243,15 +263,18 @@ class Workers(Mapping[str, Worker]):
         self.pools: list[Pool] = []
         self._by_name: dict[str, Worker] = {}
         self._breaker = breaker or BreakerConfig()
+        self._changed: LoadChanged | None = None
         for pool in pools:
             members = [self._new(wc, pool) for wc in pool.workers]
             self.pools.append(Pool(pool, members))
             self._by_name.update((w.name, w) for w in members)
 
     def _new(self, config: WorkerConfig, pool: PoolConfig) -> Worker:
-        return Worker(
+        worker = Worker(
             config, pool, _load(config, pool), role=pool.role, breaker=Breaker(self._breaker)
         )
+        worker.changed = self._changed
+        return worker
 
     def __getitem__(self, name: str) -> Worker:
         return self._by_name[name]
@@ -265,6 +288,12 @@ class Workers(Mapping[str, Worker]):
     def pool(self, name: str) -> Pool | None:
         """The pool named `name`, if any."""
         return next((p for p in self.pools if p.config.name == name), None)
+
+    def watch(self, changed: LoadChanged) -> None:
+        """Tell `changed` of every booking's changes, on every worker (joining ones too)."""
+        self._changed = changed
+        for worker in self._by_name.values():
+            worker.changed = changed
 
     def add(self, pool: Pool, config: WorkerConfig) -> Worker:
         """A worker joining `pool` at runtime (unhealthy until its first probe succeeds); the

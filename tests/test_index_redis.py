@@ -8,8 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import itertools
-import shutil
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -34,25 +32,12 @@ BS = 4
 GPU, CPU = Tier.GPU, Tier.CPU
 
 
-@pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisServer]:
-    if shutil.which("redis-server") is None:
-        pytest.fail(
-            "redis-server is not installed: scripts/test.sh installs it "
-            "(or run `apt-get install -y redis-server`)"
-        )
-    log = tmp_path_factory.mktemp("redis") / "redis.log"
-    with RedisServer(log_path=log) as srv:
-        srv.wait_ready()
-        yield srv
-
-
 _prefixes = itertools.count()
 
 
-def _store(server: RedisServer, max_entries: int = 4_000_000, prefix: str = "") -> RedisStore:
+def _store(srv: RedisServer, max_entries: int = 4_000_000, prefix: str = "") -> RedisStore:
     """A store under a prefix no other test uses (an empty index), unless one is given."""
-    return RedisStore(server.url, prefix or f"t{next(_prefixes)}", max_entries, timeout_s=5)
+    return RedisStore(srv.url, prefix or f"t{next(_prefixes)}", max_entries, timeout_s=5)
 
 
 def _stored(tokens: list[int], first_hash: int, parent: int | None = None) -> BlockStored:
@@ -60,13 +45,13 @@ def _stored(tokens: list[int], first_hash: int, parent: int | None = None) -> Bl
     return BlockStored(list(range(first_hash, first_hash + n)), parent, tokens, BS, GPU)
 
 
-def test_redis_store_keeps_the_store_contract(server: RedisServer) -> None:
-    asyncio.run(check_store_contract(lambda: _store(server)))
+def test_redis_store_keeps_the_store_contract(redis_server: RedisServer) -> None:
+    asyncio.run(check_store_contract(lambda: _store(redis_server)))
 
 
-def test_cap_evicts_least_recently_used_blocks(server: RedisServer) -> None:
+def test_cap_evicts_least_recently_used_blocks(redis_server: RedisServer) -> None:
     async def run() -> None:
-        store = _store(server, max_entries=4)
+        store = _store(redis_server, max_entries=4)
         await store.add("a", GPU, [1, 2])
         await store.add("b", GPU, [3, 4])
         await store.match([1, 2], ["a"])  # a match is a use: 3 and 4 are now the oldest
@@ -91,10 +76,10 @@ def test_cap_evicts_least_recently_used_blocks(server: RedisServer) -> None:
     asyncio.run(run())
 
 
-def test_replicas_share_a_prefix_and_deployments_do_not(server: RedisServer) -> None:
+def test_replicas_share_a_prefix_and_deployments_do_not(redis_server: RedisServer) -> None:
     async def run() -> None:
-        one, two = _store(server, prefix="d1"), _store(server, prefix="d1")
-        other = _store(server, prefix="d2")
+        one, two = _store(redis_server, prefix="d1"), _store(redis_server, prefix="d1")
+        other = _store(redis_server, prefix="d2")
         await one.add("a", GPU, [1, 2, 3])
         await two.add("b", CPU, [1])
         assert await two.match([1, 2, 3], ["a", "b"]) == {
@@ -111,17 +96,17 @@ def test_replicas_share_a_prefix_and_deployments_do_not(server: RedisServer) -> 
     asyncio.run(run())
 
 
-def test_a_new_router_matches_what_another_ingested(server: RedisServer) -> None:
+def test_a_new_router_matches_what_another_ingested(redis_server: RedisServer) -> None:
     """Warm start: a second `PrefixIndex` on the same store (fresh ingestion state) places from
     the first request. Removals of engine hashes it never saw are counted, not applied: the
     router that saw the block stored applies them (the shared entries stay right)."""
 
     async def run() -> None:
-        first = PrefixIndex(MODEL, _store(server, prefix="warm"))
+        first = PrefixIndex(MODEL, _store(redis_server, prefix="warm"))
         prompt = list(range(24))
         await first.apply("a", [_stored(prompt[:16], 1)])
         await first.apply("a", [_stored(prompt[16:], 5, parent=4)])
-        second = PrefixIndex(MODEL, _store(server, prefix="warm"))
+        second = PrefixIndex(MODEL, _store(redis_server, prefix="warm"))
         keys = prefix_keys(prompt, BS, MODEL)
         assert (await second.match(keys, ["a"]))["a"] == WorkerMatch(6, {GPU: 6})
         await second.apply("a", [BlockRemoved([6], GPU)])  # stored before it started
@@ -135,9 +120,9 @@ def test_a_new_router_matches_what_another_ingested(server: RedisServer) -> None
     asyncio.run(run())
 
 
-def test_open_store_reaches_the_server_or_fails_at_start_up(server: RedisServer) -> None:
+def test_open_store_reaches_the_server_or_fails_at_start_up(redis_server: RedisServer) -> None:
     assert isinstance(open_store(IndexConfig()), MemoryStore)
-    store = open_store(IndexConfig(store="redis", url=server.url, prefix="open"))
+    store = open_store(IndexConfig(store="redis", url=redis_server.url, prefix="open"))
     assert isinstance(store, RedisStore)
     asyncio.run(store.close())
     with pytest.raises(StoreUnavailable, match="refused"):
