@@ -57,8 +57,7 @@ class _Replica:
         """Place a new conversation and keep it booked (its prefill not started)."""
         d = await self.placement.choose(tokens)
         booking = d.worker.book(d.prompt_tokens, d.prefill_tokens)
-        if isinstance(self.ledger, RedisLedger):
-            await self.ledger.flush()
+        await self.ledger.flush()
         return d.worker.name, booking
 
     async def seen(self) -> dict[str, WorkerLoad]:

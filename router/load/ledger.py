@@ -34,6 +34,9 @@ class LoadLedger(abc.ABC):
     def changed(self, load: WorkerLoad) -> None:  # noqa: B027 - a local ledger has no one to tell
         """A booking on `load`'s worker began, reached its first token or ended."""
 
+    async def flush(self) -> None:  # noqa: B027 - a local ledger writes nothing
+        """Wait until the changes made so far are written (or their write failed)."""
+
     def start(self, every: Callable[[], Iterable[WorkerLoad]]) -> None:  # noqa: B027
         """Begin background work (in the event loop); `every` lists all workers' own loads."""
 

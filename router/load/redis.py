@@ -191,7 +191,6 @@ class RedisLedger(LoadLedger):
                 self._outage.recovered()
 
     async def flush(self) -> None:
-        """Wait until the changes made so far are written (or their write failed)."""
         if self._sender is not None:
             await asyncio.shield(self._sender)
 
