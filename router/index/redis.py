@@ -51,6 +51,7 @@ _TIERS = tuple(Tier)
 _INDEX = {tier: i for i, tier in enumerate(_TIERS)}
 _ALL_TIERS = (1 << len(_TIERS)) - 1
 _ERRORS = (redis.ConnectionError, redis.TimeoutError)
+_NONE = WorkerMatch(0, {})
 
 _PRELUDE = """
 local P = ARGV[1]
@@ -323,7 +324,18 @@ if walked > 0 then  -- the walked blocks count as used
   end
   for i = 1, #z, 4000 do redis.call('ZADD', L, 'XX', unpack(z, i, math.min(i + 3999, #z))) end
 end
-return res
+-- One string: (candidate number, depth, per tier) as 32-bit big-endian integers for the
+-- candidates that hold something (a reply of 5 x candidates integers costs the client more to
+-- parse than the walk costs the server).
+local out = {}
+for j = 1, m do
+  local b = 5 * j - 4
+  if res[b] > 0 then
+    out[#out + 1] = struct.pack('>I4I4I4I4I4I4', j, res[b], res[b + 1], res[b + 2],
+                                res[b + 3], res[b + 4])
+  end
+end
+return table.concat(out)
 """
 
 
@@ -453,11 +465,10 @@ class RedisStore(IndexStore):
         if not names:
             return {}
         found = await self._run(self._match, _pack(keys), *names)
-        out: dict[str, WorkerMatch] = {}
-        for j, name in enumerate(names):
-            depth, *per_tier = found[5 * j : 5 * j + 5]
+        out = dict.fromkeys(names, _NONE)
+        for j, depth, *per_tier in struct.iter_unpack(">6I", found):
             by_tier = {_TIERS[t]: n for t, n in enumerate(per_tier) if n}
-            out[name] = WorkerMatch(depth, by_tier)
+            out[names[j - 1]] = WorkerMatch(depth, by_tier)
         return out
 
     async def stats(self) -> IndexStats:

@@ -25,6 +25,7 @@ import asyncio
 import contextlib
 import dataclasses
 import logging
+import struct
 import uuid
 from collections.abc import Callable, Iterable, Sequence
 
@@ -57,8 +58,8 @@ return 0
 
 _READ = """
 local P, me, m = ARGV[1], ARGV[2], #ARGV - 2
-local out = {}
-for j = 1, 3 * m do out[j] = 0 end
+local sum = {}
+for j = 1, 3 * m do sum[j] = 0 end
 for _, r in ipairs(redis.call('SMEMBERS', P .. 'r')) do
   if r ~= me then
     local H = P .. 'g' .. r
@@ -71,16 +72,25 @@ for _, r in ipairs(redis.call('SMEMBERS', P .. 'r')) do
           if vals[q] then
             local j = 3 * (i + q - 2)
             local a, b, c = string.match(vals[q], '^(%-?%d+) (%-?%d+) (%-?%d+)$')
-            out[j + 1] = out[j + 1] + tonumber(a)
-            out[j + 2] = out[j + 2] + tonumber(b)
-            out[j + 3] = out[j + 3] + tonumber(c)
+            sum[j + 1] = sum[j + 1] + tonumber(a)
+            sum[j + 2] = sum[j + 2] + tonumber(b)
+            sum[j + 3] = sum[j + 3] + tonumber(c)
           end
         end
       end
     end
   end
 end
-return out
+-- One string: (worker number, its three sums) as 32-bit big-endian integers for the workers
+-- with something booked (a long array reply is slower to parse than the script runs).
+local out = {}
+for j = 1, m do
+  local b = 3 * j - 2
+  if sum[b] ~= 0 or sum[b + 2] ~= 0 then
+    out[#out + 1] = struct.pack('>I4i4i4i4', j, sum[b], sum[b + 1], sum[b + 2])
+  end
+end
+return table.concat(out)
 """
 
 
@@ -135,15 +145,14 @@ class RedisLedger(LoadLedger):
             return local
         self._outage.recovered()
         out = list(local)
-        for j, load in enumerate(local):
-            n, tokens, prefill = found[3 * j : 3 * j + 3]
-            if n or prefill:
-                out[j] = dataclasses.replace(
-                    load,
-                    in_flight=load.in_flight + n,
-                    in_flight_tokens=load.in_flight_tokens + tokens,
-                    pending_prefill_tokens=load.pending_prefill_tokens + prefill,
-                )
+        for j, n, tokens, prefill in struct.iter_unpack(">Iiii", found):
+            load = local[j - 1]
+            out[j - 1] = dataclasses.replace(
+                load,
+                in_flight=load.in_flight + n,
+                in_flight_tokens=load.in_flight_tokens + tokens,
+                pending_prefill_tokens=load.pending_prefill_tokens + prefill,
+            )
         return out
 
     def changed(self, load: WorkerLoad) -> None:
