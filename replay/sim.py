@@ -8,29 +8,43 @@ suspend); each worker's load is set as the router computes it (in-flight request
 engine waiting queue, KV usage); the router's `Placement` chooses from the prompt's tokens (a
 worker, or a prefill / decode pair) with each pool's strategy; the request joins the chosen
 engine(s). Aggregated serving is one `both` pool. Nothing sleeps: time is the simulator's clock.
+
+The index may sit on another store (`simulate_pools(store=, drive=)`: e.g. a `RedisStore`, driven
+by an event loop's `run_until_complete`); the engines' events of one step then go to it
+concurrently, one call per worker at a time, as the router's feed sends them.
 """
 
 from __future__ import annotations
 
+import asyncio
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Coroutine, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import cast
+from typing import Any, Protocol, TypeVar, cast
 
 from replay.costmodel import CostModel, ReferenceModel, Scaled
 from replay.engine import EngineConfig, SimEngine, SimRequest
 from replay.pd import Handoff, PdSettings, Served, Transfers
 from replay.trace import ExpandedTrace, TraceRequest
 from router.config import PdConfig, PoolConfig, RouterConfig, WorkerConfig
-from router.index import MemoryStore, PrefixIndex, completed
+from router.index import IndexStore, MemoryStore, PrefixIndex, completed
 from router.placement import Decision, Placement
 from router.strategies import Strategy, WorkerLoad
 from router.workers import Workers
+from warply.protocol import BlockRemoved, BlockStored, Event
 from warply.protocol.api import Role
 
 Progress = Callable[[int], None]
 """Called with the number of requests placed since the last call."""
+_T = TypeVar("_T")
+
+
+class Drive(Protocol):
+    """Runs one index coroutine to its end (`completed`, or an event loop's
+    `run_until_complete` for a store that suspends)."""
+
+    def __call__(self, coro: Coroutine[Any, Any, _T], /) -> _T: ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -63,7 +77,8 @@ class ReplayResult:
     engines: dict[str, SimEngine]
     """The simulated engines, in their final state (caches, counters, busy time)."""
     index: PrefixIndex
-    """The router index the engines fed (over a `MemoryStore`: read it with `completed`)."""
+    """The router index the engines fed (over a `MemoryStore` unless given another store: read
+    that one with `completed`)."""
     decision_s: list[float]
     """Router decision time per request (keys, index match, strategies), seconds."""
     rejected: int = 0
@@ -73,6 +88,10 @@ class ReplayResult:
     """CPU time of this process during the replay (the replay is single-threaded)."""
     deployment: str = ""
     """The pools, e.g. `8` (aggregated) or `4P+4D`."""
+    ingest_s: float = 0.0
+    """Seconds spent applying the engines' events to the index."""
+    ingested_blocks: int = 0
+    """Blocks those events stored or removed."""
 
     @property
     def placement(self) -> dict[int, str]:
@@ -94,6 +113,10 @@ def _load(engine: SimEngine, pending: tuple[int, int], price: float) -> WorkerLo
     )
 
 
+def _blocks(event: Event) -> int:
+    return len(event.block_hashes) if isinstance(event, (BlockStored, BlockRemoved)) else 0
+
+
 def deployment(pools: Sequence[SimPool]) -> str:
     """`8` for one aggregated pool, else e.g. `4P+4D` (roles' initials, `B` for both)."""
     if len(pools) == 1 and pools[0].role == "both":
@@ -112,6 +135,8 @@ class _Fleet:
         model: Callable[[], CostModel] | None,
         pd: PdSettings,
         ranker: Strategy | None,
+        store: IndexStore | None = None,
+        drive: Drive = completed,
     ) -> None:
         router = RouterConfig(
             model=trace.model,
@@ -149,7 +174,12 @@ class _Fleet:
         self._prefill = [e for e in self.engines.values() if self.workers[e.name].role == "prefill"]
         self.answering = [e for e in self.engines.values() if e not in self._prefill]
         """Engines that answer clients (aggregated and decode workers)."""
-        self.index = PrefixIndex(trace.model, MemoryStore())
+        self.index = PrefixIndex(trace.model, store or MemoryStore())
+        self.drive = drive
+        self._together = drive is not completed
+        """Apply the workers' events concurrently (a store that suspends, as the router's feed)."""
+        self.ingest_s = 0.0
+        self.ingested_blocks = 0
         self.placement = Placement(
             router, self.index, self.workers, {p.name: p.strategy for p in pools}, ranker
         )
@@ -162,10 +192,22 @@ class _Fleet:
         self.transfers.run(horizon)
         for e in self.answering:
             e.advance(horizon)
+        batches = [(e.name, list(e.events)) for e in self.engines.values() if e.events]
+        if not batches:
+            return
         for e in self.engines.values():
-            if e.events:
-                completed(self.index.apply(e.name, e.events))
-                e.events.clear()
+            e.events.clear()
+        t0 = time.perf_counter()
+        self.drive(self._apply(batches))
+        self.ingest_s += time.perf_counter() - t0
+        self.ingested_blocks += sum(_blocks(ev) for _, evs in batches for ev in evs)
+
+    async def _apply(self, batches: list[tuple[str, list[Event]]]) -> None:
+        if self._together:
+            await asyncio.gather(*(self.index.apply(name, evs) for name, evs in batches))
+            return
+        for name, evs in batches:
+            await self.index.apply(name, evs)
 
     def fits(self, req: TraceRequest) -> bool:
         return all(e.fits(req.input_length, req.output_length) for e in self._heads)
@@ -207,19 +249,24 @@ def simulate_pools(
     progress: Progress | None = None,
     pd: PdSettings | None = None,
     ranker: Strategy | None = None,
+    store: IndexStore | None = None,
+    drive: Drive = completed,
 ) -> ReplayResult:
     """Replay `trace` over simulated `pools` (roles `both`, or `prefill` + `decode`); `ranker`
-    compares the pools' picks (None: as the router's default strategy does)."""
+    compares the pools' picks (None: as the router's default strategy does); `store` holds the
+    index (default: a new `MemoryStore`), its coroutines run by `drive`."""
     if not pools or min(p.workers for p in pools) <= 0:
         raise ValueError("every pool needs a positive number of workers")
     wall, cpu = time.perf_counter(), time.process_time()
-    fleet = _Fleet(trace, pools, config or EngineConfig(), model, pd or PdSettings(), ranker)
+    fleet = _Fleet(
+        trace, pools, config or EngineConfig(), model, pd or PdSettings(), ranker, store, drive
+    )
     served: dict[int, Served] = {}
     decisions: list[float] = []
     rejected = 0
     step = 0
     clock = time.perf_counter
-    choose = fleet.placement.choose
+    choose, drive = fleet.placement.choose, fleet.drive
     for i, req in enumerate(trace.requests):
         fleet.advance(req.arrival_ms)
         if not fleet.fits(req):
@@ -228,7 +275,7 @@ def simulate_pools(
         fleet.observe()
         tokens = trace.tokens(i)  # numpy: `prefix_keys` packs it without a Python loop
         t0 = clock()
-        decision = completed(choose(cast(Sequence[int], tokens)))
+        decision = drive(choose(cast(Sequence[int], tokens)))
         decisions.append(clock() - t0)
         served[i] = fleet.start(i, req, trace.keys[i], decision)
         step += 1
@@ -251,6 +298,8 @@ def simulate_pools(
         time.perf_counter() - wall,
         time.process_time() - cpu,
         deployment(pools),
+        fleet.ingest_s,
+        fleet.ingested_blocks,
     )
 
 
