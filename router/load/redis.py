@@ -184,7 +184,7 @@ class RedisLedger(LoadLedger):
             if full:
                 batch = {load.name: load for load in self._every()}
             args: list[str | bytes | int] = [
-                self._prefix, self.replica, int(self.ttl_s * 1000), int(full)
+                self._prefix, self.replica, max(1, int(self.ttl_s * 1000)), int(full)
             ]
             for name, load in batch.items():
                 args += (name, _figures(load))
