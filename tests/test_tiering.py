@@ -167,18 +167,23 @@ def test_registry_entry_point_path_and_errors(monkeypatch: pytest.MonkeyPatch) -
         make_policy(TierPolicyConfig(name="rag_warm", knobs={"nope": 1}))
 
 
-def test_tracker_keeps_the_common_prefix_and_stays_bounded() -> None:
+def test_tracker_splits_prefixes_where_chains_part_and_stays_bounded() -> None:
     tracker = PrefixTracker(max_prefixes=2, max_blocks=3)
-    tracker.record("a", [1, 2, 3, 4], "w0", False, 1.0)
-    tracker.record("a", [1, 2, 9], "w0", True, 2.0)
-    tracker.record("a", [5], "w0", False, 3.0)
-    tracker.record("a", [6], "w1", False, 4.0)  # evicts the least recent: head 1
+    tracker.record("a", [1, 2, 3, 4], "w0", 0, 1.0)
+    tracker.record("a", [5], "w0", 0, 3.0)
+    tracker.record("a", [6], "w1", 0, 4.0)  # evicts the least recent: head 1
     assert [pid for pid, _ in tracker.items()] == [("a", 5, "w0"), ("a", 6, "w1")]
     tracker = PrefixTracker(max_blocks=3)
-    tracker.record("a", [1, 2, 3, 4], "w0", False, 1.0)
-    tracker.record("a", [1, 2, 9], "w0", True, 2.0)
-    (_, entry), = tracker.items()
-    assert entry.keys == [1, 2] and entry.requests == 2 and list(entry.hit_times) == [2.0]
+    tracker.record("a", [1, 2, 3, 4], "w0", 0, 1.0)
+    tracker.record("a", [1, 2, 9], "w0", 2, 2.0)  # shares [1, 2], held by the worker
+    tracker.record("a", [1, 2, 9, 7], "w0", 3, 5.0)  # held [1, 2, 9]: the [9] prefix hit too
+    tracked = {pid[1]: e for pid, e in tracker.items()}
+    assert {h: e.keys for h, e in tracked.items()} == {1: [1, 2], 3: [3], 9: [9]}
+    assert (tracked[1].requests, list(tracked[1].hit_times)) == (3, [2.0, 5.0])
+    assert (tracked[3].requests, list(tracked[3].hit_times), tracked[3].last_use) == (1, [], 1.0)
+    assert (tracked[9].requests, list(tracked[9].hit_times)) == (2, [5.0])
+    tracker.record("b", [1, 2], "w0", 0, 6.0)  # another namespace: its own tree
+    assert len(tracker) == 4
 
 
 @contextlib.asynccontextmanager
@@ -235,7 +240,7 @@ def test_runner_sends_counts_and_marks_and_survives_a_failing_policy() -> None:
             series = Series()
             runner = TierRunner(TieringConfig(), index, workers, series, policy=Sticky())
             for worker in ("w0", "w0", "w1", "w1"):
-                runner.tracker.record("", keys, worker, True, 1.0)
+                runner.tracker.record("", keys, worker, 1, 1.0)
             await runner.round()
             assert [d.kind for d in seen] == [DirectiveKind.PIN]
             assert seen[0].keys == keys
@@ -278,8 +283,8 @@ def test_runner_counts_a_timeout() -> None:
         config = TieringConfig(directive_timeout_s=0.2)
         runner = TierRunner(config, index, workers, Series(), policy=Sticky())
         keys = list(dict.fromkeys(k for k, *_ in index.store.entries()))  # type: ignore[attr-defined]
-        runner.tracker.record("", keys, "w0", True, 1.0)
-        runner.tracker.record("", keys, "w0", True, 1.0)
+        runner.tracker.record("", keys, "w0", 1, 1.0)
+        runner.tracker.record("", keys, "w0", 1, 1.0)
         await runner.round()
         assert runner.stats().directives == {"pin": {"timeout": 1}}
 
@@ -305,8 +310,8 @@ def test_runner_skips_its_round_while_the_index_store_is_down() -> None:
             await index.apply("w0", [BlockStored([11, 12], None, [1, 2, 3, 4], 2)])
             keys = list(dict.fromkeys(k for k, *_ in store.entries()))
             runner = TierRunner(TieringConfig(), index, workers, Series(), policy=Sticky())
-            runner.tracker.record("", keys, "w0", True, 1.0)
-            runner.tracker.record("", keys, "w0", True, 1.0)
+            runner.tracker.record("", keys, "w0", 1, 1.0)
+            runner.tracker.record("", keys, "w0", 1, 1.0)
             await runner.round()
             assert [d.kind for d in seen] == [DirectiveKind.PIN]
             store.down = True

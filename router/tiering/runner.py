@@ -5,6 +5,10 @@ Each round: snapshot (tracked prefixes → index matches, worker bytes and load)
 at most `max_directives` directives, sent concurrently, each awaited for its ack. Outcomes are
 counted per kind (Prometheus `warply_tiering_directives_total`, `cache_stats().tiering`); a
 policy that raises is logged and counted, and the round ends there. Routing never waits on it.
+
+The clock and the delivery are parameters: the router uses wall time and the plugins' control
+sockets; the replay (`replay.sim`) runs the same rounds in simulated time and delivers to its
+simulated engines.
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ import itertools
 import logging
 import time
 from collections import Counter
+from collections.abc import Awaitable, Callable
 
 import zmq
 
@@ -24,14 +29,19 @@ from router.index import PrefixIndex
 from router.metrics.record import RequestRecord
 from router.metrics.registry import Series
 from router.metrics.stats import block_bytes, tier_bytes
+from router.placement import Decision
 from router.tiering.base import Action, TierPolicy
 from router.tiering.registry import make_policy
 from router.tiering.state import PrefixId, PrefixState, PrefixTracker, TierState, WorkerState
 from router.workers import Workers
-from warply.protocol import DirectiveKind, Tier
+from warply.protocol import Directive, DirectiveAck, DirectiveKind, Tier
 from warply.protocol.api import TieringStats
 
 _log = logging.getLogger(__name__)
+
+Deliver = Callable[[str, Directive], Awaitable[DirectiveAck | None]]
+"""Sends a directive to the named worker and returns its ack; None when the worker has no
+control endpoint. Raises TimeoutError (no ack in time), or zmq.ZMQError / OSError (unreachable)."""
 
 
 class TierRunner:
@@ -45,6 +55,8 @@ class TierRunner:
         series: Series,
         policy: TierPolicy | None = None,
         control_token: str | None = None,
+        clock: Callable[[], float] = time.time,
+        deliver: Deliver | None = None,
     ) -> None:
         self.config = config
         self._token = control_token
@@ -54,6 +66,8 @@ class TierRunner:
         self._index = index
         self._workers = workers
         self._series = series
+        self._clock = clock
+        self._deliver = deliver if deliver is not None else self._over_zmq
         self._ids = itertools.count(1)
         self._pinned: set[PrefixId] = set()
         self._copies: dict[PrefixId, set[Tier]] = {}
@@ -68,10 +82,12 @@ class TierRunner:
 
     def observe(self, rec: RequestRecord) -> None:
         """A request ended (`RouterMetrics.on_request`): track its prefix on its worker."""
-        d = rec.decision
-        if d is not None:
-            hit = d.matched_blocks > 0
-            self.tracker.record(d.namespace, d.keys, d.worker.name, hit, time.time())
+        if rec.decision is not None:
+            self.track(rec.decision)
+
+    def track(self, d: Decision) -> None:
+        """Track the prefix of a placed request on its worker, now (by the runner's clock)."""
+        self.tracker.record(d.namespace, d.keys, d.worker.name, d.matched_blocks, self._clock())
 
     # -- lifecycle -------------------------------------------------------------------------------
 
@@ -133,7 +149,7 @@ class TierRunner:
                     frozenset(self._copies.get(pid, ())),
                 )
             )
-        return TierState(time.time(), prefixes, workers)
+        return TierState(self._clock(), prefixes, workers)
 
     async def round(self) -> None:
         """One policy round: snapshot, decide, send, count. Skipped while the index store
@@ -158,23 +174,29 @@ class TierRunner:
             self._count(action.kind, "dropped")
         await asyncio.gather(*(self._send(a) for a in actions[:cap]))
 
-    async def _send(self, action: Action) -> None:
-        worker = self._workers.get(action.worker)
+    async def _over_zmq(self, worker_name: str, directive: Directive) -> DirectiveAck | None:
+        """The router's delivery: the worker's plugin control socket."""
+        worker = self._workers.get(worker_name)
         endpoint = worker.config.control if worker is not None else None
         if not endpoint:
-            self._count(action.kind, "no_control")
-            return
+            return None
+        return await send_directive(
+            endpoint, directive, self.config.directive_timeout_s, self._token
+        )
+
+    async def _send(self, action: Action) -> None:
         directive = action.directive(f"tier-{next(self._ids)}")
         try:
-            ack = await send_directive(
-                endpoint, directive, self.config.directive_timeout_s, self._token
-            )
+            ack = await self._deliver(action.worker, directive)
         except TimeoutError:
             self._count(action.kind, "timeout")
             return
         except (zmq.ZMQError, OSError) as exc:
             _log.warning("directive to %s failed: %s", action.worker, exc)
             self._count(action.kind, "error")
+            return
+        if ack is None:
+            self._count(action.kind, "no_control")
             return
         if not ack.applied:
             self._last_rejection = f"{action.kind.value} on {action.worker}: {ack.reason}"

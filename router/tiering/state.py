@@ -1,11 +1,13 @@
 """What a tier policy sees: a typed snapshot of the cached prefixes the router has seen used,
 per (namespace, prefix head, worker), and the bounded tracker that feeds it.
 
-A tracked *prefix* is the part of the key chain that every request starting with the same first
-block (the *head*) on one worker shared: the longest common run of their chains, capped at
-`max_blocks`. The tracker learns it from the router's own request records (placement decision:
-namespace, key chain, worker, matched blocks), so it needs no engine support; the runner adds
-where the index holds those blocks (tiers, bytes) and what its own directives did (pins, copies).
+A tracked *prefix* is one segment of a radix tree of the key chains the router sent to one
+worker (the first `max_blocks` blocks of each): a run of blocks that the same requests used,
+split where their chains part. A system prompt all requests share is one prefix; each
+conversation after it is another, starting at its first own block (the *head*). The tracker
+learns them from the router's own request records (placement decision: namespace, key chain,
+worker, matched blocks), so it needs no engine support; the runner adds where the index holds
+those blocks (tiers, bytes) and what its own directives did (pins, copies).
 """
 
 from __future__ import annotations
@@ -29,11 +31,12 @@ class PrefixState:
     """Canonical key of the prefix's first block."""
     worker: str
     keys: tuple[int, ...]
-    """The prefix's canonical key chain (what directives name)."""
+    """The prefix's canonical keys, from its head on (what directives name); the prefixes it
+    continues are tracked separately."""
     requests: int
-    """Requests routed to the worker that started with this prefix (lifetime)."""
+    """Requests routed to the worker whose chain went through this prefix (lifetime)."""
     hit_times: tuple[float, ...]
-    """When those requests found the prefix cached there (index view), oldest first; bounded."""
+    """When those requests found its head cached there (index view), oldest first; bounded."""
     last_use: float
     blocks_by_tier: Mapping[Tier, int]
     """Leading blocks of `keys` the index holds on the worker, under their fastest tier."""
@@ -120,30 +123,44 @@ class PrefixTracker:
         return len(self._entries)
 
     def record(
-        self, namespace: str, keys: Sequence[int], worker: str, hit: bool, now: float
+        self, namespace: str, keys: Sequence[int], worker: str, matched: int, now: float
     ) -> None:
-        """One request routed to `worker` with key chain `keys` (hit: it held some of it)."""
-        if not keys:
-            return
-        pid = (namespace, keys[0], worker)
-        entry = self._entries.get(pid)
-        if entry is None:
-            entry = _Tracked(list(keys[: self.max_blocks]), deque(maxlen=self._max_hits))
-            self._entries[pid] = entry
-            while len(self._entries) > self.max_prefixes:
-                self._entries.popitem(last=False)
-        else:
-            self._entries.move_to_end(pid)
-            common = 0
-            for a, b in zip(entry.keys, keys, strict=False):
-                if a != b:
-                    break
-                common += 1
-            del entry.keys[common:]
-        entry.requests += 1
-        entry.last_use = now
-        if hit:
-            entry.hit_times.append(now)
+        """One request routed to `worker` with key chain `keys`, of which it held the first
+        `matched` blocks: every prefix on its path is used; a prefix it leaves part-way is split
+        there (both parts keep the history)."""
+        chain = list(keys[: self.max_blocks])
+        pos = 0
+        while pos < len(chain):
+            pid = (namespace, chain[pos], worker)
+            entry = self._entries.get(pid)
+            if entry is None:
+                entry = self._add(pid, _Tracked(chain[pos:], deque(maxlen=self._max_hits)))
+                common = len(entry.keys)
+            else:
+                self._entries.move_to_end(pid)
+                common = 1
+                while common < len(entry.keys) and pos + common < len(chain):
+                    if entry.keys[common] != chain[pos + common]:
+                        break
+                    common += 1
+                if common < len(entry.keys):
+                    rest = entry.keys[common:]
+                    tail = _Tracked(rest, deque(entry.hit_times, maxlen=self._max_hits))
+                    tail.requests, tail.last_use = entry.requests, entry.last_use
+                    if (namespace, rest[0], worker) not in self._entries:
+                        self._add((namespace, rest[0], worker), tail)
+                    del entry.keys[common:]
+            entry.requests += 1
+            entry.last_use = now
+            if pos < matched:
+                entry.hit_times.append(now)
+            pos += common
+
+    def _add(self, pid: PrefixId, entry: _Tracked) -> _Tracked:
+        self._entries[pid] = entry
+        while len(self._entries) > self.max_prefixes:
+            self._entries.popitem(last=False)
+        return entry
 
     def items(self) -> list[tuple[PrefixId, _Tracked]]:
         """Every tracked prefix, least recently used first."""
