@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import sys
 from collections.abc import Callable, Sequence
 from concurrent.futures import ProcessPoolExecutor
@@ -24,8 +25,9 @@ from replay.references import INFINITE, infinite_reuse, lru_reuse, pooled_lru_la
 from replay.report import plot, summarize, table, write_json
 from replay.sim import SimPool, simulate_pools
 from replay.trace import ExpandedTrace, TraceError, read_trace
-from router.config import ConfigError, PdConfig
+from router.config import ConfigError, PdConfig, TieringConfig, TierPolicyConfig
 from router.strategies import Strategy, known_names, strategy_class
+from router.tiering import make_policy
 from warply.common.argtypes import positive
 from warply.common.loading import LoadError, load_path
 
@@ -93,6 +95,26 @@ def _cost_model(path: str | None) -> Callable[[], CostModel] | None:
         raise UsageError(f"{path} does not build a CostModel (prefill_ms, decode_ms)")
     model: Callable[[], CostModel] = factory
     return model
+
+
+def _tiering(spec: str | None, interval_s: float) -> TieringConfig | None:
+    """`NAME[:JSON_KNOBS]` → the tier policy the replay runs (built-in, entry point or
+    `module:Class`, as the router loads it), every `interval_s` simulated seconds."""
+    if spec is None:
+        return None
+    name, raw = _name_and_knobs(spec)
+    try:
+        knobs = json.loads(raw or "{}")
+        policy = TierPolicyConfig(name=name, knobs=knobs)
+        config = TieringConfig(policy=policy, interval_s=interval_s)
+        make_policy(config.policy)  # load errors and bad knobs now, not in a worker process
+    except json.JSONDecodeError as exc:
+        raise UsageError(f"--tier-policy knobs are not JSON: {exc}") from None
+    except ConfigError as exc:
+        raise UsageError(str(exc)) from None
+    except ValidationError as exc:
+        raise UsageError(f"bad --tier-policy / --tier-interval-s: {exc}") from None
+    return config
 
 
 def _engine_block(block_size: int | None, trace_block: int) -> int:
@@ -191,6 +213,7 @@ def _run_one(job: tuple[StrategySpec, Deployment]) -> dict[str, Any]:
         _SHARED["model"],
         _SHARED.get("progress"),
         _SHARED["pd"].model_copy(update={"local_prefill_tokens": where.threshold}),
+        tiering=_SHARED["tiering"],
     )
     return summarize(result, _SHARED["oracles"].get(pooled_lru_label(where.total)))
 
@@ -215,6 +238,7 @@ def _replay(args: argparse.Namespace) -> int:
     except ValidationError as exc:
         raise UsageError(f"bad engine settings: {exc}") from None
     model = _cost_model(args.cost_model)
+    tiering = _tiering(args.tier_policy, args.tier_interval_s)
     requests = [
         dataclasses.replace(r, arrival_ms=r.arrival_ms / args.speedup)
         for r in read_trace(args.trace, args.limit)
@@ -225,7 +249,7 @@ def _replay(args: argparse.Namespace) -> int:
         oracles[pooled_lru_label(n)] = lru_reuse(trace, n * config.num_blocks)
     _SHARED.update(
         trace=trace, config=config, model=model, oracles=oracles, pd=pd, prefill=prefill,
-        sweep=len(deployments) > 1 and args.pd is not None,
+        sweep=len(deployments) > 1 and args.pd is not None, tiering=tiering,
     )  # fmt: skip
     jobs = [(spec, d) for d in deployments for spec in specs]
     rows: list[dict[str, Any]] = []
@@ -253,6 +277,7 @@ def _replay(args: argparse.Namespace) -> int:
         "engine": {"simulator": "replay.engine", **config.model_dump()},
         **({"pd": pd.model_dump(exclude={"local_prefill_tokens"})} if args.pd else {}),
         "cost_model": args.cost_model or "reference (Dynamo mocker polynomial)",
+        **({"tiering": tiering.model_dump(mode="json")} if tiering else {}),
         "reuse_references": oracles,
         "results": rows,
     }
@@ -384,6 +409,18 @@ def parser() -> argparse.ArgumentParser:
     r.add_argument("--host-blocks", type=int, default=0, help="host (L2) tier blocks; 0 = none")
     r.add_argument("--host-load-ms-per-token", type=float, default=0.0, help="L2 load cost")
     r.add_argument("--cost-model", metavar="MODULE:CLASS", help="pluggable cost model")
+    r.add_argument(
+        "--tier-policy",
+        metavar="NAME[:JSON]",
+        help="tier policy the router runs over the simulated engines' tiers (built-in, entry "
+        "point or module:Class, e.g. examples.tier_policies:KeepConversations)",
+    )
+    r.add_argument(
+        "--tier-interval-s",
+        type=positive(float),
+        default=5.0,
+        help="simulated seconds between tier-policy rounds (default 5)",
+    )
     r.set_defaults(func=_replay)
     lv = sub.add_parser(
         "live",

@@ -19,13 +19,19 @@ block ids); blocks no running request references are evictable, least recently u
 takes GPU evictions and serves hits at `host_load_ms_per_token`. Every cache change is recorded
 as a `warply.protocol` event for the router's index.
 
+Tier directives (`apply`, from the replay's tier-policy runner) act on these two tiers: a pin is
+one more reference on a GPU block (never evicted while pinned), evict drops idle blocks from a
+tier, offload demotes idle GPU blocks to the host tier, prefetch promotes host blocks to the GPU
+(evicting the least recent there, and costing the host load time on the engine's clock). Pins
+that leave no room for the next waiting request are all released (`stats.pins_dropped`).
+
 Passes where every running request is decoding and none waits are fast-forwarded in bulk
 (numpy over passes), with the exact per-pass block growth and decode times.
 """
 
 from __future__ import annotations
 
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import cast
@@ -35,7 +41,16 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from replay.costmodel import CostModel, ReferenceModel
 from replay.trace import U32
-from warply.protocol import BlockRemoved, BlockStored, Event, Tier, TierMoved
+from warply.protocol import (
+    BlockRemoved,
+    BlockStored,
+    Directive,
+    DirectiveAck,
+    DirectiveKind,
+    Event,
+    Tier,
+    TierMoved,
+)
 
 TokenSource = Callable[[int, int, int], U32 | list[int]]
 """(request index, first token, stop token) → token ids; used for `BlockStored.token_ids`.
@@ -108,6 +123,10 @@ class EngineStats:
     evictions: int = 0
     host_evictions: int = 0
     preemptions: int = 0
+    directive_blocks: Counter[str] = field(default_factory=Counter)
+    """Blocks each applied directive kind acted on."""
+    pins_dropped: int = 0
+    """Pins released because they left no room for a waiting request."""
     busy_ms: float = 0.0
     """Time spent in scheduler passes (simulated ms): what the engine's GPU time costs."""
     finished: list[SimRequest] = field(default_factory=list)
@@ -136,6 +155,8 @@ class SimEngine:
         """Evictable cached keys, least recently used first (dict order)."""
         self.host: OrderedDict[int, None] = OrderedDict()
         """Host-tier keys, least recently used first."""
+        self.pins: Counter[int] = Counter()
+        """Key → pins on it (each also one reference in `holders`)."""
         self.private = 0
         self.events: list[Event] = []
         self.stats = EngineStats()
@@ -218,6 +239,101 @@ class SimEngine:
         self.live_generated -= req.generated
         self.live_prompt -= req.prompt
 
+    # ---- tier directives -----------------------------------------------------------------
+    def apply(self, directive: Directive, at: float) -> DirectiveAck:
+        """Apply a tier directive at simulated time `at` (see the module docstring); rejected,
+        with the reason, where these two tiers cannot do it."""
+        kind, tier, keys = directive.kind, directive.tier, directive.keys or []
+        reason = ""
+        if not keys:
+            reason = "the simulator takes canonical keys (no token_ids, no quota)"
+        elif directive.ttl_s:
+            reason = "the simulator pins until unpinned (ttl_s must be 0)"
+        elif kind in (DirectiveKind.OFFLOAD, DirectiveKind.PREFETCH) and not self.cfg.host_blocks:
+            reason = "no host tier (host_blocks is 0)"
+        elif kind is DirectiveKind.OFFLOAD and tier is not Tier.CPU:
+            reason = "the simulator's only lower tier is cpu"
+        elif kind is DirectiveKind.PREFETCH and tier not in (Tier.GPU, None):
+            reason = "prefetch promotes host blocks to gpu only"
+        elif kind in (DirectiveKind.PIN, DirectiveKind.UNPIN) and tier not in (Tier.GPU, None):
+            reason = "pins hold gpu blocks only"
+        if reason:
+            return DirectiveAck(directive.id, False, reason)
+        n = self._act(kind, tier, keys, at)
+        self.stats.directive_blocks[kind.value] += n
+        return DirectiveAck(directive.id, True, blocks=n)
+
+    def _act(self, kind: DirectiveKind, tier: Tier | None, keys: list[int], at: float) -> int:
+        """Apply one checked directive to the blocks of `keys`; the blocks it acted on."""
+        holders, lru, host = self.holders, self.lru, self.host
+        if kind is DirectiveKind.PIN:
+            cached = [k for k in keys if k in holders or k in lru]
+            for k in cached:
+                lru.pop(k, None)
+                holders[k] = holders.get(k, 0) + 1
+                self.pins[k] += 1
+            return len(cached)
+        if kind is DirectiveKind.UNPIN:
+            pinned = [k for k in keys if k in self.pins]
+            for k in reversed(pinned):  # the tail becomes the least recent, as in `_release`
+                self.pins[k] -= 1
+                if not self.pins[k]:
+                    del self.pins[k]
+                holders[k] -= 1
+                if not holders[k]:
+                    del holders[k]
+                    lru[k] = None
+            return len(pinned)
+        if kind is DirectiveKind.EVICT:
+            gone = [k for k in keys if k in lru] if tier in (Tier.GPU, None) else []
+            for k in gone:
+                del lru[k]
+            dropped = [k for k in keys if k in host] if tier in (Tier.CPU, None) else []
+            for k in dropped:
+                del host[k]
+            if gone:
+                self.events.append(BlockRemoved(gone, Tier.GPU))
+            if dropped:
+                self.events.append(BlockRemoved(dropped, Tier.CPU))
+            return len(gone) + len(dropped)
+        if kind is DirectiveKind.OFFLOAD:
+            idle = [k for k in keys if k in lru]
+            for k in idle:
+                del lru[k]
+            self._demote(idle)
+            return len(idle)
+        stored: list[int] = []  # prefetch: the chain's run of host blocks after its GPU ones
+        for k in keys:
+            if k in host:
+                stored.append(k)
+            elif k not in holders and k not in lru:
+                break
+        stored = stored[: self.free_blocks + len(lru)]
+        if not stored:
+            return 0
+        for k in stored:
+            del host[k]
+        self.events.append(TierMoved(stored, Tier.CPU, Tier.GPU))
+        self._evict(len(stored) - self.free_blocks)
+        for k in stored:
+            lru[k] = None
+        load_ms = len(stored) * self.cfg.block_size * self.cfg.host_load_ms_per_token
+        self.now = max(self.now, at) + load_ms
+        self.stats.busy_ms += load_ms
+        return len(stored)
+
+    def _drop_pins(self) -> None:
+        """Release every pin (the blocks become evictable), counted in `stats.pins_dropped`."""
+        for k, n in self.pins.items():
+            left = self.holders[k] - n
+            if left:
+                self.holders[k] = left
+            else:
+                del self.holders[k]
+                self.lru[k] = None
+        self.stats.pins_dropped += sum(self.pins.values())
+        self.pins.clear()
+
     # ---- cache ---------------------------------------------------------------------------
     def _evict(self, count: int) -> None:
         """Free `count` evictable blocks, least recently used first (to the host tier if any)."""
@@ -228,6 +344,13 @@ class SimEngine:
         self.stats.evictions += len(victims)
         if not self.cfg.host_blocks:
             self.events.append(BlockRemoved(victims))
+            return
+        self._demote(victims)
+
+    def _demote(self, victims: list[int]) -> None:
+        """Move GPU blocks (already out of the GPU cache) to the host tier, whose least recent
+        blocks overflow."""
+        if not victims:
             return
         host = self.host
         for k in victims:
@@ -411,6 +534,9 @@ class SimEngine:
         self.stats.prefill_tokens += computed
         if end == start:
             if preempted:  # the only runnable request preempted itself: retry at once
+                return
+            if self.pins:  # pins left no room for the next request: they give way
+                self._drop_pins()
                 return
             raise RuntimeError(f"{self.name}: simulator stalled with {len(self.waiting)} waiting")
         self.stats.busy_ms += end - start

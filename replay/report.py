@@ -21,6 +21,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+import msgspec
 import numpy as np
 
 from replay.sim import ReplayResult
@@ -84,6 +85,7 @@ def summarize(result: ReplayResult, pooled_lru: float | None = None) -> dict[str
         "decision_p99_us": _pct(decisions, 99),
         "wall_s": result.wall_s,
         "cpu_s": result.cpu_s,
+        **({"tiering": msgspec.to_builtins(result.tiering)} if result.tiering is not None else {}),
     }
 
 

@@ -12,6 +12,11 @@ engine(s). Aggregated serving is one `both` pool. Nothing sleeps: time is the si
 The index may sit on another store (`simulate_pools(store=, drive=)`: e.g. a `RedisStore`, driven
 by an event loop's `run_until_complete`); the engines' events of one step then go to it
 concurrently, one call per worker at a time, as the router's feed sends them.
+
+With `tiering`, the router's own `TierRunner` runs the configured tier policy every
+`interval_s` of simulated time: it tracks each placed request's prefix, snapshots the index and
+the workers' loads, calls the policy and delivers its directives to the simulated engines
+(`SimEngine.apply`) instead of plugin sockets; their cache changes reach the index as events.
 """
 
 from __future__ import annotations
@@ -25,15 +30,17 @@ from typing import Any, Protocol, TypeVar, cast
 
 from replay.costmodel import CostModel, ReferenceModel, Scaled
 from replay.engine import EngineConfig, SimEngine, SimRequest
-from replay.pd import Handoff, PdSettings, Served, Transfers
+from replay.pd import REFERENCE_KV_BYTES_PER_TOKEN, Handoff, PdSettings, Served, Transfers
 from replay.trace import ExpandedTrace, TraceRequest
-from router.config import PdConfig, PoolConfig, RouterConfig, WorkerConfig
+from router.config import PdConfig, PoolConfig, RouterConfig, TieringConfig, WorkerConfig
 from router.index import IndexStore, MemoryStore, PrefixIndex, completed
+from router.metrics.registry import Series
 from router.placement import Decision, Placement
 from router.strategies import Strategy, WorkerLoad
+from router.tiering import TierRunner
 from router.workers import Workers
-from warply.protocol import BlockRemoved, BlockStored, Event
-from warply.protocol.api import Role
+from warply.protocol import BlockRemoved, BlockStored, Directive, DirectiveAck, Event, LoadSnapshot
+from warply.protocol.api import Role, TieringStats
 
 Progress = Callable[[int], None]
 """Called with the number of requests placed since the last call."""
@@ -92,6 +99,8 @@ class ReplayResult:
     """Seconds spent applying the engines' events to the index."""
     ingested_blocks: int = 0
     """Blocks those events stored or removed."""
+    tiering: TieringStats | None = None
+    """The tier-policy runner's counters (None: no policy ran)."""
 
     @property
     def placement(self) -> dict[int, str]:
@@ -117,6 +126,18 @@ def _blocks(event: Event) -> int:
     return len(event.block_hashes) if isinstance(event, (BlockStored, BlockRemoved)) else 0
 
 
+def _snapshot(engine: SimEngine) -> LoadSnapshot:
+    """The engine's `LoadSnapshot` (KV bytes per block at the replay's reference model)."""
+    cfg = engine.cfg
+    return LoadSnapshot(
+        len(engine.running),
+        len(engine.waiting),
+        engine.used_blocks / cfg.num_blocks,
+        cfg.num_blocks,
+        cfg.block_size * REFERENCE_KV_BYTES_PER_TOKEN,
+    )
+
+
 def deployment(pools: Sequence[SimPool]) -> str:
     """`8` for one aggregated pool, else e.g. `4P+4D` (roles' initials, `B` for both)."""
     if len(pools) == 1 and pools[0].role == "both":
@@ -137,7 +158,10 @@ class _Fleet:
         ranker: Strategy | None,
         store: IndexStore | None = None,
         drive: Drive = completed,
+        tiering: TieringConfig | None = None,
     ) -> None:
+        self._next_round = 0.0
+        self._loop = asyncio.new_event_loop()
         router = RouterConfig(
             model=trace.model,
             tokenizer=Path("."),
@@ -184,6 +208,36 @@ class _Fleet:
             router, self.index, self.workers, {p.name: p.strategy for p in pools}, ranker
         )
         self.transfers = Transfers(pd, trace.block_size)
+        self.now_ms = 0.0
+        self.tiering = (
+            None
+            if tiering is None
+            else TierRunner(
+                tiering,
+                self.index,
+                self.workers,
+                Series(),
+                clock=lambda: self.now_ms / 1000,
+                deliver=self._deliver,
+            )
+        )
+
+    async def _deliver(self, worker: str, directive: Directive) -> DirectiveAck:
+        return self.engines[worker].apply(directive, self.now_ms)
+
+    def advance_to(self, at_ms: float) -> None:
+        """Advance to `at_ms`, running the tier-policy rounds due before it at their times."""
+        runner = self.tiering
+        if runner is not None:
+            step = runner.config.interval_s * 1000
+            while self._next_round + step <= at_ms:
+                self._next_round += step
+                self.now_ms = self._next_round
+                self.advance(self.now_ms)
+                self.observe(snapshots=True)
+                self._loop.run_until_complete(runner.round())
+        self.now_ms = max(self.now_ms, at_ms)
+        self.advance(at_ms)
 
     def advance(self, horizon: float) -> None:
         """Run everything that starts before `horizon`; the index sees the engines' events."""
@@ -212,12 +266,18 @@ class _Fleet:
     def fits(self, req: TraceRequest) -> bool:
         return all(e.fits(req.input_length, req.output_length) for e in self._heads)
 
-    def observe(self) -> None:
-        """Set every worker's load from its engine (and the hand-offs bound for it)."""
+    def observe(self, snapshots: bool = False) -> None:
+        """Set every worker's load from its engine (and the hand-offs bound for it); with
+        `snapshots`, also the engine load snapshots tier policies read."""
         pending = self.transfers.pending
         for name, e in self.engines.items():
             worker = self.workers[name]
             worker.load = _load(e, pending(name), worker.pool.price_per_hour)
+            if snapshots:
+                worker.engine_load(_snapshot(e))
+
+    def close(self) -> None:
+        self._loop.close()
 
     def start(self, i: int, req: TraceRequest, keys: list[int], d: Decision) -> Served:
         """Send request `i` where `d` says: to its answering engine, or through a hand-off."""
@@ -251,15 +311,18 @@ def simulate_pools(
     ranker: Strategy | None = None,
     store: IndexStore | None = None,
     drive: Drive = completed,
+    tiering: TieringConfig | None = None,
 ) -> ReplayResult:
     """Replay `trace` over simulated `pools` (roles `both`, or `prefill` + `decode`); `ranker`
     compares the pools' picks (None: as the router's default strategy does); `store` holds the
-    index (default: a new `MemoryStore`), its coroutines run by `drive`."""
+    index (default: a new `MemoryStore`), its coroutines run by `drive`; `tiering` runs a tier
+    policy over the simulated engines (see the module docstring)."""
     if not pools or min(p.workers for p in pools) <= 0:
         raise ValueError("every pool needs a positive number of workers")
     wall, cpu = time.perf_counter(), time.process_time()
     fleet = _Fleet(
-        trace, pools, config or EngineConfig(), model, pd or PdSettings(), ranker, store, drive
+        trace, pools, config or EngineConfig(), model, pd or PdSettings(), ranker, store, drive,
+        tiering,
     )
     served: dict[int, Served] = {}
     decisions: list[float] = []
@@ -268,7 +331,7 @@ def simulate_pools(
     clock = time.perf_counter
     choose, drive = fleet.placement.choose, fleet.drive
     for i, req in enumerate(trace.requests):
-        fleet.advance(req.arrival_ms)
+        fleet.advance_to(req.arrival_ms)
         if not fleet.fits(req):
             rejected += 1
             continue
@@ -277,12 +340,15 @@ def simulate_pools(
         t0 = clock()
         decision = drive(choose(cast(Sequence[int], tokens)))
         decisions.append(clock() - t0)
+        if fleet.tiering is not None:
+            fleet.tiering.track(decision)
         served[i] = fleet.start(i, req, trace.keys[i], decision)
         step += 1
         if progress and step == 256:
             progress(step)
             step = 0
     fleet.advance(float("inf"))
+    fleet.close()
     if progress and step:
         progress(step)
     finished = sorted((r for e in fleet.answering for r in e.stats.finished), key=lambda r: r.index)
@@ -300,6 +366,7 @@ def simulate_pools(
         deployment(pools),
         fleet.ingest_s,
         fleet.ingested_blocks,
+        fleet.tiering.stats() if fleet.tiering is not None else None,
     )
 
 
