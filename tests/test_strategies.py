@@ -18,6 +18,7 @@ from router.strategies import (
     RequestView,
     RoundRobin,
     TenantIsolated,
+    TierWeights,
     WorkerLoad,
 )
 from warply.protocol import Tier
@@ -36,7 +37,7 @@ def test_round_robin_and_least_loaded() -> None:
 
 
 def test_prefix_affinity_prefers_longest_tier_weighted_prefix() -> None:
-    s = PrefixAffinity()
+    s = PrefixAffinity(PrefixAffinity.Knobs(tier_weights=TierWeights(ssd=0.25)))
     matches = {"w0": WorkerMatch(6, {Tier.SSD: 6}), "w1": WorkerMatch(4, {Tier.GPU: 4})}
     assert s.choose(REQ, _workers(1, 1), matches) == "w1"  # 4 * 1.0 > 6 * 0.25
     matches["w0"] = WorkerMatch(8, {Tier.GPU: 8})

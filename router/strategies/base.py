@@ -14,8 +14,10 @@ from __future__ import annotations
 
 import abc
 import copy
+import json
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, ClassVar
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -103,14 +105,21 @@ class Knobs(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
 
+MEASURED_TIER_WEIGHTS = Path(__file__).with_name("tier_weights.json")
+"""The default tier weights and the measurement they come from: `bench/tier_weights.py --write`
+(the share of the recompute a block loaded from each tier saves, on real vLLM + LMCache)."""
+_MEASURED: dict[str, float] = json.loads(MEASURED_TIER_WEIGHTS.read_text())["weights"]
+
+
 class TierWeights(BaseModel):
-    """Credit for a cached block by the tier it must be loaded from (1 = free reuse)."""
+    """Credit for a cached block by the tier it must be loaded from (1 = free reuse); defaults:
+    the measured weights (`MEASURED_TIER_WEIGHTS`)."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
-    gpu: float = Field(1.0, ge=0, le=1)
-    cpu: float = Field(0.75, ge=0, le=1)
-    ssd: float = Field(0.25, ge=0, le=1)
-    object_store: float = Field(0.1, ge=0, le=1)
+    gpu: float = Field(_MEASURED["gpu"], ge=0, le=1)
+    cpu: float = Field(_MEASURED["cpu"], ge=0, le=1)
+    ssd: float = Field(_MEASURED["ssd"], ge=0, le=1)
+    object_store: float = Field(_MEASURED["object_store"], ge=0, le=1)
 
     def credit(self, match: WorkerMatch) -> float:
         """Σ_t weight_t · hit_t(w): cached blocks, discounted by how slow their tier is."""
