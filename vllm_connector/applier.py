@@ -11,9 +11,10 @@ can really do on its device tier:
 - prefetch / offload, or any tier other than the device: rejected; vLLM has no API to move a
   cached block between tiers, and connectors expose none either.
 - quota: rejected; the block pool has no per-namespace quota.
-- evict on the cpu tier, with an LMCache MP server behind the delegate (`lmcache_url`): the
-  prefix's whole chunks are dropped from LMCache's L1 through its HTTP API
-  (`vllm_connector.lmcache`); other kinds there are rejected with what LMCache 0.5.6 lacks.
+- with an LMCache MP server behind the delegate (`lmcache_url`), through its HTTP API
+  (`vllm_connector.lmcache`): evict on the cpu, ssd or object_store tier drops the prefix's
+  whole chunks from LMCache's L1 or from the L2 adapter holding that tier; prefetch to the cpu
+  tier loads them from L2 into L1; other kinds there are rejected with what LMCache 0.5.6 lacks.
 
 Every directive gets a `DirectiveAck`, as the reply on the control socket and on the state stream.
 """
@@ -39,6 +40,8 @@ if TYPE_CHECKING:
     from vllm.v1.core.block_pool import BlockPool
     from vllm.v1.core.kv_cache_utils import BlockHash, KVCacheBlock
 
+_LMCACHE_TIERS = (Tier.CPU, Tier.SSD, Tier.OBJECT_STORE)
+"""Tiers an LMCache MP server holds (L1, and its L2 adapters)."""
 
 
 def find_engine_wakeup() -> Callable[[], None] | None:
@@ -134,7 +137,7 @@ class DirectiveApplier:
                 False,
                 f"quota: vLLM 0.32's block pool has no per-namespace (cache_salt) quota{via}",
             )
-        if d.tier is Tier.CPU and self._lmcache is not None:
+        if d.tier in _LMCACHE_TIERS and self._lmcache is not None:
             return self._apply_lmcache(d)
         if self._pool is None:
             return DirectiveAck(d.id, False, "the block pool is not bound yet")
@@ -161,27 +164,39 @@ class DirectiveApplier:
         return self._unpin(d, blocks)
 
     def _apply_lmcache(self, d: Directive) -> DirectiveAck:
-        """A cpu-tier directive through LMCache's HTTP API (a loopback call on this thread)."""
+        """A lower-tier directive through LMCache's HTTP API (a loopback call on this thread)."""
         assert self._lmcache is not None and self._lmcache_identity is not None
-        if d.kind is not DirectiveKind.EVICT:
+        assert d.tier is not None
+        prefetch = d.kind is DirectiveKind.PREFETCH and d.tier is Tier.CPU
+        if d.kind is not DirectiveKind.EVICT and not prefetch:
             return DirectiveAck(
                 d.id,
                 False,
-                f"{d.kind.value} on the cpu tier: LMCache 0.5.6's MP server has no API for it "
-                "(no pin; /cache/prefetches moves L2 -> L1 only; /quota scopes L2 adapters)",
+                f"{d.kind.value} on the {d.tier.value} tier: LMCache 0.5.6's MP server has no "
+                "API for it (no pin; /cache/prefetches moves L2 -> L1 only; no L1 -> L2 push; "
+                "/quota scopes L2 adapters)",
             )
         if not d.token_ids:
             return DirectiveAck(
-                d.id, False, "evict on the cpu tier needs token_ids (LMCache keys chunks by tokens)"
+                d.id,
+                False,
+                f"{d.kind.value} on the {d.tier.value} tier needs token_ids (LMCache keys chunks "
+                "by tokens)",
             )
         try:
             model, world_size = self._lmcache_identity()
-            deleted, locked = self._lmcache.evict(d.token_ids, d.namespace, model, world_size)
+            if prefetch:
+                chunks = self._lmcache.prefetch(d.token_ids, d.namespace, model, world_size)
+                why = "" if chunks else "no whole chunk of this prefix is on LMCache's L2"
+                return DirectiveAck(d.id, chunks > 0, why, blocks=chunks)
+            deleted, locked = self._lmcache.evict(
+                d.tier, d.token_ids, d.namespace, model, world_size
+            )
         except LMCacheError as exc:
             return DirectiveAck(d.id, False, f"LMCache: {exc}")
         reason = f"kept {locked} locked chunk(s)" if locked else ""
         if not deleted and not locked:
-            reason = "no whole chunk of this prefix is in LMCache's L1"
+            reason = f"no whole chunk of this prefix is in LMCache's {d.tier.value} tier"
         return DirectiveAck(d.id, deleted > 0, reason, blocks=deleted)
 
     def _evict(self, d: Directive, blocks: list[KVCacheBlock]) -> DirectiveAck:
