@@ -1,6 +1,7 @@
-"""A user tier policy in under 30 lines: keep conversations that come back on the GPU.
+"""User tier policies in under 30 lines each: keep conversations that come back on the GPU
+(`KeepConversations`), promote recently used prefixes from the cpu tier (`PromoteRecent`).
 
-Load it by path: `tiering.policy.name: examples.tier_policies:KeepConversations` (router), or
+Load them by path: `tiering.policy.name: examples.tier_policies:KeepConversations` (router), or
 `--tier-policy examples.tier_policies:KeepConversations` (replay), from the repository root.
 """
 
@@ -38,3 +39,26 @@ class KeepConversations(TierPolicy):
                 elif not p.pinned and p.fastest_tier is Tier.GPU:
                     actions.append(Action.on(DirectiveKind.PIN, p, Tier.GPU))
         return actions
+
+
+class PromoteRecentKnobs(Knobs):
+    hold_s: float = 60.0  # prefixes used within this long are promoted
+    min_requests: int = 2
+
+
+class PromoteRecent(TierPolicy):
+    """Promote to the GPU every recently used prefix that has blocks on the cpu tier."""
+
+    name = "promote_recent"
+    Knobs = PromoteRecentKnobs
+
+    def decide(self, state: TierState) -> Sequence[Action]:
+        k = self.knobs
+        assert isinstance(k, PromoteRecentKnobs)
+        return [
+            Action.on(DirectiveKind.PREFETCH, p, Tier.GPU)
+            for p in state.prefixes
+            if p.requests >= k.min_requests
+            and state.now - p.last_use <= k.hold_s
+            and p.blocks_by_tier.get(Tier.CPU)
+        ]

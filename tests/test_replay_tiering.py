@@ -110,3 +110,13 @@ def test_a_user_policy_runs_over_the_replay_and_changes_its_outcome() -> None:
         assert {key for key, bits in held if bits & gpu} == engine.cached_keys()
         assert {key for key, bits in held if bits & cpu} == set(engine.host)
     assert not completed(tiered.index.stats()).skipped
+
+    promote = TierPolicyConfig(
+        name="examples.tier_policies:PromoteRecent", knobs={"hold_s": 600, "min_requests": 1}
+    )
+    promoted = simulate_pools(
+        trace, pools, "promoted", cfg, tiering=TieringConfig(policy=promote, interval_s=2)
+    )
+    assert promoted.tiering is not None
+    assert promoted.tiering.directives["prefetch"]["applied"] > 0
+    assert sum(e.stats.directive_blocks["prefetch"] for e in promoted.engines.values()) > 0
