@@ -67,6 +67,20 @@ def test_warply_bench_replay_end_to_end(tmp_path: Path) -> None:
     assert png.read_bytes()[:4] == b"\x89PNG"
 
 
+def test_a_tier_policy_by_path_runs_in_the_replay(tmp_path: Path) -> None:
+    out = tmp_path / "r.json"
+    policy = "examples.tier_policies:KeepConversations"
+    args = ["replay", str(_trace_file(tmp_path)), "--trace-block", "512", "--workers", "2",
+            "-s", "prefix_affinity", "--quiet", "--host-blocks", "1024", "--speedup", "0.001",
+            "--tier-interval-s", "1", "--tier-policy", policy, "--json", str(out)]  # fmt: skip
+    assert main(args) == 0
+    report = json.loads(out.read_text())
+    assert report["tiering"]["policy"]["name"] == policy  # requests 10 simulated s apart
+    (row,) = report["results"]
+    assert row["tiering"]["policy"] == "keep_conversations" and row["tiering"]["rounds"] >= 100
+    assert row["tiering"]["directives"]["pin"]["applied"] > 0
+
+
 @pytest.mark.parametrize(
     ("args", "message"),
     [
@@ -77,6 +91,9 @@ def test_warply_bench_replay_end_to_end(tmp_path: Path) -> None:
         (["--num-blocks", "0"], "bad engine settings"),
         (["--trace-block", "16"], "wrong --trace-block"),
         (["--cost-model", "nowhere:Model"], "cannot load cost model"),
+        (["--tier-policy", "nope"], "unknown tier policy 'nope'"),
+        (["--tier-policy", 'hot_prefix_pin:{"k": 0}'], "tiering.policy.knobs.k"),
+        (["--tier-policy", 'hot_prefix_pin:{"k":'], "--tier-policy knobs are not JSON"),
     ],
 )
 def test_bad_input_is_refused_with_a_clear_message(
