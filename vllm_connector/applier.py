@@ -176,22 +176,21 @@ class DirectiveApplier:
                 "API for it (no pin; /cache/prefetches moves L2 -> L1 only; no L1 -> L2 push; "
                 "/quota scopes L2 adapters)",
             )
-        if not d.token_ids:
+        tokens = d.token_ids or self._exporter.tokens_for(d.keys or [])
+        if not tokens:
             return DirectiveAck(
                 d.id,
                 False,
-                f"{d.kind.value} on the {d.tier.value} tier needs token_ids (LMCache keys chunks "
-                "by tokens)",
+                f"{d.kind.value} on the {d.tier.value} tier needs token_ids, or keys of blocks "
+                "this worker stored lately (LMCache keys chunks by tokens)",
             )
         try:
             model, world_size = self._lmcache_identity()
             if prefetch:
-                chunks = self._lmcache.prefetch(d.token_ids, d.namespace, model, world_size)
+                chunks = self._lmcache.prefetch(tokens, d.namespace, model, world_size)
                 why = "" if chunks else "no whole chunk of this prefix is on LMCache's L2"
                 return DirectiveAck(d.id, chunks > 0, why, blocks=chunks)
-            deleted, locked = self._lmcache.evict(
-                d.tier, d.token_ids, d.namespace, model, world_size
-            )
+            deleted, locked = self._lmcache.evict(d.tier, tokens, d.namespace, model, world_size)
         except LMCacheError as exc:
             return DirectiveAck(d.id, False, f"LMCache: {exc}")
         reason = f"kept {locked} locked chunk(s)" if locked else ""

@@ -13,7 +13,8 @@ from __future__ import annotations
 
 import logging
 import time
-from collections import Counter
+from array import array
+from collections import Counter, OrderedDict
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -57,6 +58,10 @@ def engine_hash(block_hash: bytes | int) -> int:
     return engine_block_id(block_hash)
 
 
+_TOKEN_BLOCKS = 8192
+"""Device blocks whose token ids the exporter keeps (at 256 tokens, 16 MiB)."""
+
+
 class StateExporter:
     """Converts and publishes the device tier's cache events; runs on the scheduler thread."""
 
@@ -97,6 +102,10 @@ class StateExporter:
         self.key_to_hash: dict[int, int] = {}
         """Canonical key → engine hash of every cached full block (resolves `keys` directives)."""
         self._hash_to_key: dict[int, int] = {}
+        self._blocks: OrderedDict[int, tuple[int | None, array[int]]] = OrderedDict()
+        """Canonical key → (parent key, token ids) of the last `_TOKEN_BLOCKS` device blocks
+        stored, kept after they leave the device: a lower tier (LMCache) keys chunks by tokens,
+        so a keys-only directive for it is resolved here (`tokens_for`)."""
         self.skipped: Counter[str] = Counter()
         """Events not exported, by reason (`unknown_medium`, `bad_schema`, `clear_without_tier`);
         their sum is the `events_skipped` counter."""
@@ -250,9 +259,37 @@ class StateExporter:
         if seed is None:
             return
         keys = chain_keys(stored.token_ids, stored.block_size, seed)
-        for h, key in zip(stored.block_hashes, keys, strict=True):
+        parent = None if stored.parent_hash is None else seed
+        size = stored.block_size
+        for i, (h, key) in enumerate(zip(stored.block_hashes, keys, strict=True)):
             self._hash_to_key[h] = key
             self.key_to_hash[key] = h
+            self._blocks[key] = (parent, array("q", stored.token_ids[i * size : (i + 1) * size]))
+            self._blocks.move_to_end(key)
+            parent = key
+        while len(self._blocks) > _TOKEN_BLOCKS:
+            self._blocks.popitem(last=False)
+
+    def tokens_for(self, keys: list[int]) -> list[int] | None:
+        """The token ids of the prefix that ends with the chain `keys` (from its root: `keys`
+        may start mid-chain), or None if a block of it was not stored here lately."""
+        if not keys or keys[0] not in self._blocks:
+            return None
+        head: list[int] = []
+        parent = self._blocks[keys[0]][0]
+        while parent is not None:
+            entry = self._blocks.get(parent)
+            if entry is None:
+                return None
+            head.append(parent)
+            parent = entry[0]
+        out: list[int] = []
+        for key in [*reversed(head), *keys]:
+            entry = self._blocks.get(key)
+            if entry is None:
+                return None
+            out.extend(entry[1])
+        return out
 
 
 def _lora_name(request: Request) -> str | None:

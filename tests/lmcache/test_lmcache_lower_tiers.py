@@ -12,9 +12,10 @@ LMCache server restarted get a document prefix back from disk instead of recompu
 
 from __future__ import annotations
 
+import asyncio
 import subprocess
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -22,15 +23,19 @@ import pytest
 from lmcache_stack import BLOCK, CHUNKED, EXTERNAL, WORKER, Stack, prompt
 from vllm_helpers import HOST, complete, free_port
 
-from router.config import PoolConfig, WorkerConfig
+from router.config import PoolConfig, TieringConfig, WorkerConfig
 from router.index import MemoryStore, PrefixIndex, completed
+from router.metrics.registry import Series
 from router.metrics.stats import bytes_by_pool_tier, index_view
+from router.tiering import Action, TierPolicy, TierRunner, TierState
 from router.workers import Workers
-from warply.protocol import DirectiveKind, LoadSnapshot, Tier
+from warply.protocol import DirectiveKind, LoadSnapshot, Tier, chain_keys, root_seed
 
 pytestmark = pytest.mark.timeout(600)
 
 EVICT, PREFETCH = DirectiveKind.EVICT, DirectiveKind.PREFETCH
+MODEL = "tiny"
+"""The served model name: the root of the canonical keys the plugin and the router compute."""
 
 
 def _folder_bytes(root: Path) -> int:
@@ -84,7 +89,7 @@ def _ssd_reported(events: list[Any]) -> int | None:
 
 def _router_ssd_bytes(events: list[Any]) -> int:
     """`bytes_by_tier["ssd"]` as the router computes it from the plugin's stream."""
-    index = PrefixIndex("tiny", MemoryStore())
+    index = PrefixIndex(MODEL, MemoryStore())
     completed(index.apply(WORKER, events))
     workers = Workers(
         [PoolConfig(name="p", block_size=BLOCK, workers=[WorkerConfig(name=WORKER, url="http://x")])]
@@ -167,6 +172,37 @@ def test_one_tenants_lower_tier_chunks_never_serve_another(tiers: _Tiers) -> Non
     again, sources = stack.ask(p, cache_salt="tenant-a")
     assert sources[EXTERNAL] == CHUNKED  # tenant-a's own L2 chunks serve tenant-a
     assert first == other == again
+
+
+class _OffTheDisk(TierPolicy):
+    """Evict every tracked prefix from the ssd tier."""
+
+    name = "off_the_disk"
+
+    def decide(self, state: TierState) -> Sequence[Action]:
+        return [Action.on(EVICT, p, Tier.SSD) for p in state.prefixes]
+
+
+def test_a_policy_run_by_the_router_moves_bytes_by_canonical_keys(tiers: _Tiers) -> None:
+    """The router's runner names prefixes by canonical keys only; the plugin resolves them to
+    the tokens LMCache keys its chunks by (it kept them when the blocks were stored)."""
+    stack = tiers.stack
+    p = prompt(51)
+    stack.ask(p)
+    _until("the prefix's chunks on disk", lambda: _folder_bytes(tiers.ssd) > 0)
+    on_disk = _folder_bytes(tiers.ssd)
+    workers = Workers([PoolConfig(name="p", block_size=BLOCK, workers=[
+        WorkerConfig(name=WORKER, url="http://x", control=stack.control)])])  # fmt: skip
+    runner = TierRunner(
+        TieringConfig(), PrefixIndex(MODEL, MemoryStore()), workers, Series(), _OffTheDisk()
+    )
+    # The tracked prefix: the conversation after the prompt's first chunk (a mid-chain head).
+    keys = chain_keys(p[:CHUNKED], BLOCK, root_seed(MODEL))
+    runner.tracker.record("", keys[:1], WORKER, 0, time.time())
+    runner.tracker.record("", keys, WORKER, 0, time.time())
+    asyncio.run(runner.round())
+    assert runner.stats().directives == {"evict": {"applied": 2}}, runner.stats()
+    assert _folder_bytes(tiers.ssd) < on_disk
 
 
 def test_a_restarted_engine_gets_its_document_prefix_back_from_disk(tiers: _Tiers) -> None:

@@ -262,6 +262,28 @@ def _exporter(endpoint: str | None = None) -> tuple[StateExporter, WarplyCounter
     return exporter, counters
 
 
+def test_keys_resolve_to_prefix_tokens_after_the_blocks_leave_the_device() -> None:
+    """A lower tier (LMCache) keys chunks by tokens: the exporter keeps the token ids of the
+    device blocks it stored, so a keys-only directive names a prefix there too — also a chain
+    that starts mid-prefix (a tracked conversation after a shared system prompt)."""
+    exporter, _ = _exporter()
+    tokens = list(range(100, 148))
+    exporter.add_delegate_events(
+        [
+            VllmBlockStored([1, 2], None, tokens[:32], 16, None, "GPU", None),
+            VllmBlockStored([3], 2, tokens[32:], 16, None, "GPU", None),
+            VllmBlockRemoved([1, 2, 3], "GPU"),
+        ]
+    )
+    exporter.flush()
+    keys = chain_keys(tokens, 16, root_seed("m"))
+    assert not exporter.key_to_hash  # gone from the device
+    assert exporter.tokens_for(keys) == tokens
+    assert exporter.tokens_for(keys[2:]) == tokens  # from the root
+    assert exporter.tokens_for(keys[:1]) == tokens[:16]
+    assert exporter.tokens_for([12345]) is None
+
+
 def test_unknown_medium_is_counted_and_skipped(collector: Collector) -> None:
     """One policy with the decoder and SGLang: an event on a medium no tier maps is left out
     and counted (`events_skipped`, `vllm:warply_events_skipped_total`), never guessed onto the
