@@ -18,7 +18,8 @@ first token of:
 request's source is checked on vLLM's `vllm:prompt_tokens_cached_by_source_total` counter.
 Per token of the loaded prefix (L tokens): recompute r = (cold − gpu) / L, load l_t = (t − gpu)
 / L; weight_t = clamp(1 − l_t / r, 0, 1): the share of the recompute a cached block on t saves
-(gpu = 1). Medians over the reps. `--write` stores the weights and the measurement in
+(gpu = 1), capped by the weight of the tier above (LMCache loads L2 chunks through L1). Medians
+over the reps. `--write` stores the weights and the measurement in
 router/strategies/tier_weights.json, the router's default `tier_weights`.
 
     .venvs/lmcache/bin/python bench/tier_weights.py [--model-size small] [--reps 5] [--write]
@@ -185,8 +186,12 @@ def _weights(rows: list[dict[str, Any]], loaded: int) -> dict[str, Any]:
     if recompute <= 0:
         raise RuntimeError("recomputing was not slower than a device hit: no baseline")
     load = {t: max(0.0, med[t] - med["gpu"]) / loaded for t in TIERS}
-    saved = {t: round(min(1.0, max(0.0, 1 - load[t] / recompute)), 2) for t in TIERS}
-    weights = {"gpu": 1.0} | saved
+    # LMCache loads L2 chunks through L1 (L2 -> L1 -> device): a lower tier is never credited
+    # above the one over it, whatever the noise of one run says.
+    weights, cap = {"gpu": 1.0}, 1.0
+    for t in TIERS:
+        cap = min(cap, round(max(0.0, 1 - load[t] / recompute), 2))
+        weights[t] = cap
     return {
         "weights": weights,
         "ttft_ms_median": {k: round(v * 1000, 2) for k, v in med.items()},
