@@ -8,9 +8,11 @@ from pathlib import Path
 from typing import Any
 
 import msgspec
+import pytest
 from test_router_api import BS, FakeEngine, _is_error, _run, running, tokenizer_dir
 
 from router.app import Router
+from router.strategies import TierWeights
 from router.tokenize import RouterTokenizer
 from warply.protocol import BlockStored, DecodedBatch, Tier
 from warply.protocol.api import Where
@@ -92,7 +94,7 @@ def test_where_takes_a_request_body_with_its_namespace(tokenizer_dir: Path) -> N
             assert status == 200 and body["choice"]["worker"] == "b"
             scores = {w["name"]: w["score"] for w in body["pools"][0]["workers"]}
             assert scores["b"]["rule"] == "longest cached prefix"
-            assert scores["b"]["terms"]["credit"] == 2 * 0.75  # cpu tier weight
+            assert scores["b"]["terms"]["credit"] == pytest.approx(2 * TierWeights().cpu)
             # Another tenant's namespace: nothing held; the chat template's tokens are placed.
             chat = {"messages": [{"role": "user", "content": PROMPT}],
                     "warply": {"cache_key": "t1"}}  # fmt: skip
