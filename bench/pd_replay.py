@@ -1,12 +1,16 @@
 """P/D pools against aggregated workers in the replay, and the conditional-disaggregation sweep.
 
 On the conversation trace (512-token trace blocks, reference engines): N aggregated workers with
-each strategy, then P prefill + D decode workers (the router's P/D placement, each strategy
-choosing decode and prefill workers) and the naive baseline (the same decode placement, prefill
-workers in turn: the prefill pool's strategy is round_robin). Prints, per row, reuse (what the
-router reports to clients), TTFT mean / p50 / p99, bytes moved P→D and remote / local counts; the
-ratios P/D ÷ aggregated for reuse (target ≥ 0.90) and mean TTFT (target ≤ 1.10); then
-`pd.local_prefill_tokens` swept with the first strategy. Numbers only: nothing is asserted.
+each strategy, then P prefill + D decode workers (the router's P/D placement with its default
+`pd.local_prefill_by: cost`, each strategy choosing decode and prefill workers), the naive
+baseline (the same decode placement, prefill workers in turn: the prefill pool's strategy is
+round_robin), and the fixed threshold alone (`local_prefill_by: threshold`). Prints, per row,
+reuse (what the router reports to clients), TTFT mean / p50 / p99, bytes moved P→D and remote /
+local counts; the ratios P/D ÷ aggregated for reuse (target ≥ 0.90) and mean TTFT (target
+≤ 1.10); `pd.local_prefill_tokens` (the floor) swept with the first strategy; then the pooled
+LRU references (`replay.references`): N and P workers' capacity, and one LRU per role with a
+share of the conversations handed off, decode keeping the KV it pulled (as engines do) or not
+(no duplicates). Numbers only: nothing is asserted.
 
     .venvs/core/bin/python bench/pd_replay.py [--limit 3000] [--jobs 1] [--json out.json]
 """
@@ -22,7 +26,9 @@ from pathlib import Path
 from typing import Any
 
 from replay.__main__ import Deployment, StrategySpec, parse_strategy
+from replay.engine import EngineConfig
 from replay.pd import PdSettings
+from replay.references import lru_reuse, pd_lru_reuse
 from replay.report import summarize
 from replay.sim import simulate_pools
 from replay.trace import ExpandedTrace, read_trace
@@ -33,8 +39,12 @@ _SHARED: dict[str, Any] = {}
 _FIELDS = ("reuse", "ttft_mean_ms", "ttft_p50_ms", "ttft_p99_ms", "itl_mean_ms", "remote", "local")
 
 
-def _run(job: tuple[str, str | None, Deployment]) -> dict[str, Any]:
-    spec, prefill, where = job
+Job = tuple[str, str | None, Deployment, str | None]
+"""Strategy, the prefill pool's own strategy, the deployment, `pd.local_prefill_by`."""
+
+
+def _run(job: Job) -> dict[str, Any]:
+    spec, prefill, where, by = job
     s = parse_strategy(spec)
     p: StrategySpec | None = parse_strategy(prefill) if prefill else None
     pd: PdSettings = _SHARED["pd"]
@@ -42,11 +52,11 @@ def _run(job: tuple[str, str | None, Deployment]) -> dict[str, Any]:
         _SHARED["trace"],
         where.pools(s, p),
         where.label(s, p, where.threshold is not None),
-        pd=pd.model_copy(update={"local_prefill_tokens": where.threshold}),
+        pd=pd.model_copy(update={"local_prefill_tokens": where.threshold, "local_prefill_by": by}),
     )
     row = summarize(result)
     return {
-        "label": row["strategy"],
+        "label": row["strategy"] + (f" ({by})" if by else ""),
         "deployment": row["deployment"],
         "threshold": where.threshold,
         **{k: row[k] for k in _FIELDS},
@@ -57,12 +67,29 @@ def _run(job: tuple[str, str | None, Deployment]) -> dict[str, Any]:
 
 def _line(row: dict[str, Any]) -> str:
     return (
-        f"{row['label']:34s} {row['deployment']:>6s}  reuse {row['reuse']:.3f}  TTFT "
+        f"{row['label']:44s} {row['deployment']:>6s}  reuse {row['reuse']:.3f}  TTFT "
         f"{row['ttft_mean_ms']:6.1f} / p50 {row['ttft_p50_ms']:6.1f} / "
         f"p99 {row['ttft_p99_ms']:7.1f} ms  ITL {row['itl_mean_ms']:5.2f}  "
         f"P→D {row['bytes_moved'] / 1e12:6.2f} TB  "
         f"remote {row['remote']:5d} local {row['local']:5d}  ({row['cpu_s']:.0f} s CPU)"
     )
+
+
+def _references(trace: ExpandedTrace, args: argparse.Namespace) -> None:
+    """Pooled LRU reuse: aggregated capacities, and one cache per role of the P/D deployment."""
+    blocks = EngineConfig().num_blocks
+    print("\n== pooled LRU references (requests served at arrival; not bounds) ==")
+    for n in (args.workers, args.decode):
+        print(f"one LRU of {n} workers' capacity: {lru_reuse(trace, n * blocks):.4f}")
+    caps = (args.prefill * blocks, args.decode * blocks, args.conversation_block)
+    for share in (0.25, 0.4, 0.5, 0.6, 0.75):
+        kept = pd_lru_reuse(trace, caps[0], caps[1], share, True, caps[2])
+        ideal = pd_lru_reuse(trace, caps[0], caps[1], share, False, caps[2])
+        print(
+            f"LRU per role, {share:.0%} of conversations handed off: decode keeps pulled KV "
+            f"{kept:.4f}, no duplicates {ideal:.4f}",
+            flush=True,
+        )
 
 
 def main() -> int:
@@ -74,7 +101,14 @@ def main() -> int:
     ap.add_argument("--prefill", type=int, default=4)
     ap.add_argument("--decode", type=int, default=4)
     ap.add_argument("-s", "--strategy", action="append", help="default: adaptive, prefix_affinity")
-    ap.add_argument("--sweep", default="0,128,256,512,1024,2048", help="thresholds (tokens)")
+    ap.add_argument("--sweep", default="0,512,2048", help="floor thresholds (tokens)")
+    ap.add_argument(
+        "--conversation-block",
+        type=int,
+        default=8,
+        help="references: the block telling conversations apart (8: the trace's second 512-token "
+        "block at 64-token engine blocks; every request shares its first)",
+    )
     ap.add_argument("--bandwidth-gbps", type=float, default=PdSettings().bandwidth_gbps)
     ap.add_argument("--jobs", type=int, default=1)
     ap.add_argument("--json", type=Path, help="write the rows here")
@@ -87,11 +121,12 @@ def main() -> int:
     default = PdConfig().local_prefill_tokens  # the first P/D rows ran at it: not run again
     sweep = [int(t) for t in args.sweep.split(",")]
     others = [Deployment(0, args.prefill, args.decode, t) for t in sweep if t != default]
-    jobs: list[tuple[str, str | None, Deployment]] = [
-        *((s, None, Deployment(args.workers)) for s in specs),
-        *((s, None, pd) for s in specs),
-        *((s, "round_robin", pd) for s in specs),
-        *((specs[0], None, d) for d in others),
+    jobs: list[Job] = [
+        *((s, None, Deployment(args.workers), None) for s in specs),
+        *((s, None, pd, None) for s in specs),
+        *((s, "round_robin", pd, None) for s in specs),
+        *((s, None, pd, "threshold") for s in specs),
+        *((specs[0], None, d, None) for d in others),
     ]
     print(f"{len(trace)} requests; {len(jobs)} replays (--jobs {args.jobs})", flush=True)
     if args.jobs > 1:
@@ -103,21 +138,24 @@ def main() -> int:
             rows.append(_run(job))
             print(_line(rows[-1]), flush=True)
     n = len(specs)
-    aggregated, disagg, naive, swept = rows[:n], rows[n : 2 * n], rows[2 * n : 3 * n], rows[3 * n :]
+    aggregated, disagg, naive = rows[:n], rows[n : 2 * n], rows[2 * n : 3 * n]
+    fixed, swept = rows[3 * n : 4 * n], rows[4 * n :]
     print("\n== P/D against aggregated (targets: reuse ratio ≥ 0.90, TTFT ratio ≤ 1.10) ==")
-    for agg, pdr, rr in zip(aggregated, disagg, naive, strict=True):
-        for row in (agg, pdr, rr):
+    for agg, pdr, rr, th in zip(aggregated, disagg, naive, fixed, strict=True):
+        for row in (agg, pdr, rr, th):
             print(_line(row))
-        for name, row in (("P/D", pdr), ("round-robin prefill", rr)):
+        for name, row in (("P/D", pdr), ("round-robin prefill", rr), ("threshold alone", th)):
             print(
                 f"  {name:20s} reuse ratio {row['reuse'] / agg['reuse']:.3f}  "
                 f"mean TTFT ratio {row['ttft_mean_ms'] / agg['ttft_mean_ms']:.3f}"
             )
-    print(f"\n== pd.local_prefill_tokens sweep ({specs[0]}, {args.prefill}P+{args.decode}D) ==")
+    where = f"{specs[0]}, {args.prefill}P+{args.decode}D"
+    print(f"\n== pd.local_prefill_tokens (the floor under cost) swept ({where}) ==")
     by_threshold = {row["threshold"]: row for row in swept}
     by_threshold[default] = disagg[0]
     for t in sweep:
         print(f"t={t:<5d} " + _line(by_threshold[t]))
+    _references(trace, args)
     print(f"\n{time.perf_counter() - t0:.0f} s wall")
     if args.json:
         args.json.write_text(json.dumps(rows, indent=2) + "\n", encoding="utf-8")

@@ -169,7 +169,8 @@ class Deployment:
 def _deployments(args: argparse.Namespace) -> list[Deployment]:
     """`--workers` (aggregated) or `--pd` with its threshold(s); P/D flags need `--pd`."""
     pd_flags = ("pd_threshold", "pd_bandwidth_gbps", "pd_latency_ms", "kv_bytes_per_token",
-                "pd_prefill_strategy")  # fmt: skip
+                "pd_prefill_strategy", "pd_local_by", "pd_transfer_weight",
+                "pd_handoff_tokens")  # fmt: skip
     if args.pd is None:
         used = [f"--{f.replace('_', '-')}" for f in pd_flags if getattr(args, f) is not None]
         if used:
@@ -190,6 +191,9 @@ def _pd_settings(args: argparse.Namespace) -> PdSettings:
         "bandwidth_gbps": args.pd_bandwidth_gbps,
         "latency_ms": args.pd_latency_ms,
         "kv_bytes_per_token": args.kv_bytes_per_token,
+        "local_prefill_by": args.pd_local_by,
+        "transfer_weight": args.pd_transfer_weight,
+        "handoff_tokens": args.pd_handoff_tokens,
     }
     try:
         return PdSettings(**{k: v for k, v in given.items() if v is not None})
@@ -364,6 +368,24 @@ def parser() -> argparse.ArgumentParser:
         help="pd.local_prefill_tokens: a decode worker prefills locally when fewer prompt "
         f"tokens than this are missing on it (default {PdConfig().local_prefill_tokens}, the "
         "router's); several values run one replay each",
+    )
+    r.add_argument(
+        "--pd-local-by",
+        choices=("threshold", "cost"),
+        help="pd.local_prefill_by: `cost` also prefills locally when decode's predicted time to "
+        f"first token beats the hand-off's (default {PdConfig().local_prefill_by}, the router's)",
+    )
+    r.add_argument(
+        "--pd-transfer-weight",
+        type=float,
+        help=f"pd.transfer_weight (default {PdConfig().transfer_weight}): token-equivalents per "
+        "prompt token moved P→D, for --pd-local-by cost",
+    )
+    r.add_argument(
+        "--pd-handoff-tokens",
+        type=int,
+        help=f"pd.handoff_tokens (default {PdConfig().handoff_tokens}): the hand-off's fixed "
+        "overhead in token-equivalents, for --pd-local-by cost",
     )
     r.add_argument(
         "--pd-prefill-strategy",

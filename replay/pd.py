@@ -16,10 +16,12 @@ from __future__ import annotations
 
 import heapq
 from dataclasses import dataclass
+from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
 from replay.engine import SimEngine, SimRequest
+from router.config import PdConfig
 from router.placement import Mode, predicted_cached
 
 REFERENCE_KV_BYTES_PER_TOKEN = 2 * 32 * 8 * 128 * 2
@@ -34,11 +36,21 @@ class PdSettings(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
     local_prefill_tokens: int | None = Field(None, ge=0)
     """The router's `pd.local_prefill_tokens` (None: the router's default)."""
+    local_prefill_by: Literal["threshold", "cost"] | None = None
+    """The router's `pd.local_prefill_by` (None: the router's default); with `cost`, its
+    `transfer_weight` and `handoff_tokens` below (None: the router's defaults)."""
+    transfer_weight: float | None = Field(None, ge=0)
+    handoff_tokens: int | None = Field(None, ge=0)
     bandwidth_gbps: float = Field(400.0, gt=0)
     """P→D link speed per decode worker, Gbit/s (default: one 400 Gb/s RDMA NIC per GPU)."""
     latency_ms: float = Field(2.0, ge=0)
     """Fixed time per transfer (the router's second hop, the transfer's set-up)."""
     kv_bytes_per_token: int = Field(REFERENCE_KV_BYTES_PER_TOKEN, gt=0)
+
+    def router(self) -> PdConfig:
+        """The router's `pd` settings these replay (its defaults where a field is None)."""
+        fields = ("local_prefill_tokens", "local_prefill_by", "transfer_weight", "handoff_tokens")
+        return PdConfig(**{f: getattr(self, f) for f in fields if getattr(self, f) is not None})
 
     def transfer_ms(self, nbytes: int) -> float:
         """Time `nbytes` occupy the link (without the fixed latency)."""

@@ -32,7 +32,7 @@ from replay.costmodel import CostModel, ReferenceModel, Scaled
 from replay.engine import EngineConfig, SimEngine, SimRequest
 from replay.pd import REFERENCE_KV_BYTES_PER_TOKEN, Handoff, PdSettings, Served, Transfers
 from replay.trace import ExpandedTrace, TraceRequest
-from router.config import PdConfig, PoolConfig, RouterConfig, TieringConfig, WorkerConfig
+from router.config import PoolConfig, RouterConfig, TieringConfig, WorkerConfig
 from router.index import IndexStore, MemoryStore, PrefixIndex, completed
 from router.metrics.registry import Series
 from router.placement import Decision, Placement
@@ -178,8 +178,7 @@ class _Fleet:
                 )
                 for p in pools
             ],
-            pd=PdConfig() if pd.local_prefill_tokens is None
-            else PdConfig(local_prefill_tokens=pd.local_prefill_tokens),
+            pd=pd.router(),
         )
         self.workers = Workers(router.pools)
         self.engines: dict[str, SimEngine] = {}

@@ -157,6 +157,16 @@ class PdConfig(_Strict):
     decode worker (prompt minus the prefix it holds), it prefills them itself instead of pulling
     them from a prefill worker; 0 hands every prompt off. Default from the measurement in
     docs/router.md (local prefill vs the P/D round trip on vLLM CPU engines)."""
+    local_prefill_by: Literal["threshold", "cost"] = "cost"
+    """`threshold`: hand off every prompt missing at least `local_prefill_tokens` on decode;
+    `cost`: also prefill locally when decode's predicted time to first token (its queued prefill
+    plus the tokens it misses) is no more than the hand-off's (the prefill worker's queued
+    prefill plus its missing tokens, plus the transfer in token-equivalents); docs/router.md."""
+    transfer_weight: float = Field(0.0, ge=0)
+    """`cost`: token-equivalents per prompt token moved P→D (transfer time ÷ prefill time per
+    token: 0.17 for 128 KiB per token over 400 Gb/s against ~66 k prefilled tokens/s)."""
+    handoff_tokens: int = Field(0, ge=0)
+    """`cost`: the hand-off's fixed overhead in token-equivalents (second hop, transfer set-up)."""
     prefill_timeout_s: float = Field(60.0, gt=0)
     """Longest wait for a prefill worker's answer; past it the decode worker prefills locally."""
     lost_after_s: float = Field(10.0, ge=0)

@@ -9,7 +9,9 @@ cached tokens wins, ties the lower load; `cost_aware` weighs price and wait). Wh
 is a `decode` worker, the request is handed off (`Decision.prefill`): the prefill pools pick
 their worker the same way (cached prefix, tier-aware), unless fewer than
 `pd.local_prefill_tokens` prompt tokens are missing on the decode worker (conditional
-disaggregation) or no prefill worker is available; then the decode worker prefills locally.
+disaggregation), or (`pd.local_prefill_by: cost`) the decode worker's predicted time to first
+token beats the hand-off's (`local_cheaper`), or no prefill worker is available; then the
+decode worker prefills locally.
 SGLang decode workers cannot prefill alone (`PoolConfig.local_prefill`): they always get a
 prefill worker, and compete only while one is available.
 A network index store that cannot answer never stops placement: its workers then count as
@@ -39,7 +41,7 @@ from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
-from router.config import RouterConfig
+from router.config import PdConfig, RouterConfig
 from router.index import PrefixIndex, WorkerMatch
 from router.index_health import IndexHealth
 from router.load import LoadLedger, LocalLedger
@@ -65,9 +67,13 @@ on a decode worker; or prefilled and decoded on a decode worker."""
 CHAIN_KEYS = 1 << 20
 """Keys kept of recent prompts' chains (~40 MiB), for their next turns to extend."""
 
-LocalReason = Literal["", "below_threshold", "no_prefill_worker", "prefill_failed", "batch"]
-"""Why a decode worker prefills a request itself ("" unless the mode is `local`); `batch`: the
-request has several prompts or asks for several choices, which one hand-off cannot carry."""
+LocalReason = Literal[
+    "", "below_threshold", "cheaper_local", "no_prefill_worker", "prefill_failed", "batch"
+]
+"""Why a decode worker prefills a request itself ("" unless the mode is `local`);
+`cheaper_local`: its predicted time to first token beats the hand-off's (`pd.local_prefill_by:
+cost`); `batch`: the request has several prompts or asks for several choices, which one
+hand-off cannot carry."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -120,6 +126,22 @@ def predicted_cached(matched_blocks: int, prompt_tokens: int, block_size: int) -
     """Cached tokens an engine reports for a prefix hit: full blocks, never the last token."""
     usable = max(0, prompt_tokens - 1) // block_size
     return min(matched_blocks, usable) * block_size
+
+
+def local_cheaper(decode: Decision, prefill: Decision, pd: PdConfig) -> bool:
+    """Conditional disaggregation by cost: the decode worker's predicted time to first token if
+    it prefills the prompt itself is no more than the hand-off's, both in prefill tokens:
+
+        local  = queued(decode) + missing(decode)
+        remote = queued(prefill) + missing(prefill) + transfer_weight · missing(decode)
+                 + handoff_tokens
+    """
+    local = decode.worker.load.pending_prefill_tokens + decode.missing_tokens
+    remote = (
+        prefill.worker.load.pending_prefill_tokens + prefill.missing_tokens
+        + pd.transfer_weight * decode.missing_tokens + pd.handoff_tokens
+    )  # fmt: skip
+    return local <= remote
 
 
 @dataclass(frozen=True, slots=True)
@@ -191,7 +213,7 @@ class Placement:
         self.health = health
         self.workers = workers
         self.ledger = ledger or LocalLedger()
-        self.local_prefill_tokens = config.pd.local_prefill_tokens
+        self.pd = config.pd
         self._ranker = ranker or make_strategy(config.strategy)
         """The router's strategy compares the pools' picks (`Strategy.prefer`)."""
         self._answer: list[_Pool] = []
@@ -334,8 +356,14 @@ class Placement:
             if best.worker.role != "decode":
                 return best
             local = best.worker.pool.local_prefill
-            if local and best.missing_tokens < self.local_prefill_tokens:
+            if local and best.missing_tokens < self.pd.local_prefill_tokens:
                 return best.local("below_threshold")
+            if local and self.pd.local_prefill_by == "cost":
+                # the prefill pool's pick previewed (no state changes) unless it goes remote
+                shown = {} if previews is None else previews
+                leg = await self._best(self._prefill, *args[:-1], shown)
+                if leg is not None and local_cheaper(best, leg, self.pd):
+                    return best.local("cheaper_local")
             leg = await self._best(self._prefill, *args)
         except _GiveUp:
             return None

@@ -141,7 +141,7 @@ async def pd_router(
             "tokenizer": tokenizer_dir,
             "pools": _pools(prefill, decode, list(both), kv_handoff),
             "health_interval_s": 60,
-            "pd": overrides.pop("pd", {"local_prefill_tokens": 0}),
+            "pd": overrides.pop("pd", {"local_prefill_tokens": 0, "local_prefill_by": "threshold"}),
             **overrides,
         }
     )
@@ -237,7 +237,7 @@ def test_prefill_failure_falls_back_to_local_prefill(tokenizer_dir: Path, behavi
 
     async def scenario() -> None:
         p, d = PdEngine("p", behaviour=behaviour), PdEngine("d", cached_tokens=4)
-        pd = {"local_prefill_tokens": 0, "prefill_timeout_s": 0.5}
+        pd = {"local_prefill_tokens": 0, "local_prefill_by": "threshold", "prefill_timeout_s": 0.5}
         async with pd_router(tokenizer_dir, [p], [d], pd=pd) as (router, session, base):
             status, out, headers = await _post(session, base, {"prompt": PROMPT})
             assert status == 200 and out["choices"][0]["text"] == "d"
@@ -298,7 +298,8 @@ def test_a_prefill_worker_going_down_releases_its_legs(tokenizer_dir: Path) -> N
 
     async def scenario() -> None:
         p, d = PdEngine("p", behaviour="hang"), PdEngine("d", behaviour="hang_on_pull")
-        pd = {"local_prefill_tokens": 0, "prefill_timeout_s": 300, "lost_after_s": 0.5}
+        pd = {"local_prefill_tokens": 0, "local_prefill_by": "threshold",
+              "prefill_timeout_s": 300, "lost_after_s": 0.5}  # fmt: skip
         async with pd_router(tokenizer_dir, [p], [d], pd=pd) as (router, session, base):
 
             async def down_soon() -> None:
@@ -348,7 +349,7 @@ def test_conditional_disaggregation_threshold(tokenizer_dir: Path) -> None:  # n
         ids = tok.encode(PROMPT, True)
         n = len(ids) // BS * BS
         held = (len(ids) - 1) // BS * BS  # an engine always recomputes the last token
-        pd = {"local_prefill_tokens": len(ids) - held + 1}
+        pd = {"local_prefill_tokens": len(ids) - held + 1, "local_prefill_by": "threshold"}
         async with pd_router(tokenizer_dir, [p], [d], pd=pd) as (router, session, base):
             status, _, headers = await _post(session, base, {"prompt": PROMPT})
             assert status == 200 and headers["X-Warply-Mode"] == "remote"  # d holds nothing

@@ -121,7 +121,9 @@ def test_a_booking_gives_back_exactly_what_it_took() -> None:
 PD_TOKENS = list(range(100, 164))  # 64 tokens: 16 blocks of 4
 
 
-def _pd_placement(threshold: int, both: bool = False) -> tuple[Placement, PrefixIndex, Workers]:
+def _pd_placement(
+    threshold: int, both: bool = False, local_by: str = "threshold"
+) -> tuple[Placement, PrefixIndex, Workers]:
     pools = [
         {"name": "pre", "role": "prefill", "block_size": 4,
          "workers": [{"name": "p0", "url": "http://p0"}, {"name": "p1", "url": "http://p1"}]},
@@ -132,7 +134,7 @@ def _pd_placement(threshold: int, both: bool = False) -> tuple[Placement, Prefix
         pools.append({"name": "agg", "block_size": 4, "workers": [{"name": "a", "url": "http://a"}]})
     config = RouterConfig.model_validate(
         {"model": "m", "tokenizer": "/unused", "pools": pools,
-         "pd": {"local_prefill_tokens": threshold}}
+         "pd": {"local_prefill_tokens": threshold, "local_prefill_by": local_by}}
     )  # fmt: skip
     index = PrefixIndex("m", MemoryStore())
     workers = Workers(config.pools)
@@ -161,6 +163,23 @@ def test_prefill_by_cached_prefix_and_decode_by_what_it_holds() -> None:
     d = completed(placement.choose(PD_TOKENS))
     assert (d.mode, d.local_reason, d.worker.name) == ("local", "below_threshold", "d1")
     assert d.prefill is None and d.prefill_tokens == 12 and d.reported_cached == 52
+
+
+def test_cost_prefills_on_decode_when_its_first_token_comes_sooner() -> None:
+    """`local_prefill_by: cost`: local when decode's queued prefill + missing tokens is no more
+    than the prefill pick's queued prefill + its missing tokens (transfer weights 0 here)."""
+    placement, index, workers = _pd_placement(threshold=0, local_by="cost")
+    _pd_hold(index, "p1", 10, 1)  # p1 misses 24 tokens
+    _pd_hold(index, "d1", 4, 100)  # d1 misses 48
+    d = completed(placement.choose(PD_TOKENS))
+    assert (d.mode, d.worker.name) == ("remote", "d1") and d.prefill is not None
+    assert d.prefill.worker.name == "p1"
+    workers["p1"].load.pending_prefill_tokens = 30  # p1's first token: 30 + 24 > 48
+    d = completed(placement.choose(PD_TOKENS))
+    assert (d.mode, d.local_reason, d.worker.name) == ("local", "cheaper_local", "d1")
+    assert d.prefill_tokens == 48 and d.reported_cached == 16
+    workers["d1"].load.pending_prefill_tokens = 10  # now 10 + 48 > 54: handed off again
+    assert completed(placement.choose(PD_TOKENS)).mode == "remote"
 
 
 def test_no_prefill_worker_means_local_prefill() -> None:

@@ -5,12 +5,14 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Literal
 
 import pytest
 
 from replay.__main__ import main
 from replay.costmodel import ReferenceModel
 from replay.pd import PdSettings
+from replay.references import lru_reuse, pd_lru_reuse
 from replay.sim import ReplayResult, SimPool, simulate_pools
 from replay.trace import ExpandedTrace, TraceRequest
 from router.config import PoolConfig, RouterConfig, WorkerConfig
@@ -40,13 +42,17 @@ def _pd(
     prefill_workers: int = 1,
     decode_workers: int = 2,
     bandwidth_gbps: float = 1.0,
+    local_by: Literal["threshold", "cost"] = "threshold",
 ) -> ReplayResult:
     pools = [
         SimPool("p", "prefill", prefill_workers, prefill or PrefixAffinity()),
         SimPool("d", "decode", decode_workers, PrefixAffinity()),
     ]
     settings = PdSettings(
-        local_prefill_tokens=threshold, bandwidth_gbps=bandwidth_gbps, kv_bytes_per_token=_KV
+        local_prefill_tokens=threshold,
+        local_prefill_by=local_by,
+        bandwidth_gbps=bandwidth_gbps,
+        kv_bytes_per_token=_KV,
     )
     return simulate_pools(trace, pools, "pd", pd=settings)
 
@@ -156,7 +162,8 @@ def _trace_file(tmp_path: Path) -> Path:
 def test_command_line_pd_replay_and_threshold_sweep(tmp_path: Path) -> None:
     out = tmp_path / "r.json"
     args = ["replay", str(_trace_file(tmp_path)), "--quiet", "-s", "prefix_affinity"]
-    assert main([*args, "--pd", "1,2", "--pd-threshold", "0,100000", "--json", str(out)]) == 0
+    by = ["--pd-local-by", "threshold"]
+    assert main([*args, "--pd", "1,2", "--pd-threshold", "0,100000", *by, "--json", str(out)]) == 0
     report = json.loads(out.read_text())
     handed, local = report["results"]
     assert (handed["deployment"], handed["strategy"]) == ("1P+2D", "prefix_affinity t=0")
@@ -227,3 +234,30 @@ def test_cost_aware_moves_work_to_the_cheap_pool_as_its_knob_says() -> None:
     print("cheap pool's share by latency_weight 0 / 0.5 / 4:", shares)
     assert shares[0] == 1.0 > shares[1] > shares[2]
     assert cheap_share(PrefixAffinity) < shares[1]  # price-blind: the lower load wins
+
+
+def test_cost_prefills_on_decode_unless_its_queue_makes_the_hand_off_sooner() -> None:
+    """`pd.local_prefill_by: cost`: an idle decode worker prefills a new prompt itself (its
+    first token comes no later than the hand-off's); a second prompt arriving while it still
+    prefills the first goes to the idle prefill worker."""
+    reqs = [TraceRequest(0.0, 20 * _BLOCK, 4, tuple(range(1, 21))),  # two 8,192-token passes
+            TraceRequest(1.0, 8 * _BLOCK, 4, tuple(range(101, 109)))]  # fmt: skip
+    trace = ExpandedTrace(reqs, _BLOCK, 64)
+    cost = _pd(trace, threshold=0, decode_workers=1, local_by="cost")
+    assert [cost.served[i].mode for i in (0, 1)] == ["local", "remote"]
+    assert cost.served[1].prefill_worker == "p0" and cost.served[0].bytes_moved == 0
+    by_threshold = _pd(trace, threshold=0, decode_workers=1)
+    assert [by_threshold.served[i].mode for i in (0, 1)] == ["remote", "remote"]
+
+
+def test_lru_per_role_reference() -> None:
+    """`pd_lru_reuse`: all on one side is one LRU; split conversations reuse more without
+    duplicates than with decode keeping what it pulled."""
+    chains = [tuple(range(100 * c, 100 * c + t)) for t in (1, 2, 3) for c in range(1, 9)]
+    reqs = [TraceRequest(float(i), len(k) * _BLOCK, 4, k) for i, k in enumerate(chains)]
+    trace = ExpandedTrace(reqs, _BLOCK, 64)
+    cap = 40  # engine blocks per role: five 512-token trace blocks
+    assert pd_lru_reuse(trace, cap, cap, 0.0) == lru_reuse(trace, cap)
+    assert pd_lru_reuse(trace, cap, cap, 1.0) == lru_reuse(trace, cap)
+    kept, ideal = (pd_lru_reuse(trace, cap, cap, 0.5, keep) for keep in (True, False))
+    assert 0 < kept < ideal

@@ -96,7 +96,8 @@ def pd(tiny_model: str, server_logs: Path) -> Iterator[dict[str, Any]]:
         "port": port,
         "health_interval_s": 0.5,
         "request_timeout_s": REQUEST_TIMEOUT_S,
-        "pd": {"local_prefill_tokens": THRESHOLD, "prefill_timeout_s": 30, "lost_after_s": 5},
+        "pd": {"local_prefill_tokens": THRESHOLD, "local_prefill_by": "threshold",
+               "prefill_timeout_s": 30, "lost_after_s": 5},
         "pools": [
             {"name": "prefill", "role": "prefill", "block_size": BLOCK, "workers": [workers["p"]]},
             {"name": "decode", "role": "decode", "block_size": BLOCK, "workers": [workers["d"]]},
