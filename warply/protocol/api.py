@@ -171,7 +171,8 @@ class PdStats(msgspec.Struct):
     """The conditional-disaggregation threshold in force (`pd.local_prefill_tokens`)."""
     decisions: dict[str, int]
     """Requests by how they were served: `remote` (handed off), `local:below_threshold`,
-    `local:no_prefill_worker`, `local:prefill_failed` (decode prefilled), `aggregated`."""
+    `local:cheaper_local`, `local:no_prefill_worker`, `local:prefill_failed` (decode
+    prefilled), `aggregated`."""
     prefill_failures: dict[str, int]
     """Prefill legs that failed, by reason (connect, timeout, error, status_NNN,
     no_kv_transfer_params); each fell back to a local prefill on the decode worker."""
