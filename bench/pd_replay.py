@@ -4,7 +4,8 @@ On the conversation trace (512-token trace blocks, reference engines): N aggrega
 each strategy, then P prefill + D decode workers (the router's P/D placement with its default
 `pd.local_prefill_by: cost`, each strategy choosing decode and prefill workers), the naive
 baseline (the same decode placement, prefill workers in turn: the prefill pool's strategy is
-round_robin), and the fixed threshold alone (`local_prefill_by: threshold`). Prints, per row,
+round_robin), the fixed threshold alone (`local_prefill_by: threshold`) and an ideal decode
+engine that drops the KV it pulled once a request ends (no duplicates). Prints, per row,
 reuse (what the router reports to clients), TTFT mean / p50 / p99, bytes moved P→D and remote /
 local counts; the ratios P/D ÷ aggregated for reuse (target ≥ 0.90) and mean TTFT (target
 ≤ 1.10); `pd.local_prefill_tokens` (the floor) swept with the first strategy; then the pooled
@@ -39,12 +40,18 @@ _SHARED: dict[str, Any] = {}
 _FIELDS = ("reuse", "ttft_mean_ms", "ttft_p50_ms", "ttft_p99_ms", "itl_mean_ms", "remote", "local")
 
 
-Job = tuple[str, str | None, Deployment, str | None]
-"""Strategy, the prefill pool's own strategy, the deployment, `pd.local_prefill_by`."""
+Job = tuple[str, str | None, Deployment, str]
+"""Strategy, the prefill pool's own strategy, the deployment, and a variant: "" (defaults),
+`threshold` (`pd.local_prefill_by: threshold`) or `ideal` (`PdSettings.drop_pulled`)."""
+_VARIANTS: dict[str, dict[str, Any]] = {
+    "": {},
+    "threshold": {"local_prefill_by": "threshold"},
+    "ideal": {"drop_pulled": True},
+}
 
 
 def _run(job: Job) -> dict[str, Any]:
-    spec, prefill, where, by = job
+    spec, prefill, where, variant = job
     s = parse_strategy(spec)
     p: StrategySpec | None = parse_strategy(prefill) if prefill else None
     pd: PdSettings = _SHARED["pd"]
@@ -52,11 +59,11 @@ def _run(job: Job) -> dict[str, Any]:
         _SHARED["trace"],
         where.pools(s, p),
         where.label(s, p, where.threshold is not None),
-        pd=pd.model_copy(update={"local_prefill_tokens": where.threshold, "local_prefill_by": by}),
+        pd=pd.model_copy(update={"local_prefill_tokens": where.threshold, **_VARIANTS[variant]}),
     )
     row = summarize(result)
     return {
-        "label": row["strategy"] + (f" ({by})" if by else ""),
+        "label": row["strategy"] + (f" ({variant})" if variant else ""),
         "deployment": row["deployment"],
         "threshold": where.threshold,
         **{k: row[k] for k in _FIELDS},
@@ -122,11 +129,12 @@ def main() -> int:
     sweep = [int(t) for t in args.sweep.split(",")]
     others = [Deployment(0, args.prefill, args.decode, t) for t in sweep if t != default]
     jobs: list[Job] = [
-        *((s, None, Deployment(args.workers), None) for s in specs),
-        *((s, None, pd, None) for s in specs),
-        *((s, "round_robin", pd, None) for s in specs),
+        *((s, None, Deployment(args.workers), "") for s in specs),
+        *((s, None, pd, "") for s in specs),
+        *((s, "round_robin", pd, "") for s in specs),
         *((s, None, pd, "threshold") for s in specs),
-        *((specs[0], None, d, None) for d in others),
+        *((s, None, pd, "ideal") for s in specs),
+        *((specs[0], None, d, "") for d in others),
     ]
     print(f"{len(trace)} requests; {len(jobs)} replays (--jobs {args.jobs})", flush=True)
     if args.jobs > 1:
@@ -139,12 +147,14 @@ def main() -> int:
             print(_line(rows[-1]), flush=True)
     n = len(specs)
     aggregated, disagg, naive = rows[:n], rows[n : 2 * n], rows[2 * n : 3 * n]
-    fixed, swept = rows[3 * n : 4 * n], rows[4 * n :]
+    fixed, ideal, swept = rows[3 * n : 4 * n], rows[4 * n : 5 * n], rows[5 * n :]
     print("\n== P/D against aggregated (targets: reuse ratio ≥ 0.90, TTFT ratio ≤ 1.10) ==")
-    for agg, pdr, rr, th in zip(aggregated, disagg, naive, fixed, strict=True):
-        for row in (agg, pdr, rr, th):
+    for agg, pdr, rr, th, no_dup in zip(aggregated, disagg, naive, fixed, ideal, strict=True):
+        for row in (agg, pdr, rr, th, no_dup):
             print(_line(row))
-        for name, row in (("P/D", pdr), ("round-robin prefill", rr), ("threshold alone", th)):
+        named = (("P/D", pdr), ("round-robin prefill", rr), ("threshold alone", th),
+                 ("ideal: no duplicates", no_dup))  # fmt: skip
+        for name, row in named:
             print(
                 f"  {name:20s} reuse ratio {row['reuse'] / agg['reuse']:.3f}  "
                 f"mean TTFT ratio {row['ttft_mean_ms'] / agg['ttft_mean_ms']:.3f}"

@@ -102,6 +102,9 @@ class SimRequest:
     """The prompt's KV arrives with the request (a P/D hand-off): its first admission computes
     only the last prompt token and caches every full prompt block (a later preemption
     recomputes). Its `cached_tokens` is set by the caller: the prefill engine's reuse."""
+    evict_first: bool = False
+    """On release its blocks become the first to evict (a decode engine dropping the KV it
+    pulled: the P/D replay's no-duplicate ideal, `PdSettings.drop_pulled`)."""
     first_token: float = -1.0
     finished: float = -1.0
     namespace: str = ""
@@ -374,6 +377,8 @@ class SimEngine:
             else:
                 del holders[k]
                 lru[k] = None
+                if req.evict_first:
+                    lru.move_to_end(k, last=False)
         self.private -= req.private
         req.keyed = req.private = 0
 

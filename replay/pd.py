@@ -46,6 +46,9 @@ class PdSettings(BaseModel):
     latency_ms: float = Field(2.0, ge=0)
     """Fixed time per transfer (the router's second hop, the transfer's set-up)."""
     kv_bytes_per_token: int = Field(REFERENCE_KV_BYTES_PER_TOKEN, gt=0)
+    drop_pulled: bool = False
+    """An ideal, not an engine's behaviour: a decode engine's blocks of a pulled prompt are the
+    first it evicts once the request ends (no copy of the prefill pool's KV stays there)."""
 
     def router(self) -> PdConfig:
         """The router's `pd` settings these replay (its defaults where a field is None)."""

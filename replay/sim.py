@@ -292,7 +292,10 @@ class _Fleet:
                 self.engines[leg.worker.name],
                 engine,
                 SimRequest(i, now, req.input_length, 1, keys, queued_prefill=leg.prefill_tokens),
-                SimRequest(*sized, queued_prefill=0, pulled=True),
+                SimRequest(
+                    *sized, queued_prefill=0, pulled=True,
+                    evict_first=self.transfers.settings.drop_pulled,
+                ),  # fmt: skip
                 served,
             )
         )

@@ -43,6 +43,7 @@ def _pd(
     decode_workers: int = 2,
     bandwidth_gbps: float = 1.0,
     local_by: Literal["threshold", "cost"] = "threshold",
+    drop_pulled: bool = False,
 ) -> ReplayResult:
     pools = [
         SimPool("p", "prefill", prefill_workers, prefill or PrefixAffinity()),
@@ -51,6 +52,7 @@ def _pd(
     settings = PdSettings(
         local_prefill_tokens=threshold,
         local_prefill_by=local_by,
+        drop_pulled=drop_pulled,
         bandwidth_gbps=bandwidth_gbps,
         kv_bytes_per_token=_KV,
     )
@@ -261,3 +263,18 @@ def test_lru_per_role_reference() -> None:
     assert pd_lru_reuse(trace, cap, cap, 1.0) == lru_reuse(trace, cap)
     kept, ideal = (pd_lru_reuse(trace, cap, cap, 0.5, keep) for keep in (True, False))
     assert 0 < kept < ideal
+
+
+def test_the_no_duplicate_ideal_evicts_pulled_blocks_first() -> None:
+    """`PdSettings.drop_pulled`: once a handed-off request ends, the decode engine's blocks of
+    its prompt are the first it evicts, even though a local prompt was released before them."""
+    reqs = [TraceRequest(0.0, _BLOCK, 1, (201,)),  # short: prefilled on decode, done first
+            TraceRequest(1.0, 8 * _BLOCK, 4, tuple(range(101, 109)))]  # fmt: skip
+    trace = ExpandedTrace(reqs, _BLOCK, 64)
+    kept = _pd(trace, threshold=1000, decode_workers=1)
+    ideal = _pd(trace, threshold=1000, decode_workers=1, drop_pulled=True)
+    for result in (kept, ideal):
+        assert [result.served[i].mode for i in (0, 1)] == ["local", "remote"]
+    pulled = set(trace.keys[1])
+    assert set(list(ideal.engines["d0"].lru)[: len(pulled)]) == pulled
+    assert set(list(kept.engines["d0"].lru)[-len(pulled) :]) == pulled  # released last
