@@ -13,7 +13,7 @@ from __future__ import annotations
 import re
 import secrets
 from pathlib import Path, PurePosixPath
-from typing import Any, Literal
+from typing import Any, Literal, TypedDict, Unpack
 
 import yaml  # type: ignore[import-untyped]
 
@@ -75,27 +75,29 @@ class _Cluster(Layout):
         return sorted(self._events.values())
 
 
-def export_yaml(
-    spec: Deployment,
-    target: Target = "kubernetes",
-    *,
-    name: str = "warply",
-    image: str | None = None,
-    namespace: str | None = None,
-    model_pvc: str | None = None,
-    token: str | None = None,
-    control_token: str | None = None,
-) -> str:
-    """The manifests for `spec` as one multi-document YAML.
+class Options(TypedDict, total=False):
+    """`export_yaml`'s and `manifests`' options.
 
-    `target`: "kubernetes" (Deployments + Services) or "dynamo" (one DynamoGraphDeployment, plus
-    the Services that name each engine replica). `name` prefixes every object; `image` is the
-    engine + Warply image (default `warply:VERSION-BACKEND`); a local model folder is read from
-    the PersistentVolumeClaim `model_pvc` (default `NAME-models`) mounted at /models; `token`
-    is the router's admin token and `control_token` signs its directives to the engines'
-    control sockets (default: fresh random ones; both go in a Secret)."""
-    docs = manifests(spec, target, name=name, image=image, namespace=namespace,
-                     model_pvc=model_pvc, token=token, control_token=control_token)  # fmt: skip
+    `name` prefixes every object (default "warply"); `image` is the engine + Warply image
+    (default `warply:VERSION-BACKEND`); `namespace` is set on every object (default: none); a
+    local model folder is read from the PersistentVolumeClaim `model_pvc` (default
+    `NAME-models`) mounted at /models; `token` is the router's admin token and `control_token`
+    signs its directives to the engines' control sockets (default: fresh random ones; both go
+    in a Secret)."""
+
+    name: str
+    image: str | None
+    namespace: str | None
+    model_pvc: str | None
+    token: str | None
+    control_token: str | None
+
+
+def export_yaml(spec: Deployment, target: Target = "kubernetes", **options: Unpack[Options]) -> str:
+    """The manifests for `spec` as one multi-document YAML: `target` "kubernetes" (Deployments
+    + Services) or "dynamo" (one DynamoGraphDeployment, plus the Services that name each engine
+    replica); `options`: see `Options`."""
+    docs = manifests(spec, target, **options)
     return str(yaml.dump_all(docs, Dumper=_Dumper, sort_keys=False))
 
 
@@ -112,17 +114,12 @@ _Dumper.add_representer(
 
 
 def manifests(
-    spec: Deployment,
-    target: Target = "kubernetes",
-    *,
-    name: str = "warply",
-    image: str | None = None,
-    namespace: str | None = None,
-    model_pvc: str | None = None,
-    token: str | None = None,
-    control_token: str | None = None,
+    spec: Deployment, target: Target = "kubernetes", **options: Unpack[Options]
 ) -> list[dict[str, Any]]:
     """The objects `export_yaml` writes, as dicts (in apply order)."""
+    name = options.get("name", "warply")
+    image, namespace = options.get("image"), options.get("namespace")
+    token, control_token = options.get("token"), options.get("control_token")
     if target not in ("kubernetes", "dynamo"):
         raise ExportError(f"target {target!r}: expected 'kubernetes' or 'dynamo'")
     if not _NAME.match(name) or len(name) > 40:
@@ -148,7 +145,7 @@ def manifests(
     plan.router_config.pop("auth_token", None)
     pods = _Pods(
         spec, plan, layout, image or f"warply:{__version__}-{spec.backend}",
-        model_pvc or f"{name}-models" if local_model else None,
+        options.get("model_pvc") or f"{name}-models" if local_model else None,
     )
     meta = {"namespace": namespace} if namespace else {}
     docs: list[dict[str, Any]] = [

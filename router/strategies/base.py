@@ -235,6 +235,26 @@ class Strategy(abc.ABC):
         """Name of the worker to send `request` to."""
 
 
+class Ranked(Strategy):
+    """A strategy whose choice is its explained ranking, nothing more: the candidate with the
+    smallest `Score.key` (exact ties in turn), so `choose` and `/warply/where` cannot differ."""
+
+    @abc.abstractmethod
+    def explain(
+        self,
+        request: RequestView,
+        candidates: Sequence[WorkerLoad],
+        matches: Mapping[str, WorkerMatch],
+    ) -> dict[str, Score]: ...
+
+    def choose(
+        self,
+        request: RequestView,
+        candidates: Sequence[WorkerLoad],
+        matches: Mapping[str, WorkerMatch],
+    ) -> str:
+        return self._lowest(candidates, self.explain(request, candidates, matches))
+
 
 class NoCandidate(LookupError):
     """No healthy worker may serve this request (the router answers 503)."""

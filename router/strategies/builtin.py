@@ -16,6 +16,7 @@ from router.strategies.base import (
     NO_MATCH,
     Knobs,
     NoCandidate,
+    Ranked,
     RequestView,
     Score,
     Strategy,
@@ -27,7 +28,7 @@ from router.strategies.cost import CostAware
 from warply.protocol import namespace_salt
 
 
-class RoundRobin(Strategy):
+class RoundRobin(Ranked):
     """Baseline: candidates in turn, ignoring cache and load."""
 
     name = "round_robin"
@@ -50,12 +51,12 @@ class RoundRobin(Strategy):
         candidates: Sequence[WorkerLoad],
         matches: Mapping[str, WorkerMatch],
     ) -> str:
-        name = self._lowest(candidates, self.explain(request, candidates, matches))
+        name = super().choose(request, candidates, matches)
         self._turn += 1
         return name
 
 
-class LeastLoaded(Strategy):
+class LeastLoaded(Ranked):
     """Baseline: argmin load(w), ties broken by fewer in-flight tokens, then in turn."""
 
     name = "least_loaded"
@@ -67,14 +68,6 @@ class LeastLoaded(Strategy):
         matches: Mapping[str, WorkerMatch],
     ) -> dict[str, Score]:
         return self._load_scores(candidates, "least loaded")
-
-    def choose(
-        self,
-        request: RequestView,
-        candidates: Sequence[WorkerLoad],
-        matches: Mapping[str, WorkerMatch],
-    ) -> str:
-        return self._lowest(candidates, self.explain(request, candidates, matches))
 
 
 _NEW_CONVERSATION = "new conversation: fewest started"
@@ -166,7 +159,7 @@ class KvReuseKnobs(Knobs):
     """Cost per KV block held by w's in-flight requests (decode pressure)."""
 
 
-class KvReuse(Strategy):
+class KvReuse(Ranked):
     """Prefill work this request would wait for and do on w, plus decode pressure.
 
     cost(w) = prefill_weight · (max(0, P − credit(w)) + queue_weight · queued(w))
@@ -198,14 +191,6 @@ class KvReuse(Strategy):
             return Score((cost, w.load), "lowest prefill + decode cost", terms)
 
         return {w.name: score(w) for w in candidates}
-
-    def choose(
-        self,
-        request: RequestView,
-        candidates: Sequence[WorkerLoad],
-        matches: Mapping[str, WorkerMatch],
-    ) -> str:
-        return self._lowest(candidates, self.explain(request, candidates, matches))
 
 
 class TenantIsolatedKnobs(PrefixAffinityKnobs):

@@ -30,9 +30,9 @@ from router.strategies.base import (
     NO_MATCH,
     Knobs,
     Pick,
+    Ranked,
     RequestView,
     Score,
-    Strategy,
     TierWeights,
     WorkerLoad,
 )
@@ -48,7 +48,7 @@ class CostAwareKnobs(Knobs):
     """TTFT guard: workers estimated to miss it are not chosen while another meets it."""
 
 
-class CostAware(Strategy):
+class CostAware(Ranked):
     """Lowest price · compute + latency_weight · p̄ · wait, under a TTFT guard (module doc)."""
 
     name = "cost_aware"
@@ -69,14 +69,6 @@ class CostAware(Strategy):
             rule = "misses ttft_target_ms: lowest wait" if key[0] else "lowest cost"
             scores[w.name] = Score(key, rule, {"late_wait_s": key[0], "cost": key[1]})
         return scores
-
-    def choose(
-        self,
-        request: RequestView,
-        candidates: Sequence[WorkerLoad],
-        matches: Mapping[str, WorkerMatch],
-    ) -> str:
-        return self._lowest(candidates, self.explain(request, candidates, matches))
 
     def prefer(self, picks: Sequence[Pick]) -> Pick:
         mean = _mean_price([p.load for p in picks])

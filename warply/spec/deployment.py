@@ -33,10 +33,11 @@ from warply.common.loading import entry_point_names
 from warply.spec.tiers import KVTier
 
 if TYPE_CHECKING:
-    from typing import Self
+    from typing import Self, Unpack
 
     import openai
 
+    from warply.export import Options
     from warply.lifecycle import Running
     from warply.protocol.api import Where
     from warply.stats import CacheStatsView
@@ -286,11 +287,11 @@ class Deployment(_Spec):
         what the router would choose and why (`/warply/where`; nothing is booked)."""
         return self.running.where(prompt, cache_key=cache_key)
 
-    def export_yaml(self, target: Literal["kubernetes", "dynamo"] = "kubernetes",
-                    **options: Any) -> str:  # fmt: skip
+    def export_yaml(
+        self, target: Literal["kubernetes", "dynamo"] = "kubernetes", **options: Unpack[Options]
+    ) -> str:
         """Kubernetes manifests for this deployment: plain Deployments and Services, or an
-        NVIDIA Dynamo DynamoGraphDeployment (`warply.export.export_yaml`'s options: `name`,
-        `image`, `namespace`, `model_pvc`, `token`, `control_token`)."""
+        NVIDIA Dynamo DynamoGraphDeployment (`warply.export`; options: `warply.export.Options`)."""
         from warply.export import export_yaml
 
         return export_yaml(self, target, **options)
