@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -34,11 +35,36 @@ VLLM_CPU_ENV = {
 }
 
 
+_GIVEN: set[int] = set()
+"""Ports `free_port` handed out in this process (never handed out twice)."""
+
+
+def _ephemeral_low() -> int:
+    """The lowest port the kernel gives outgoing connections (Linux: ip_local_port_range)."""
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
+
 def free_port() -> int:
-    """A TCP port on 127.0.0.1 that is free right now."""
-    with socket.socket() as s:
-        s.bind((HOST, 0))
-        return int(s.getsockname()[1])
+    """A TCP port on 127.0.0.1 that is free right now. Taken below the kernel's ephemeral range:
+    outgoing connections get their ports from that range, so one of them could take a port
+    handed out here before its server binds it (seen as "Address already in use" at start-up)."""
+    low = _ephemeral_low()
+    for _ in range(500):
+        port = random.randrange(20000, low) if low > 21000 else 0
+        if port in _GIVEN:
+            continue
+        with socket.socket() as s:
+            try:
+                s.bind((HOST, port))
+            except OSError:
+                continue
+            port = int(s.getsockname()[1])
+        _GIVEN.add(port)
+        return port
+    raise OSError("no free TCP port on 127.0.0.1")
 
 
 def http_json(method: str, url: str, body: Any = None, timeout: float = 120) -> tuple[int, Any]:
