@@ -1,7 +1,7 @@
 """P/D pools against aggregated workers in the replay, and the conditional-disaggregation sweep.
 
 On the conversation trace (512-token trace blocks, reference engines): N aggregated workers with
-each strategy, then P prefill + D decode workers (the router's P/D placement with its default
+each strategy, then P prefill + D decode workers (the router's P/D placement with
 `pd.local_prefill_by: cost`, each strategy choosing decode and prefill workers), the naive
 baseline (the same decode placement, prefill workers in turn: the prefill pool's strategy is
 round_robin), the fixed threshold alone (`local_prefill_by: threshold`) and an ideal decode
@@ -41,10 +41,11 @@ _FIELDS = ("reuse", "ttft_mean_ms", "ttft_p50_ms", "ttft_p99_ms", "itl_mean_ms",
 
 
 Job = tuple[str, str | None, Deployment, str]
-"""Strategy, the prefill pool's own strategy, the deployment, and a variant: "" (defaults),
-`threshold` (`pd.local_prefill_by: threshold`) or `ideal` (`PdSettings.drop_pulled`)."""
+"""Strategy, the prefill pool's own strategy, the deployment, and a variant: "" (the cost
+rule), `threshold` (`pd.local_prefill_by: threshold`, the router's default) or `ideal`
+(`PdSettings.drop_pulled`)."""
 _VARIANTS: dict[str, dict[str, Any]] = {
-    "": {},
+    "": {"local_prefill_by": "cost"},
     "threshold": {"local_prefill_by": "threshold"},
     "ideal": {"drop_pulled": True},
 }

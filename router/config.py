@@ -157,11 +157,12 @@ class PdConfig(_Strict):
     decode worker (prompt minus the prefix it holds), it prefills them itself instead of pulling
     them from a prefill worker; 0 hands every prompt off. Default from the measurement in
     docs/router.md (local prefill vs the P/D round trip on vLLM CPU engines)."""
-    local_prefill_by: Literal["threshold", "cost"] = "cost"
-    """`threshold`: hand off every prompt missing at least `local_prefill_tokens` on decode;
-    `cost`: also prefill locally when decode's predicted time to first token (its queued prefill
-    plus the tokens it misses) is no more than the hand-off's (the prefill worker's queued
-    prefill plus its missing tokens, plus the transfer in token-equivalents); docs/router.md."""
+    local_prefill_by: Literal["threshold", "cost"] = "threshold"
+    """`threshold` (default): hand off every prompt missing at least `local_prefill_tokens` on
+    decode; `cost`: also prefill locally when decode's predicted time to first token (its
+    queued prefill plus the tokens it misses) is no more than the hand-off's (the prefill
+    worker's queued prefill plus its missing tokens, plus the transfer in token-equivalents);
+    docs/router.md."""
     transfer_weight: float = Field(0.0, ge=0)
     """`cost`: token-equivalents per prompt token moved P→D (transfer time ÷ prefill time per
     token: 0.17 for 128 KiB per token over 400 Gb/s against ~66 k prefilled tokens/s)."""
