@@ -27,6 +27,7 @@ import sys
 import threading
 import time
 import urllib.error
+import urllib.parse
 import urllib.request
 from collections import Counter
 from collections.abc import Callable, Iterator
@@ -125,6 +126,12 @@ def _workers(url: str) -> dict[str, dict[str, Any]]:
     return {w["name"]: w for w in _get(url + "/warply/workers")["workers"]}
 
 
+def _held(url: str, prompt: str) -> int:
+    """The most of `prompt`'s tokens any worker holds, as the router's index has it."""
+    where = _get(url + "/warply/where?" + urllib.parse.urlencode({"prompt": prompt}))
+    return max(w["cached_tokens"] for pool in where["pools"] for w in pool["workers"])
+
+
 def _wait(cond: Callable[[], bool], timeout_s: float, what: str) -> None:
     deadline = time.monotonic() + timeout_s
     while not cond():
@@ -190,9 +197,13 @@ def _hit_rate(results: list[dict[str, Any]]) -> float:
 def test_router_restart_rebuilds_the_index_from_replay(stack: dict[str, Any]) -> None:
     url, router = stack["url"], stack["router"]
     for n in range(6):  # warm: each prompt once, then again (a hit on its worker)
-        for _ in range(2):
-            out = _complete(url, _prompt(n))
-            assert out["status"] == 200, out
+        prompt = _prompt(n)
+        first = _complete(url, prompt)
+        assert first["status"] == 200, first
+        # the engine publishes the prompt's blocks after its step; the repeat waits for them
+        _wait(lambda p=prompt: _held(url, p) > 0, 30, "the prompt's blocks in the index")
+        out = _complete(url, prompt)
+        assert out["status"] == 200, out
         stack["held"][n] = out["worker"]
         assert out["predicted"] == out["cached"] > 0, out
     assert set(stack["held"].values()) == {"w0", "w1"}, stack["held"]
