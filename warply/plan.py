@@ -159,13 +159,13 @@ def make_plan(
             devices = list(range(next_gpu, next_gpu + pool.gpus_per_replica))
             next_gpu += pool.gpus_per_replica
             sockets = _Sockets.of(at, name)
+            replica_ctx = _Replica(spec, pool_name, pool, name, block, sockets, bins, devices, at)
             if spec.backend == "vllm":
-                proc, extra = _vllm(spec, pool_name, pool, name, block, sockets, bins,
-                                    devices, index % cores, run_dir, at)  # fmt: skip
+                proc, extra = _vllm(replica_ctx, index % cores, run_dir)
                 services += extra.services
                 files.update(extra.files)
             else:
-                proc = _sglang(spec, pool_name, pool, name, block, sockets, bins, devices, at)
+                proc = _sglang(replica_ctx)
             engines.append(proc)
             worker: dict[str, Any] = {"name": name, "url": proc.url, **sockets.router_side}
             if spec.backend == "sglang" and pool_name == "prefill":
@@ -226,6 +226,28 @@ class _Sockets:
         )  # fmt: skip
 
 
+@dataclass(frozen=True)
+class _Replica:
+    """One engine process to plan, as both engines' planners read it: its spec and pool, its
+    name, block size, Warply sockets, devices, and where it listens."""
+
+    spec: Deployment
+    pool_name: str
+    pool: Pool
+    name: str
+    block: int
+    sockets: _Sockets
+    bins: Binaries
+    devices: list[int]
+    at: Layout
+
+    def process(self, argv: list[str], port: int, env: dict[str, str]) -> ProcessPlan:
+        """The engine's process: `argv`, then the pool's engine args; `env`, then the pool's."""
+        return ProcessPlan(self.name, "engine", [*argv, *self.pool.engine_args],
+                           f"http://{self.at.host(self.name)}:{port}",
+                           env={**env, **self.pool.env})  # fmt: skip
+
+
 def _uses_lmcache(spec: Deployment, tier: KVTier) -> bool:
     return spec.backend == "vllm" and tier.l2 is not None and tier.chosen_backend == "lmcache"
 
@@ -236,67 +258,53 @@ class _Extra:
     files: dict[str, str] = field(default_factory=dict)
 
 
-def _vllm(
-    spec: Deployment,
-    pool_name: str,
-    pool: Pool,
-    name: str,
-    block: int,
-    sockets: _Sockets,
-    bins: Binaries,
-    devices: list[int],
-    core: int,
-    run_dir: Path,
-    at: Layout,
-) -> tuple[ProcessPlan, _Extra]:
+def _vllm(r: _Replica, core: int, run_dir: Path) -> tuple[ProcessPlan, _Extra]:
     extra = _Extra()
-    bin_dir = Path(bins.vllm).parent
-    tier = spec.tier or KVTier(device=spec.device)
+    bin_dir = Path(r.bins.vllm).parent
+    tier = r.spec.tier or KVTier(device=r.spec.device)
     if tier.l2 is not None and tier.chosen_backend == "lmcache":
         # One LMCache server per engine, on ports of its own.
-        ports = {"lmcache_port": at.port(name, "lmcache"),
-                 "lmcache_http_port": at.port(name, "lmcache_http")}  # fmt: skip
+        ports = {"lmcache_port": r.at.port(r.name, "lmcache"),
+                 "lmcache_http_port": r.at.port(r.name, "lmcache_http")}  # fmt: skip
         tier = tier.model_copy(update=ports)
-    engine = sockets.engine_side
+    engine = r.sockets.engine_side
     section = {"events_endpoint": engine["events"], "replay_endpoint": engine["replay"],
-               "control_endpoint": engine["control"], "worker": name,
-               "model": spec.served_name}  # fmt: skip
-    rendered = render_vllm(tier, section, kv_role=_VLLM_ROLES[pool_name])
+               "control_endpoint": engine["control"], "worker": r.name,
+               "model": r.spec.served_name}  # fmt: skip
+    rendered = render_vllm(tier, section, kv_role=_VLLM_ROLES[r.pool_name])
     config = rendered.kv_transfer_config
     env = {"LMCACHE_TRACK_USAGE": "false"}
-    if isinstance(spec, DisaggEngine):
-        _add_nixl(config, spec.device)
-        env |= {"VLLM_NIXL_SIDE_CHANNEL_HOST": at.advertise,
-                "VLLM_NIXL_SIDE_CHANNEL_PORT": str(at.port(name, "nixl"))}  # fmt: skip
+    if isinstance(r.spec, DisaggEngine):
+        _add_nixl(config, r.spec.device)
+        env |= {"VLLM_NIXL_SIDE_CHANNEL_HOST": r.at.advertise,
+                "VLLM_NIXL_SIDE_CHANNEL_PORT": str(r.at.port(r.name, "nixl"))}  # fmt: skip
     if rendered.lmcache_server is not None:
         argv = [str(bin_dir / "lmcache"), *rendered.lmcache_server[1:]]
         extra.services.append(ProcessPlan(
-            f"lmcache-{name}", "lmcache", argv, f"http://{HOST}:{tier.lmcache_http_port}",
+            f"lmcache-{r.name}", "lmcache", argv, f"http://{HOST}:{tier.lmcache_http_port}",
             "/healthcheck", {"LMCACHE_TRACK_USAGE": "false"},
         ))  # fmt: skip
     if rendered.mooncake_config is not None:
-        extra.files[f"mooncake-{name}.json"] = json.dumps(rendered.mooncake_config)
-        env["MOONCAKE_CONFIG_PATH"] = str(run_dir / f"mooncake-{name}.json")
-    if spec.device == "cpu":
+        extra.files[f"mooncake-{r.name}.json"] = json.dumps(rendered.mooncake_config)
+        env["MOONCAKE_CONFIG_PATH"] = str(run_dir / f"mooncake-{r.name}.json")
+    if r.spec.device == "cpu":
         env |= {**VLLM_CPU_ENV, "VLLM_CPU_OMP_THREADS_BIND": str(core)}
-    elif at.pick_gpus:
-        env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, devices))
-    port = at.port(name, "http")
+    elif r.at.pick_gpus:
+        env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, r.devices))
+    port = r.at.port(r.name, "http")
     argv = [
-        bins.vllm, "serve", spec.model,
-        "--served-model-name", spec.served_name,
-        "--host", at.bind_host, "--port", str(port),
-        "--block-size", str(block),
+        r.bins.vllm, "serve", r.spec.model,
+        "--served-model-name", r.spec.served_name,
+        "--host", r.at.bind_host, "--port", str(port),
+        "--block-size", str(r.block),
         "--enable-prefix-caching", "--enable-prompt-tokens-details",
     ]  # fmt: skip
-    if spec.device == "cpu":
+    if r.spec.device == "cpu":
         argv.append("--enforce-eager")  # vllm-cpu 0.32 compiles nothing useful on 2 cores
-    if len(devices) > 1:
-        argv += ["--tensor-parallel-size", str(len(devices))]
-    argv += ["--kv-transfer-config", json.dumps(config, separators=(",", ":")),
-             *pool.engine_args]  # fmt: skip
-    return ProcessPlan(name, "engine", argv, f"http://{at.host(name)}:{port}",
-                       env={**env, **pool.env}), extra  # fmt: skip
+    if len(r.devices) > 1:
+        argv += ["--tensor-parallel-size", str(len(r.devices))]
+    argv += ["--kv-transfer-config", json.dumps(config, separators=(",", ":"))]
+    return r.process(argv, port, env), extra
 
 
 def _add_nixl(config: dict[str, Any], device: str) -> None:
@@ -320,37 +328,26 @@ def _add_nixl(config: dict[str, Any], device: str) -> None:
     config["kv_load_failure_policy"] = "recompute"
 
 
-def _sglang(
-    spec: Deployment,
-    pool_name: str,
-    pool: Pool,
-    name: str,
-    block: int,
-    sockets: _Sockets,
-    bins: Binaries,
-    devices: list[int],
-    at: Layout,
-) -> ProcessPlan:
-    port, engine = at.port(name, "http"), sockets.engine_side
+def _sglang(r: _Replica) -> ProcessPlan:
+    port, engine = r.at.port(r.name, "http"), r.sockets.engine_side
     argv = [
-        bins.sglang_python, "-m", "sglang.launch_server",
-        "--model-path", spec.model, "--served-model-name", spec.served_name,
-        "--host", at.bind_host, "--port", str(port),
-        "--page-size", str(block), "--tp-size", str(max(1, len(devices))),
+        r.bins.sglang_python, "-m", "sglang.launch_server",
+        "--model-path", r.spec.model, "--served-model-name", r.spec.served_name,
+        "--host", r.at.bind_host, "--port", str(port),
+        "--page-size", str(r.block), "--tp-size", str(max(1, len(r.devices))),
         "--enable-warply", "--warply-router", engine["events"],
         "--warply-replay", engine["replay"], "--warply-control", engine["control"],
-        "--warply-worker", name, "--warply-model", spec.served_name,
+        "--warply-worker", r.name, "--warply-model", r.spec.served_name,
     ]  # fmt: skip
-    if spec.tier is not None:
-        argv += render_sglang(spec.tier).server_args
-    if isinstance(spec, DisaggEngine):
-        argv += ["--disaggregation-mode", pool_name,
-                 "--disaggregation-transfer-backend", spec.kv_transfer]  # fmt: skip
-        if pool_name == "prefill":
-            argv += ["--disaggregation-bootstrap-port", str(at.port(name, "bootstrap"))]
-    env = {"CUDA_VISIBLE_DEVICES": ",".join(map(str, devices))} if at.pick_gpus else {}
-    return ProcessPlan(name, "engine", [*argv, *pool.engine_args], f"http://{at.host(name)}:{port}",
-                       env={**env, **pool.env})  # fmt: skip
+    if r.spec.tier is not None:
+        argv += render_sglang(r.spec.tier).server_args
+    if isinstance(r.spec, DisaggEngine):
+        argv += ["--disaggregation-mode", r.pool_name,
+                 "--disaggregation-transfer-backend", r.spec.kv_transfer]  # fmt: skip
+        if r.pool_name == "prefill":
+            argv += ["--disaggregation-bootstrap-port", str(r.at.port(r.name, "bootstrap"))]
+    env = {"CUDA_VISIBLE_DEVICES": ",".join(map(str, r.devices))} if r.at.pick_gpus else {}
+    return r.process(argv, port, env)
 
 
 def _object_store_services(tier: KVTier | None) -> list[ProcessPlan]:
