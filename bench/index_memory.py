@@ -26,12 +26,11 @@ import time
 from collections import deque
 from pathlib import Path
 
+import _one_pool
+
 from router import placement as placement_module
-from router.config import RouterConfig
 from router.index import MemoryStore, PrefixIndex
-from router.placement import Placement
 from router.token_cache import Lineage
-from router.workers import Workers
 from warply.protocol import BlockRemoved, BlockStored
 
 BS = 16
@@ -52,24 +51,12 @@ def _slope(points: list[tuple[float, float]]) -> float:
     return sum((t - mt) * (y - my) for t, y in points) / var if var else 0.0
 
 
-def _placement(index: PrefixIndex, workers: int) -> Placement:
-    config = RouterConfig.model_validate({
-        "model": MODEL, "tokenizer": "/unused",
-        "pools": [{"name": "p", "block_size": BS, "workers": [
-            {"name": f"w{i}", "url": f"http://127.0.0.1:{9000 + i}"} for i in range(workers)]}],
-    })
-    members = Workers(config.pools)
-    for w in members.values():
-        w.healthy = True
-    return Placement(config, index, members)
-
-
 async def _run(args: argparse.Namespace) -> None:
     rng = random.Random(0)
     placement_module.CHAIN_KEYS = args.chain_keys  # reached within a bounded run
     store = MemoryStore(args.max_entries)
     index = PrefixIndex(MODEL, store, 10**15 if args.uncapped else args.max_entries)
-    placement = _placement(index, args.workers)
+    placement = _one_pool.placement(_one_pool.config(MODEL, BS, args.workers), index)
     engines: list[deque[int]] = [deque() for _ in range(args.workers)]
     next_hash, lost, tenant, turn = 1, 0, 0, 0
     history: list[int] = []

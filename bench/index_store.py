@@ -28,13 +28,11 @@ from array import array
 from collections.abc import Callable
 from pathlib import Path
 
+import _one_pool
 import redis
 
-from router.config import RouterConfig
 from router.index import IndexStore, MemoryStore, PrefixIndex
 from router.index.redis import RedisStore
-from router.placement import Placement
-from router.workers import Workers
 from warply.launch import RedisServer
 from warply.protocol import BlockStored, chain_keys, root_seed
 
@@ -73,34 +71,11 @@ async def _ingest(index: PrefixIndex, events: list[tuple[str, BlockStored]], tas
     return time.perf_counter() - t0
 
 
-def _placement(index: PrefixIndex, workers: int) -> Placement:
-    config = RouterConfig.model_validate(
-        {
-            "model": MODEL,
-            "tokenizer": "/unused",
-            "pools": [
-                {
-                    "name": "p",
-                    "block_size": BS,
-                    "workers": [
-                        {"name": f"w{i}", "url": f"http://127.0.0.1:{9000 + i}"}
-                        for i in range(workers)
-                    ],
-                }
-            ],
-        }
-    )
-    pool = Workers(config.pools)
-    for w in pool.values():
-        w.healthy = True
-    return Placement(config, index, pool)
-
-
 async def _decisions(
     index: PrefixIndex, workers: int, samples: int, rng: random.Random
 ) -> dict[int, list[float]]:
     """Decision seconds per prompt length; half of each prompt cached on one worker."""
-    placement = _placement(index, workers)
+    placement = _one_pool.placement(_one_pool.config(MODEL, BS, workers), index)
     out: dict[int, list[float]] = {}
     for n_tokens in (1024, 8192, 32768):
         prompts = []

@@ -34,7 +34,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from router.config import RouterConfig
+import _one_pool
+
 from router.index import PrefixIndex, StoreOutage
 from router.index.redis import RedisStore
 from router.load import LoadLedger, LocalLedger
@@ -69,35 +70,14 @@ class _Result:
     """Real seconds per placement (the shared ledger's read included)."""
 
 
-def _config(workers: int) -> RouterConfig:
-    return RouterConfig.model_validate(
-        {
-            "model": MODEL,
-            "tokenizer": "/unused",
-            "pools": [
-                {
-                    "name": "p",
-                    "block_size": BS,
-                    "workers": [
-                        {"name": f"w{i}", "url": f"http://127.0.0.1:{9000 + i}"}
-                        for i in range(workers)
-                    ],
-                }
-            ],
-        }
-    )
-
-
 async def _run(
     url: str, prefix: str, replicas: int, shared: bool, a: argparse.Namespace
 ) -> _Result:
-    config = _config(a.workers)
+    config = _one_pool.config(MODEL, BS, a.workers)
     sims = {f"w{i}": _SimWorker(a.prefill_rate) for i in range(a.workers)}
     routers: list[tuple[Workers, Placement, LoadLedger]] = []
     for _ in range(replicas):
-        workers = Workers(config.pools)
-        for w in workers.values():
-            w.healthy = True
+        workers = _one_pool.healthy_members(config)
         index = PrefixIndex(MODEL, RedisStore(url, prefix, timeout_s=5))
         ledger: LoadLedger = LocalLedger()
         if shared:

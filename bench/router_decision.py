@@ -32,6 +32,8 @@ import time
 from array import array
 from pathlib import Path
 
+import _one_pool
+
 from router.config import RouterConfig
 from router.index import MemoryStore, PrefixIndex
 from router.metrics import RouterMetrics
@@ -48,22 +50,7 @@ CACHE = Path.home() / ".cache" / "warply" / "models"
 
 
 def _config() -> RouterConfig:
-    return RouterConfig.model_validate(
-        {
-            "model": MODEL,
-            "tokenizer": "/unused",
-            "pools": [
-                {
-                    "name": "p",
-                    "block_size": BS,
-                    "workers": [
-                        {"name": f"w{i}", "url": f"http://127.0.0.1:{9000 + i}"}
-                        for i in range(WORKERS)
-                    ],
-                }
-            ],
-        }
-    )
+    return _one_pool.config(MODEL, BS, WORKERS)
 
 
 def _placement(index: PrefixIndex) -> Placement:
