@@ -176,4 +176,10 @@ def test_import_warply_stays_light() -> None:
 
 
 def test_lazy_exports_are_the_public_names() -> None:
-    assert sorted(wp.__all__) == sorted([*wp._LAZY, "__version__"])
+    import warply.spec
+
+    public = {name: getattr(wp, name) for name in wp.__all__}
+    specs = {name for name in wp.__all__ if name not in wp._HOMES and name != "__version__"}
+    assert specs <= set(warply.spec.__all__)
+    assert all(public[name] is getattr(warply.spec, name) for name in specs)
+    assert dir(wp) == sorted(wp.__all__)

@@ -14,46 +14,31 @@ from typing import TYPE_CHECKING, Any
 
 __version__ = "0.1.0"
 
-_LAZY = {
-    "CacheRouting": "warply.spec.deployment",
-    "DisaggEngine": "warply.spec.deployment",
-    "Engine": "warply.spec.deployment",
-    "Pool": "warply.spec.deployment",
-    "SpecError": "warply.spec.deployment",
-    "load_spec": "warply.spec.deployment",
-    "KVTier": "warply.spec.tiers",
-    "CacheStatsView": "warply.stats",
-    "UpError": "warply.lifecycle",
-    "ExportError": "warply.export",
-    "export_yaml": "warply.export",
-}
-"""Public name → the module that defines it."""
-
-if TYPE_CHECKING:
-    from warply.export import ExportError, export_yaml
-    from warply.lifecycle import UpError
-    from warply.spec.deployment import (
-        CacheRouting,
-        DisaggEngine,
-        Engine,
-        Pool,
-        SpecError,
-        load_spec,
-    )
-    from warply.spec.tiers import KVTier
-    from warply.stats import CacheStatsView
-
 __all__ = [
     "CacheRouting", "CacheStatsView", "DisaggEngine", "Engine", "ExportError", "KVTier", "Pool",
     "SpecError", "UpError", "__version__", "export_yaml", "load_spec",
 ]  # fmt: skip
 
+_HOMES = {
+    "CacheStatsView": "warply.stats",
+    "UpError": "warply.lifecycle",
+    "ExportError": "warply.export",
+    "export_yaml": "warply.export",
+}
+"""The modules of the public names that are not specs; the specs come from `warply.spec`, which
+says where each is defined."""
+
+if TYPE_CHECKING:
+    from warply.export import ExportError, export_yaml
+    from warply.lifecycle import UpError
+    from warply.spec import CacheRouting, DisaggEngine, Engine, KVTier, Pool, SpecError, load_spec
+    from warply.stats import CacheStatsView
+
 
 def __getattr__(name: str) -> Any:
-    module = _LAZY.get(name)
-    if module is None:
+    if name not in __all__:
         raise AttributeError(f"module 'warply' has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
+    value = getattr(importlib.import_module(_HOMES.get(name, "warply.spec")), name)
     globals()[name] = value
     return value
 
