@@ -312,9 +312,19 @@ class Placement:
             unavailable = ""
         except NoCandidate as exc:
             decision, unavailable = None, str(exc)
+        # block size -> the prompt's key chain: the decision's legs' own, else hashed once here
+        chains: dict[int, Sequence[int]] = {}
+        if decision is not None:
+            for leg in (decision, decision.prefill):
+                if leg is not None:
+                    chains[leg.worker.pool.block_size] = leg.keys
         pools = []
         for pool in (*self._answer, *self._prefill):
-            keys = prefix_keys(tokens, pool.block_size, self.model, namespace)
+            keys = chains.get(pool.block_size)
+            if keys is None:
+                keys = chains[pool.block_size] = prefix_keys(
+                    tokens, pool.block_size, self.model, namespace
+                )
             found = await self.index.match(keys, [w.name for w in pool.workers])
             held = {w.name: found.get(w.name, NO_MATCH) for w in pool.workers}
             pick, scores = picks.get(pool.name, (None, {}))

@@ -254,6 +254,18 @@ def test_explain_shows_both_legs_of_a_handoff_and_books_nothing() -> None:
     assert (real.worker.name, real.prefill.worker.name if real.prefill else None) == ("d1", "p1")
 
 
+def test_explain_gives_each_pool_the_chain_of_its_block_size() -> None:
+    """The chosen pool's chain is the decision's own; the other pool's is its own size's."""
+    placement, index, _ = _placement()
+    _hold(index, "a", 4, 6, 1)
+    seen = completed(placement.explain(TOKENS))
+    assert seen.decision is not None and seen.decision.worker.name == "a"
+    assert [(t.pool, list(t.keys)) for t in seen.pools] == [
+        ("p4", prefix_keys(TOKENS, 4, MODEL, "")), ("p8", prefix_keys(TOKENS, 8, MODEL, ""))
+    ]  # fmt: skip
+    assert seen.pools[0].keys is seen.decision.keys
+
+
 def test_a_next_turn_extends_the_earlier_chain_and_equals_a_fresh_one(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
