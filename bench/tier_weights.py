@@ -38,7 +38,6 @@ import subprocess
 import sys
 import tempfile
 import time
-import urllib.request
 from collections import Counter
 from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
@@ -66,26 +65,13 @@ def _prompt(seed: int, length: int) -> list[int]:
     return [rng.randrange(6, 8000) for _ in range(length)]
 
 
-def _by_source(server: VllmServer) -> Counter[str]:
-    from prometheus_client.parser import text_string_to_metric_families
-
-    with urllib.request.urlopen(server.url + "/metrics", timeout=10) as resp:
-        text = resp.read().decode()
-    out: Counter[str] = Counter()
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            if sample.name == "vllm:prompt_tokens_cached_by_source_total":
-                out[sample.labels["source"]] += int(sample.value)
-    return out
-
-
 def _timed(server: VllmServer, tokens: list[int]) -> tuple[float, Counter[str]]:
     """Seconds for a one-token completion (its TTFT) and the cached tokens per source."""
-    before = _by_source(server)
+    before = server.cached_by_source()
     t0 = time.perf_counter()
     server.completion(tokens, max_tokens=1, temperature=0.0, ignore_eos=True)
     elapsed = time.perf_counter() - t0
-    return elapsed, _by_source(server) - before
+    return elapsed, server.cached_by_source() - before
 
 
 def _directive(endpoint: str, d: Directive) -> DirectiveAck:

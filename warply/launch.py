@@ -17,9 +17,13 @@ import subprocess
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Mapping, Sequence
+from collections import Counter
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
-from typing import IO, Any
+from typing import IO, TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from prometheus_client.samples import Sample
 
 HOST = "127.0.0.1"
 
@@ -233,16 +237,28 @@ class VllmServer(EngineProcess):
     def metrics(self, *names: str) -> dict[str, float]:
         """Each named Prometheus sample (e.g. `vllm:prefix_cache_hits_total`) summed over its
         label sets, from one /metrics fetch (0 if absent)."""
+        out = dict.fromkeys(names, 0.0)
+        for sample in self._samples():
+            if sample.name in out:
+                out[sample.name] += sample.value
+        return out
+
+    def cached_by_source(self) -> Counter[str]:
+        """Prompt tokens the engine found cached, per source (`local`, `external`, `p2p`:
+        `vllm:prompt_tokens_cached_by_source_total`), from one /metrics fetch."""
+        out: Counter[str] = Counter()
+        for sample in self._samples():
+            if sample.name == "vllm:prompt_tokens_cached_by_source_total":
+                out[sample.labels["source"]] += int(sample.value)
+        return out
+
+    def _samples(self) -> Iterator[Sample]:
         from prometheus_client.parser import text_string_to_metric_families
 
         with urllib.request.urlopen(self.url + "/metrics", timeout=10) as resp:
             text = resp.read().decode()
-        out = dict.fromkeys(names, 0.0)
         for family in text_string_to_metric_families(text):
-            for sample in family.samples:
-                if sample.name in out:
-                    out[sample.name] += sample.value
-        return out
+            yield from family.samples
 
     def metric(self, name: str) -> float:
         """One sample summed over its label sets (see `metrics`)."""

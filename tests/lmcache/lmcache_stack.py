@@ -7,12 +7,10 @@ from __future__ import annotations
 
 import random
 import sys
-import urllib.request
 from collections import Counter
 from pathlib import Path
 from typing import Any
 
-from prometheus_client.parser import text_string_to_metric_families
 from vllm_helpers import HOST, Collector, complete, engine, free_port, send_directive, start_all
 
 from warply.launch import EngineProcess, VllmServer, http_json
@@ -98,21 +96,11 @@ class Stack:
     def l1_used(self) -> int:
         return int(self.status()["storage_manager"]["l1_usage"][0])
 
-    def cached_by_source(self) -> Counter[str]:
-        with urllib.request.urlopen(self.server.url + "/metrics", timeout=10) as resp:
-            text = resp.read().decode()
-        out: Counter[str] = Counter()
-        for family in text_string_to_metric_families(text):
-            for sample in family.samples:
-                if sample.name == "vllm:prompt_tokens_cached_by_source_total":
-                    out[sample.labels["source"]] += int(sample.value)
-        return out
-
     def ask(self, tokens: list[int], cache_salt: str | None = None) -> tuple[str, Counter[str]]:
         """Greedy answer and the prompt tokens cached per source for this request."""
-        before = self.cached_by_source()
+        before = self.server.cached_by_source()
         reply = complete(self.server, tokens, max_tokens=8, cache_salt=cache_salt)
-        return str(reply["choices"][0]["text"]), self.cached_by_source() - before
+        return str(reply["choices"][0]["text"]), self.server.cached_by_source() - before
 
     def evict_from_device(self, seed: int) -> None:
         """Three other prompts: their blocks take the whole device cache."""

@@ -228,7 +228,7 @@ def test_a_restarted_engine_gets_its_document_prefix_back_from_disk(tiers: _Tier
 
     stack.restart()  # the engine's cache and LMCache's L1 are gone; the fs adapter's files stay
     assert stack.l1_used() == 0
-    assert stack.cached_by_source()[EXTERNAL] == 0
+    assert stack.server.cached_by_source()[EXTERNAL] == 0
     again, sources = stack.ask(doc)
     assert sources[EXTERNAL] == CHUNKED  # loaded from disk, not recomputed
     assert again == first

@@ -1,0 +1,44 @@
+"""`VllmServer` reads an engine's counters from its Prometheus text: here prometheus_client's own
+exporter on 127.0.0.1 (the library vLLM serves /metrics with) over a registry holding vLLM's
+metric names; no engine starts. Against real engines: tests/vllm/, tests/lmcache/."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from prometheus_client import CollectorRegistry, Counter, start_http_server
+
+from warply.launch import HOST, VllmServer, free_port
+
+
+@pytest.fixture
+def engine(tmp_path: Path) -> Iterator[VllmServer]:
+    registry = CollectorRegistry()
+    by_source = Counter("vllm:prompt_tokens_cached_by_source", "cached prompt tokens",
+                        ["engine", "source"], registry=registry)  # fmt: skip
+    by_source.labels("0", "local").inc(100)
+    by_source.labels("0", "p2p").inc(512)
+    by_source.labels("1", "local").inc(28)
+    hits = Counter("vllm:prefix_cache_hits", "prefix cache hits", ["engine"], registry=registry)
+    hits.labels("0").inc(3)
+    hits.labels("1").inc(4)
+    port = free_port()
+    server, thread = start_http_server(port, addr=HOST, registry=registry)
+    try:
+        yield VllmServer("vllm", "m", log_path=tmp_path / "engine.log", port=port)
+    finally:
+        server.shutdown()
+        server.server_close()
+        thread.join(timeout=5)
+
+
+def test_cached_tokens_are_summed_per_source(engine: VllmServer) -> None:
+    assert engine.cached_by_source() == {"local": 128, "p2p": 512}
+
+
+def test_named_samples_are_summed_over_label_sets(engine: VllmServer) -> None:
+    got = engine.metrics("vllm:prefix_cache_hits_total", "vllm:absent_total")
+    assert got == {"vllm:prefix_cache_hits_total": 7.0, "vllm:absent_total": 0.0}
+    assert engine.metric("vllm:prefix_cache_hits_total") == 7.0
