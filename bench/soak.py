@@ -42,10 +42,9 @@ from typing import Any
 
 import aiohttp
 import numpy as np
-import yaml  # type: ignore[import-untyped]
 from prometheus_client.parser import text_string_to_metric_families
 
-from warply.launch import HOST, EngineProcess, SimWorkers, free_port
+from warply.launch import EngineProcess, RouterServer, SimWorkers, free_port
 
 CACHE = Path(os.environ.get("WARPLY_CACHE", Path.home() / ".cache" / "warply")) / "models"
 MODEL = "tiny"
@@ -445,13 +444,7 @@ def _start(args: argparse.Namespace, workdir: Path, sims: list[SimWorkers]) -> E
     }
     if args.strategy:
         config["strategy"] = {"name": args.strategy}
-    (workdir / "router.yaml").write_text(yaml.safe_dump(config))
-    router = EngineProcess(
-        [sys.executable, "-m", "router", "--config", str(workdir / "router.yaml")],
-        url=f"http://{HOST}:{port}",
-        log_path=workdir / "router.log",
-    )
-    return router
+    return RouterServer(config, workdir)
 
 
 def _print(report: dict[str, Any]) -> None:

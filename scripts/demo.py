@@ -26,9 +26,8 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
-import yaml
 
-from warply.launch import HOST, EngineProcess, VllmServer, free_port, http_json
+from warply.launch import HOST, EngineProcess, RouterServer, VllmServer, free_port, http_json
 
 ROOT = Path(__file__).resolve().parents[1]
 TRACE = ROOT / "scripts" / "data" / "mooncake_conversations.jsonl"
@@ -180,10 +179,7 @@ def router_process(strategy: str, engines: list[tuple[EngineProcess, int, int]],
         "strategy": {"name": strategy, "knobs": KNOBS.get(strategy, {})},
         "pools": [{"name": "cpu", "block_size": BLOCK_SIZE, "workers": workers}],
     }
-    path = workdir / f"router-{strategy}.yaml"
-    path.write_text(yaml.safe_dump(config))
-    return EngineProcess([sys.executable, "-m", "router", "--config", str(path)],
-                         url=f"http://{HOST}:{port}", log_path=workdir / f"router-{strategy}.log")
+    return RouterServer(config, workdir, name=f"router-{strategy}")
 
 
 def reset_caches(engines: list[tuple[EngineProcess, int, int]]) -> None:

@@ -9,11 +9,8 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import logging
 import re
-import subprocess
-import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -36,7 +33,7 @@ from tests.test_router_api import (  # noqa: F401
     tokenizer_dir,
 )
 from vllm_connector.config import parse_config
-from warply.launch import HOST, free_port
+from warply.launch import HOST, RouterServer, free_port
 from warply.protocol import (
     BlockStored,
     Directive,
@@ -382,25 +379,18 @@ def test_router_process_listens_on_loopback_only(
     """`warply-router` started with no host listens on 127.0.0.1 alone (the kernel's table of
     listening sockets, not a connection attempt that a firewall could also refuse)."""
     port = free_port()
-    config = tmp_path / "router.yaml"
-    config.write_text(json.dumps({
+    config = {
         "model": "m", "tokenizer": str(tokenizer_dir), "port": port, "max_model_len": 64,
         "pools": [{"name": "p", "block_size": 4,
                    "workers": [{"name": "a", "url": f"http://{HOST}:{free_port()}"}]}],
-    }))  # fmt: skip
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "router", "--config", str(config)],
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-    )  # fmt: skip
-    try:
+    }  # fmt: skip
+    with RouterServer(config, tmp_path) as router:
+        assert router.proc is not None
         for _ in range(600):
-            if _listening(port) or proc.poll() is not None:
+            if _listening(port) or router.proc.poll() is not None:
                 break
             time.sleep(0.1)
-        assert _listening(port) == {"0100007F"}  # 127.0.0.1, little-endian hex
-    finally:
-        proc.terminate()
-        proc.wait(10)
+        assert _listening(port) == {"0100007F"}, router.log_tail()  # 127.0.0.1, little-endian hex
 
 
 def test_wildcard_control_socket_without_token_warns(caplog: pytest.LogCaptureFixture) -> None:

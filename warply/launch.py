@@ -14,6 +14,7 @@ import random
 import signal
 import socket
 import subprocess
+import sys
 import time
 import urllib.error
 import urllib.request
@@ -263,6 +264,33 @@ class VllmServer(EngineProcess):
     def metric(self, name: str) -> float:
         """One sample summed over its label sets (see `metrics`)."""
         return self.metrics(name)[name]
+
+
+class RouterServer(EngineProcess):
+    """`python -m router` (this interpreter) on `config`, which `start()` writes to
+    `<workdir>/<name>.yaml`; its log is `<name>.log` beside it."""
+
+    def __init__(
+        self,
+        config: Mapping[str, Any],
+        workdir: Path,
+        *,
+        name: str = "router",
+        env: Mapping[str, str] | None = None,
+    ) -> None:
+        self.config = dict(config)
+        self.config_path = workdir / f"{name}.yaml"
+        cmd = [sys.executable, "-m", "router", "--config", str(self.config_path)]
+        url = f"http://{HOST}:{self.config['port']}"
+        super().__init__(cmd, url=url, log_path=workdir / f"{name}.log", env=env)
+
+    def start(self) -> RouterServer:
+        import yaml  # type: ignore[import-untyped]
+
+        self.config_path.parent.mkdir(parents=True, exist_ok=True)
+        self.config_path.write_text(yaml.safe_dump(self.config))
+        super().start()
+        return self
 
 
 class RedisServer(EngineProcess):

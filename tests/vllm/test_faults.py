@@ -35,10 +35,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import yaml
 from conftest import HOST, free_port
 
-from warply.launch import EngineProcess, VllmServer
+from warply.launch import RouterServer, VllmServer
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -95,13 +94,7 @@ def stack(tiny_model: str, server_logs: Path) -> Iterator[dict[str, Any]]:
         "index": {"degraded_s": 2},
         "pools": [{"name": "cpu", "block_size": BLOCK, "workers": workers}],
     }
-    (server_logs / "faults-router.yaml").write_text(yaml.safe_dump(config))
-    router = EngineProcess(
-        [sys.executable, "-m", "router", "--config", str(server_logs / "faults-router.yaml")],
-        url=f"http://{HOST}:{port}",
-        log_path=server_logs / "faults-router.log",
-        env={"PYTHONPATH": str(ROOT)},
-    )
+    router = RouterServer(config, server_logs, name="faults-router", env={"PYTHONPATH": str(ROOT)})
     try:
         for e in engines:
             e.start()

@@ -25,7 +25,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import sys
 import threading
 import time
 import urllib.error
@@ -35,11 +34,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import yaml
 from conftest import HOST, engine, free_port
 
 from router.tokenize import RouterTokenizer
-from warply.launch import EngineProcess, VllmServer
+from warply.launch import RouterServer, VllmServer
 
 try:
     import nixl  # noqa: F401
@@ -106,13 +104,7 @@ def pd(tiny_model: str, server_logs: Path) -> Iterator[dict[str, Any]]:
             {"name": "decode", "role": "decode", "block_size": BLOCK, "workers": [workers["d"]]},
         ],
     }
-    (server_logs / "pd-router.yaml").write_text(yaml.safe_dump(config))
-    router = EngineProcess(
-        [sys.executable, "-m", "router", "--config", str(server_logs / "pd-router.yaml")],
-        url=f"http://{HOST}:{port}",
-        log_path=server_logs / "pd-router.log",
-        env={"PYTHONPATH": str(ROOT)},
-    )
+    router = RouterServer(config, server_logs, name="pd-router", env={"PYTHONPATH": str(ROOT)})
     try:
         router.start()  # first: its SUB sockets are bound before the engines connect
         for e in engines.values():

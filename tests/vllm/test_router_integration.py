@@ -18,10 +18,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import yaml
 
 from router.tokenize import RouterTokenizer
-from warply.launch import HOST, EngineProcess, VllmServer, free_port, http_json
+from warply.launch import HOST, EngineProcess, RouterServer, VllmServer, free_port, http_json
 
 ROOT = Path(__file__).resolve().parents[2]
 BLOCK = 32
@@ -72,12 +71,7 @@ def stack(model_dir: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[
         "pools": [{"name": "cpu", "block_size": BLOCK, "kv_bytes_per_token": 512,
                    "workers": workers}],
     }
-    (logs / "router.yaml").write_text(yaml.safe_dump(config))
-    router = EngineProcess(
-        [sys.executable, "-m", "router", "--config", str(logs / "router.yaml")],
-        url=f"http://{HOST}:{port}",
-        log_path=logs / "router.log",
-    )
+    router = RouterServer(config, logs)
     try:
         for e in engines:
             e.start()

@@ -20,10 +20,9 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-import yaml
 from conftest import engine, start_all
 
-from warply.launch import HOST, EngineProcess, SimWorkers, free_port
+from warply.launch import HOST, EngineProcess, RouterServer, SimWorkers, free_port
 
 BLOCK = 32  # vLLM 0.32 CPU attention takes multiples of 32 only
 SYSTEMS = [
@@ -47,13 +46,7 @@ def _router(workers: list[dict[str, str]], model: str, tag: str, logs: Path) -> 
         "strategy": {"name": "prefix_affinity"},
         "pools": [{"name": tag, "block_size": BLOCK, "workers": workers}],
     }
-    path = logs / f"router-{tag}.yaml"
-    path.write_text(yaml.safe_dump(config))
-    return EngineProcess(
-        [sys.executable, "-m", "router", "--config", str(path)],
-        url=f"http://{HOST}:{port}",
-        log_path=logs / f"router-{tag}.log",
-    )
+    return RouterServer(config, logs, name=f"router-{tag}")
 
 
 @pytest.fixture(scope="module")
