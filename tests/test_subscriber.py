@@ -44,15 +44,21 @@ async def _start(sub: StateSubscriber) -> asyncio.Task[None]:
     return task
 
 
+async def _bare(
+    worker: str = "w0",
+) -> tuple[zmq.Socket[bytes], StateSubscriber, _Sink, asyncio.Task[None]]:
+    """A bare PUB socket (an engine's stream, no replay socket) and a subscriber started on it."""
+    port = free_port()
+    pub = zmq.Context.instance().socket(zmq.PUB)
+    pub.bind(f"tcp://127.0.0.1:{port}")
+    sink = _Sink()
+    sub = StateSubscriber(worker, f"tcp://127.0.0.1:{port}", sink.on_batch, sink.on_stale)
+    return pub, sub, sink, await _start(sub)
+
+
 def test_bad_frames_are_counted_and_the_subscriber_keeps_going() -> None:
     async def main() -> None:
-        port = free_port()
-        ctx = zmq.Context.instance()
-        pub = ctx.socket(zmq.PUB)
-        pub.bind(f"tcp://127.0.0.1:{port}")
-        sink = _Sink()
-        sub = StateSubscriber("w0", f"tcp://127.0.0.1:{port}", sink.on_batch, sink.on_stale)
-        task = await _start(sub)
+        pub, sub, sink, task = await _bare()
         good = encode_batch(_load(0), 1.0)
         pub.send_multipart([b"", (0).to_bytes(8, "big"), good])
         pub.send_multipart([b"", b"\x01\x02", good])  # bad frame: 2-byte seq
@@ -84,12 +90,7 @@ def test_an_event_on_an_unknown_medium_is_skipped_without_a_gap() -> None:
     its sequence number is seen: no gap, no replay, no resync."""
 
     async def main() -> None:
-        port = free_port()
-        pub = zmq.Context.instance().socket(zmq.PUB)
-        pub.bind(f"tcp://127.0.0.1:{port}")
-        sink = _Sink()
-        sub = StateSubscriber("w0", f"tcp://127.0.0.1:{port}", sink.on_batch, sink.on_stale)
-        task = await _start(sub)
+        pub, sub, sink, task = await _bare()
         tape = [1.0, [{"type": "BlockRemoved", "block_hashes": [1], "medium": "TAPE"}]]
         cleared = [2.0, [{"type": "AllBlocksCleared"}]]
         for seq, batch in enumerate((tape, cleared)):
@@ -158,12 +159,7 @@ def test_late_joiner_takes_what_a_rotated_replay_buffer_still_holds() -> None:
 
 def test_unrecoverable_gap_and_restart_mark_the_worker_stale() -> None:
     async def main() -> None:
-        port = free_port()
-        pub = zmq.Context.instance().socket(zmq.PUB)
-        pub.bind(f"tcp://127.0.0.1:{port}")
-        sink = _Sink()
-        sub = StateSubscriber("w7", f"tcp://127.0.0.1:{port}", sink.on_batch, sink.on_stale)
-        task = await _start(sub)
+        pub, sub, sink, task = await _bare("w7")
         for seq in (0, 1, 5, 0):  # 2..4 lost with no replay socket; then the engine restarts
             pub.send_multipart([b"", seq.to_bytes(8, "big"), encode_batch(_load(seq), 1.0)])
         await _until(lambda: len(sink.batches) == 4)
