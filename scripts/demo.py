@@ -27,7 +27,14 @@ from typing import Any
 
 import aiohttp
 
-from warply.launch import HOST, EngineProcess, RouterServer, VllmServer, free_port, http_json
+from warply.launch import (
+    EngineProcess,
+    KvEvents,
+    RouterServer,
+    VllmServer,
+    free_port,
+    http_json,
+)
 
 ROOT = Path(__file__).resolve().parents[1]
 TRACE = ROOT / "scripts" / "data" / "mooncake_conversations.jsonl"
@@ -151,29 +158,24 @@ def engine_pair(
     `extra_args` go last on each `vllm serve` line (a repeated flag overrides the default)."""
     engines = []
     for i in range(2):
-        pub, replay_port = free_port(), free_port()
+        events = KvEvents()
         engine = VllmServer(
             vllm, model, log_path=workdir / f"vllm-{i}.log", served_name=MODEL_NAME,
             cpu_core=i, env={"VLLM_SERVER_DEV_MODE": "1"},
             args=["--block-size", str(BLOCK_SIZE), "--max-model-len", "4096",
                   "--enable-prefix-caching", "--enable-prompt-tokens-details", "--seed", "0",
                   *extra_args],
-            kv_events_config={"enable_kv_cache_events": True, "publisher": "zmq",
-                              "endpoint": f"tcp://*:{pub}",
-                              "replay_endpoint": f"tcp://{HOST}:{replay_port}", "topic": "kv"},
+            kv_events_config=events.engine_config(),
         )
-        engines.append((engine, pub, replay_port))
+        engines.append((engine, events.pub, events.replay))
     return engines
 
 
 def router_process(strategy: str, engines: list[tuple[EngineProcess, int, int]], model: str,
             workdir: Path) -> EngineProcess:
     port = free_port()
-    workers = [
-        {"name": f"engine-{i}", "url": e.url, "events": f"tcp://{HOST}:{pub}",
-         "replay": f"tcp://{HOST}:{replay}", "topic": "kv"}
-        for i, (e, pub, replay) in enumerate(engines)
-    ]
+    workers = [KvEvents(pub, replay).worker(f"engine-{i}", e.url)
+               for i, (e, pub, replay) in enumerate(engines)]  # fmt: skip
     config = {
         "model": MODEL_NAME, "tokenizer": model, "port": port, "auth_token": TOKEN,
         "strategy": {"name": strategy, "knobs": KNOBS.get(strategy, {})},

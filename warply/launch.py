@@ -20,6 +20,7 @@ import urllib.error
 import urllib.request
 from collections import Counter
 from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any
 
@@ -183,6 +184,26 @@ class EngineProcess:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+
+@dataclass(frozen=True)
+class KvEvents:
+    """A vLLM engine's stock KV-event stream (`--kv-events-config`: ZMQ PUB and its replay
+    socket, topic `kv`) on two free loopback ports, as the engine and the router each write it."""
+
+    pub: int = field(default_factory=free_port)
+    replay: int = field(default_factory=free_port)
+
+    def engine_config(self) -> dict[str, Any]:
+        """The engine's `kv_events_config`."""
+        return {"enable_kv_cache_events": True, "publisher": "zmq",
+                "endpoint": f"tcp://*:{self.pub}",
+                "replay_endpoint": f"tcp://{HOST}:{self.replay}", "topic": "kv"}  # fmt: skip
+
+    def worker(self, name: str, url: str) -> dict[str, Any]:
+        """The router's worker entry for the engine at `url`."""
+        return {"name": name, "url": url, "events": f"tcp://{HOST}:{self.pub}",
+                "replay": f"tcp://{HOST}:{self.replay}", "topic": "kv"}  # fmt: skip
 
 
 class VllmServer(EngineProcess):

@@ -35,9 +35,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import HOST, free_port
+from conftest import free_port
 
-from warply.launch import RouterServer, VllmServer
+from warply.launch import KvEvents, RouterServer, VllmServer
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -58,14 +58,12 @@ def _record(sent_to: int, failed: bool) -> None:
         LEDGER["failed" if failed else "ok"] += 1
 
 
-def _engine(model: str, logs: Path, i: int, pub: int, replay: int) -> VllmServer:
+def _engine(model: str, logs: Path, i: int, events: KvEvents) -> VllmServer:
     return VllmServer(
         VLLM_BIN, model, log_path=logs / f"vllm{i}.log", served_name="tiny", cpu_core=i,
         args=["--block-size", str(BLOCK), "--max-model-len", "2048", "--max-num-seqs", "1",
               "--enable-prefix-caching", "--enable-prompt-tokens-details", "--seed", "0"],
-        kv_events_config={"enable_kv_cache_events": True, "publisher": "zmq",
-                          "endpoint": f"tcp://*:{pub}",
-                          "replay_endpoint": f"tcp://{HOST}:{replay}", "topic": "kv"},
+        kv_events_config=events.engine_config(),
     )  # fmt: skip
 
 
@@ -75,11 +73,9 @@ def stack(tiny_model: str, server_logs: Path) -> Iterator[dict[str, Any]]:
     the engine's queue), and the router as a subprocess; all stopped by PID."""
     engines, workers = [], []
     for i in range(2):
-        pub, replay = free_port(), free_port()
-        engines.append(_engine(tiny_model, server_logs, i, pub, replay))
-        workers.append({"name": f"w{i}", "url": engines[-1].url, "topic": "kv",
-                        "events": f"tcp://{HOST}:{pub}",
-                        "replay": f"tcp://{HOST}:{replay}"})  # fmt: skip
+        events = KvEvents()
+        engines.append(_engine(tiny_model, server_logs, i, events))
+        workers.append(events.worker(f"w{i}", engines[-1].url))
     port = free_port()
     config = {
         "model": "tiny",

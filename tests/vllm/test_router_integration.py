@@ -20,7 +20,14 @@ from typing import Any
 import pytest
 
 from router.tokenize import RouterTokenizer
-from warply.launch import HOST, EngineProcess, RouterServer, VllmServer, free_port, http_json
+from warply.launch import (
+    EngineProcess,
+    KvEvents,
+    RouterServer,
+    VllmServer,
+    free_port,
+    http_json,
+)
 
 ROOT = Path(__file__).resolve().parents[2]
 BLOCK = 32
@@ -45,22 +52,17 @@ def stack(model_dir: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[
     engines: list[EngineProcess] = []
     workers = []
     for i in range(2):
-        pub, replay = free_port(), free_port()
+        events = KvEvents()
         engines.append(
             VllmServer(
                 VLLM_BIN, model_dir, log_path=logs / f"vllm{i}.log", served_name="tiny",
                 cpu_core=i,
                 args=["--block-size", str(BLOCK), "--max-model-len", "2048", "--max-num-seqs", "4",
                       "--enable-prefix-caching", "--enable-prompt-tokens-details", "--seed", "0"],
-                kv_events_config={"enable_kv_cache_events": True, "publisher": "zmq",
-                                  "endpoint": f"tcp://*:{pub}",
-                                  "replay_endpoint": f"tcp://{HOST}:{replay}", "topic": "kv"},
+                kv_events_config=events.engine_config(),
             )
         )
-        workers.append(
-            {"name": f"w{i}", "url": engines[-1].url, "events": f"tcp://{HOST}:{pub}",
-             "replay": f"tcp://{HOST}:{replay}", "topic": "kv"}
-        )
+        workers.append(events.worker(f"w{i}", engines[-1].url))
     port = free_port()
     config = {
         "model": "tiny",

@@ -32,7 +32,7 @@ import pytest
 import yaml
 from conftest import VLLM_BIN
 
-from warply.launch import HOST, EngineProcess, RedisServer, VllmServer, free_port
+from warply.launch import HOST, EngineProcess, KvEvents, RedisServer, VllmServer, free_port
 
 ROUTER_BIN = Path(__file__).resolve().parents[2] / ".venvs" / "core" / "bin" / "warply-router"
 """The router runs from the core venv (it has the Redis client; the vLLM venv need not)."""
@@ -157,21 +157,16 @@ def stack(tiny_model: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator
     engines: list[VllmServer] = []
     workers = []
     for i in range(2):
-        pub, replay = free_port(), free_port()
+        events = KvEvents()
         engines.append(
             VllmServer(
                 VLLM_BIN, tiny_model, log_path=logs / f"vllm{i}.log", cpu_core=i,
                 args=["--block-size", str(BLOCK), "--max-model-len", "2048", "--max-num-seqs", "4",
                       "--enable-prefix-caching", "--enable-prompt-tokens-details", "--seed", "0"],
-                kv_events_config={"enable_kv_cache_events": True, "publisher": "zmq",
-                                  "endpoint": f"tcp://*:{pub}",
-                                  "replay_endpoint": f"tcp://{HOST}:{replay}", "topic": "kv"},
+                kv_events_config=events.engine_config(),
             )
         )  # fmt: skip
-        workers.append(
-            {"name": f"w{i}", "url": engines[-1].url, "events": f"tcp://{HOST}:{pub}",
-             "replay": f"tcp://{HOST}:{replay}", "topic": "kv"}
-        )  # fmt: skip
+        workers.append(events.worker(f"w{i}", engines[-1].url))
     redis = RedisServer(log_path=logs / "redis.log")
     try:
         redis.start()

@@ -1,6 +1,7 @@
-"""`VllmServer` reads an engine's counters from its Prometheus text: here prometheus_client's own
-exporter on 127.0.0.1 (the library vLLM serves /metrics with) over a registry holding vLLM's
-metric names; no engine starts. Against real engines: tests/vllm/, tests/lmcache/."""
+"""warply/launch.py without an engine: `VllmServer` reads an engine's counters from its Prometheus
+text (here prometheus_client's own exporter on 127.0.0.1, the library vLLM serves /metrics with,
+over a registry holding vLLM's metric names); `KvEvents` gives the engine and the router the
+same stream. Against real engines: tests/vllm/, tests/lmcache/."""
 
 from __future__ import annotations
 
@@ -10,7 +11,8 @@ from pathlib import Path
 import pytest
 from prometheus_client import CollectorRegistry, Counter, start_http_server
 
-from warply.launch import HOST, VllmServer, free_port
+from router.config import WorkerConfig
+from warply.launch import HOST, KvEvents, VllmServer, free_port
 
 
 @pytest.fixture
@@ -42,3 +44,15 @@ def test_named_samples_are_summed_over_label_sets(engine: VllmServer) -> None:
     got = engine.metrics("vllm:prefix_cache_hits_total", "vllm:absent_total")
     assert got == {"vllm:prefix_cache_hits_total": 7.0, "vllm:absent_total": 0.0}
     assert engine.metric("vllm:prefix_cache_hits_total") == 7.0
+
+
+def test_the_router_subscribes_where_the_engine_publishes_its_kv_events() -> None:
+    events = KvEvents()
+    engine = events.engine_config()
+    worker = WorkerConfig.model_validate(events.worker("w0", "http://127.0.0.1:1"))
+    assert engine["endpoint"] == f"tcp://*:{events.pub}" and not worker.bind
+    assert (worker.events, worker.replay) == (
+        f"tcp://{HOST}:{events.pub}", engine["replay_endpoint"]
+    )  # fmt: skip
+    assert worker.topic == engine["topic"] and engine["publisher"] == "zmq"
+    assert events.pub != events.replay != KvEvents().pub
