@@ -1,5 +1,5 @@
-"""Engine processes (and the shared index store's server, and simulated workers) started by
-Warply (demo, benchmarks, tests): start, wait healthy, stop.
+"""Engine processes (and the shared index store's server, simulated workers, and the router)
+started by Warply (demo, benchmarks, tests): start, wait healthy, stop.
 
 Engines run as child processes in their own session, so `stop()` can end the whole process
 group (vLLM's API server plus its EngineCore children) by the PID we started. Nothing here
