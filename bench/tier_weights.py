@@ -111,7 +111,7 @@ def _stack(model: str, logs: Path, blocks: int, max_len: int) -> Iterator[tuple[
             [str(Path(sys.executable).parent / "lmcache"), *rendered.lmcache_server[1:]],
             url=f"http://{HOST}:{tier.lmcache_http_port}",
             log_path=logs / "lmcache-server.log",
-            env=env,
+            env={**env, **rendered.lmcache_env},
         )
         stack.enter_context(lmcache)
         lmcache.wait_healthy(120, path="/healthcheck")

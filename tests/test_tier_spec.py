@@ -115,6 +115,9 @@ def test_vllm_cpu_with_every_tier_renders_lmcache_mp() -> None:
         '{"type":"s3","s3_endpoint":"s3://kv-bucket.127.0.0.1:9000","s3_region":"us-east-1",'
         '"disable_tls":true}',
     ]  # fmt: skip
+    # The bucket's host name resolves nowhere: plain-HTTP requests go through the endpoint.
+    proxy = "http://127.0.0.1:9000"
+    assert out.lmcache_env == {"HTTP_PROXY": proxy, "http_proxy": proxy}
     assert out.mooncake_config is None
 
 
@@ -128,6 +131,9 @@ def test_vllm_redis_and_gpu_only() -> None:
     assert json.loads(server[-1]) == {
         "type": "resp", "host": "10.0.0.5", "port": 6379, "username": "kv", "password": "secret",
     }  # fmt: skip
+    assert render_vllm(tier).lmcache_env == {}  # redis: no proxy
+    aws = KVTier(l2="cpu", l3="ssd", ssd_path="/d", l4="object_store", object_store_url="s3://b")
+    assert render_vllm(aws).lmcache_env == {}  # AWS: BUCKET.s3.REGION.amazonaws.com resolves
     plain = render_vllm(KVTier())
     assert plain.kv_transfer_config == {"kv_connector": "WarplyConnector", "kv_role": "kv_both"}
     assert plain.lmcache_server is None

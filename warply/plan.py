@@ -282,7 +282,7 @@ def _vllm(r: _Replica, core: int, run_dir: Path) -> tuple[ProcessPlan, _Extra]:
         argv = [str(bin_dir / "lmcache"), *rendered.lmcache_server[1:]]
         extra.services.append(ProcessPlan(
             f"lmcache-{r.name}", "lmcache", argv, f"http://{HOST}:{tier.lmcache_http_port}",
-            "/healthcheck", {"LMCACHE_TRACK_USAGE": "false"},
+            "/healthcheck", {"LMCACHE_TRACK_USAGE": "false", **rendered.lmcache_env},
         ))  # fmt: skip
     if rendered.mooncake_config is not None:
         extra.files[f"mooncake-{r.name}.json"] = json.dumps(rendered.mooncake_config)

@@ -45,6 +45,8 @@ class VllmTiering:
     """argv of the LMCache MP server to start first (None: no LMCache)."""
     mooncake_config: dict[str, Any] | None = None
     """The Mooncake store file: write it as JSON, point `MOONCAKE_CONFIG_PATH` at it."""
+    lmcache_env: dict[str, str] = field(default_factory=dict)
+    """Environment the LMCache server needs besides its argv (an `http://` S3 endpoint's proxy)."""
 
     @property
     def engine_args(self) -> list[str]:
@@ -68,9 +70,11 @@ def render_vllm(
         raise ValueError(f"render_vllm: this KVTier is for {tier.engine}")
     extra: dict[str, Any] = {}
     lmcache: list[str] | None = None
+    lmcache_env: dict[str, str] = {}
     mooncake: dict[str, Any] | None = None
     if tier.l2 is not None and tier.chosen_backend == "lmcache":
         lmcache = _lmcache_server(tier)
+        lmcache_env = _lmcache_env(tier)
         extra["delegate"] = {
             "kv_connector": "LMCacheMPConnector",
             "kv_connector_extra_config": {
@@ -90,7 +94,7 @@ def render_vllm(
     config: dict[str, Any] = {"kv_connector": "WarplyConnector", "kv_role": kv_role}
     if extra:
         config["kv_connector_extra_config"] = extra
-    return VllmTiering(config, lmcache, mooncake)
+    return VllmTiering(config, lmcache, mooncake, lmcache_env)
 
 
 def _lmcache_server(tier: KVTier) -> list[str]:
@@ -140,6 +144,19 @@ def _lmcache_adapters(tier: KVTier) -> list[dict[str, Any]]:
                 s3["disable_tls"] = True
             adapters.append(s3)
     return adapters
+
+
+def _lmcache_env(tier: KVTier) -> dict[str, str]:
+    """LMCache 0.5.6's s3 adapter puts the bucket in the host name (`BUCKET.HOST`, no path-style
+    option), which resolves nowhere for an endpoint such as `http://127.0.0.1:9000`; the AWS CRT
+    under it honours `HTTP_PROXY`, so plain-HTTP requests go to the endpoint itself as a forward
+    proxy (absolute-form request line, `Host: BUCKET.HOST`) and no DNS name is looked up."""
+    endpoint = tier.object_store_endpoint
+    if tier.l4 is None or endpoint is None or urlsplit(endpoint).scheme != "http":
+        return {}
+    if urlsplit(tier.object_store_url or "").scheme != "s3":
+        return {}
+    return {"HTTP_PROXY": endpoint, "http_proxy": endpoint}
 
 
 def _mooncake_store(tier: KVTier) -> dict[str, Any]:
