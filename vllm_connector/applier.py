@@ -14,7 +14,9 @@ can really do on its device tier:
 - with an LMCache MP server behind the delegate (`lmcache_url`), through its HTTP API
   (`vllm_connector.lmcache`): evict on the cpu, ssd or object_store tier drops the prefix's
   whole chunks from LMCache's L1 or from the L2 adapter holding that tier; prefetch to the cpu
-  tier loads them from L2 into L1; other kinds there are rejected with what LMCache 0.5.6 lacks.
+  tier loads them from L2 into L1; offload to the ssd or object_store tier is applied when that
+  adapter's own listing already holds every whole chunk (LMCache's store policy writes them
+  there; it has no L1 -> L2 push); other kinds are rejected with what LMCache 0.5.6 lacks.
 
 Every directive gets a `DirectiveAck`, as the reply on the control socket and on the state stream.
 """
@@ -168,7 +170,8 @@ class DirectiveApplier:
         assert self._lmcache is not None and self._lmcache_identity is not None
         assert d.tier is not None
         prefetch = d.kind is DirectiveKind.PREFETCH and d.tier is Tier.CPU
-        if d.kind is not DirectiveKind.EVICT and not prefetch:
+        copy = d.kind is DirectiveKind.OFFLOAD and d.tier is not Tier.CPU
+        if d.kind is not DirectiveKind.EVICT and not prefetch and not copy:
             return DirectiveAck(
                 d.id,
                 False,
@@ -190,6 +193,8 @@ class DirectiveApplier:
                 chunks = self._lmcache.prefetch(tokens, d.namespace, model, world_size)
                 why = "" if chunks else "no whole chunk of this prefix is on LMCache's L2"
                 return DirectiveAck(d.id, chunks > 0, why, blocks=chunks)
+            if copy:
+                return self._copied(d, tokens, model, world_size)
             deleted, locked = self._lmcache.evict(d.tier, tokens, d.namespace, model, world_size)
         except LMCacheError as exc:
             return DirectiveAck(d.id, False, f"LMCache: {exc}")
@@ -197,6 +202,25 @@ class DirectiveApplier:
         if not deleted and not locked:
             reason = f"no whole chunk of this prefix is in LMCache's {d.tier.value} tier"
         return DirectiveAck(d.id, deleted > 0, reason, blocks=deleted)
+
+    def _copied(self, d: Directive, tokens: list[int], model: str, world_size: int) -> DirectiveAck:
+        """An offload to an L2 tier: LMCache 0.5.6 has no L1 -> L2 push, its store policy
+        writes every chunk to every adapter; the offload holds (applied) when the adapter's own
+        listing has every whole chunk of the prefix."""
+        assert self._lmcache is not None and d.tier is not None
+        try:
+            held, chunks = self._lmcache.held(d.tier, tokens, d.namespace, model, world_size)
+        except LMCacheError as exc:
+            why = f"offload: LMCache has no L1 -> L2 push, and no copy is confirmed: {exc}"
+            return DirectiveAck(d.id, False, why)
+        if chunks and held == chunks:
+            return DirectiveAck(d.id, True, blocks=held)
+        return DirectiveAck(
+            d.id,
+            False,
+            f"offload: LMCache has no L1 -> L2 push; {chunks - held} of {chunks} whole chunk(s) "
+            f"are not on its {d.tier.value} tier",
+        )
 
     def _evict(self, d: Directive, blocks: list[KVCacheBlock]) -> DirectiveAck:
         assert self._pool is not None

@@ -5,7 +5,11 @@ The server's L1 (host memory) is Warply's cpu tier; its L2 adapters are the lowe
 `warply.spec` renders them (`fs` → ssd, `resp` / `s3` → object_store). `GET /status` reports L1's
 occupancy as `storage_manager.l1_usage = [used_bytes, total_bytes]` and each adapter's settings
 (the `fs` adapter's `base_path`, whose files are the ssd tier's bytes: LMCache 0.5.6 keeps no L2
-byte count); a daemon thread polls both, so the scheduler thread only reads the last figures.
+byte count that survives a restart). The object_store tier's bytes are read back from the store:
+the `s3` adapter's bucket listing (`GET /cache/objects`, LMCache's own ListObjectsV2), or the keys
+the `resp` adapter wrote to its redis server (its address from `GET /config`; SCAN + STRLEN),
+at most every `_STORE_EVERY_S` and up to `_MAX_OBJECTS` objects. A daemon thread polls them all,
+so the scheduler thread only reads the last figures.
 `DELETE /cache/objects` drops named chunks from L1 (`tier: "l1"`; locked chunks are skipped and
 counted) or from one L2 adapter (`tier: "l2"`, `adapter`: its type from `GET /config/adapters`);
 `POST /cache/prefetches` loads a prefix's chunks from L2 into L1. Object keys are LMCache's own
@@ -20,7 +24,9 @@ from __future__ import annotations
 import json
 import logging
 import threading
+import time
 import urllib.error
+import urllib.parse
 import urllib.request
 from pathlib import Path
 from typing import Any
@@ -31,6 +37,12 @@ _log = logging.getLogger(__name__)
 _TIMEOUT_S = 5.0
 _ADAPTER_TIERS = {"fs": Tier.SSD, "resp": Tier.OBJECT_STORE, "s3": Tier.OBJECT_STORE}
 """LMCache L2 adapter type → the Warply tier it holds (as `warply.spec` renders them)."""
+_STORE_EVERY_S = 5.0
+"""The object store is listed at most this often (a bucket listing is paid per request)."""
+_MAX_OBJECTS = 100_000
+"""Objects read per listing at most; a store holding more reports no byte count."""
+_PAGE = 5000
+"""LMCache's largest `/cache/objects` page."""
 
 
 class LMCacheError(RuntimeError):
@@ -47,6 +59,13 @@ class LMCacheServer:
         self._layout: tuple[int, str] | None = None
         self._hasher: Any = None
         """LMCache's TokenHasher for the server's chunk size and hash algorithm (built once)."""
+        self._adapters: list[str] | None = None
+        """The server's L2 adapter types, in its order (read once)."""
+        self._redis: Any = None
+        """A redis-py client of the `resp` adapter's server (made once)."""
+        self._store_bytes: int | None = None
+        self._store_read_at = float("-inf")
+        self._store_error = ""
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._poll, name="warply-lmcache", daemon=True)
 
@@ -73,10 +92,22 @@ class LMCacheServer:
             for adapter in manager.get("l2_adapters", []):
                 if adapter.get("type") == "FSL2Adapter":
                     found[Tier.SSD] = _folder_bytes(Path(adapter["base_path"]))
-            self._bytes = found
         except (KeyError, IndexError, TypeError, ValueError) as exc:
             raise LMCacheError(f"GET /status: unexpected reply ({exc!r})") from None
+        store = self._object_store_bytes()
+        if store is not None:
+            found[Tier.OBJECT_STORE] = store
+        self._bytes = found
         return status
+
+    def held(
+        self, tier: Tier, token_ids: list[int], cache_salt: str, model_name: str, world_size: int
+    ) -> tuple[int, int]:
+        """(whole chunks of `token_ids` the adapter holding `tier` has, whole chunks in all), read
+        from the adapter's own listing (raises `LMCacheError` where it cannot list: fs, resp)."""
+        keys = self._object_keys(token_ids, cache_salt, model_name, world_size)
+        listed = {_key_id(e["key"]) for e in self._listing(self.adapter(tier), model_name)}
+        return sum(_key_id(k) in listed for k in keys), len(keys)
 
     def evict(
         self, tier: Tier, token_ids: list[int], cache_salt: str, model_name: str, world_size: int
@@ -103,11 +134,88 @@ class LMCacheServer:
 
     def adapter(self, tier: Tier) -> str:
         """The type name of the server's L2 adapter that holds `tier` (raises `LMCacheError`)."""
-        adapters = [a["type_name"] for a in self._request("GET", "/config/adapters")["adapters"]]
+        adapters = self._adapter_types()
         for name in adapters:
             if _ADAPTER_TIERS.get(name) is tier:
-                return str(name)
+                return name
         raise LMCacheError(f"no L2 adapter holds the {tier.value} tier (adapters: {adapters})")
+
+    def _adapter_types(self) -> list[str]:
+        if self._adapters is None:
+            reply = self._request("GET", "/config/adapters")
+            self._adapters = [str(a["type_name"]) for a in reply["adapters"]]
+        return self._adapters
+
+    def _object_store_bytes(self) -> int | None:
+        """The object_store tier's bytes as of its last reading (taken again when due); None:
+        no such adapter, or its store could not be read (logged when the reason changes)."""
+        now = time.monotonic()
+        if now - self._store_read_at < _STORE_EVERY_S:
+            return self._store_bytes
+        self._store_read_at = now
+        error = ""
+        try:
+            kinds = self._adapter_types()
+            if "s3" in kinds:
+                self._store_bytes = sum(int(e["size_bytes"]) for e in self._listing("s3"))
+            elif "resp" in kinds:
+                self._store_bytes = self._redis_bytes(kinds.index("resp"))
+        except LMCacheError as exc:
+            self._store_bytes, error = None, str(exc)
+        if error and error != self._store_error:
+            _log.warning("Warply: LMCache's object store unreadable: %s", error)
+        self._store_error = error
+        return self._store_bytes
+
+    def _listing(self, adapter: str, model_name: str | None = None) -> list[dict[str, Any]]:
+        """Every object the adapter lists (`GET /cache/objects`; raises `LMCacheError` where it
+        cannot list, or past `_MAX_OBJECTS`)."""
+        entries: list[dict[str, Any]] = []
+        query: dict[str, str] = {"tier": "l2", "adapter": adapter, "page_size": str(_PAGE)}
+        if model_name is not None:
+            query["model_name"] = model_name
+        while True:
+            page = self._request("GET", "/cache/objects?" + urllib.parse.urlencode(query))
+            entries += page["entries"]
+            if len(entries) > _MAX_OBJECTS:
+                raise LMCacheError(f"the {adapter} adapter holds over {_MAX_OBJECTS} objects")
+            if not page.get("next_page_token"):
+                return entries
+            query["page_token"] = str(page["next_page_token"])
+
+    def _redis_bytes(self, index: int) -> int:
+        """Bytes of the values LMCache's `resp` adapter (the `index`-th) wrote to its redis
+        server: its keys are `MODEL@RANK@GROUP@HASH[@SALT]` (LMCache 0.5.6), raw values."""
+        import redis  # in the LMCache venv only, like lmcache itself
+
+        try:
+            if self._redis is None:
+                manager = self._request("GET", "/config")["storage_manager"]
+                conf = manager["l2_adapter_config"]["adapters"][index]
+                self._redis = redis.Redis(
+                    host=conf["host"], port=int(conf["port"]), username=conf["username"] or None,
+                    password=conf["password"] or None, socket_timeout=_TIMEOUT_S,
+                )  # fmt: skip
+            total = seen = 0
+            batch: list[bytes] = []
+            for key in self._redis.scan_iter(match="*@*@*@*", count=1000):
+                batch.append(key)
+                if len(batch) == 1000:
+                    total += self._strlen(batch)
+                    seen, batch = seen + len(batch), []
+                    if seen > _MAX_OBJECTS:
+                        raise LMCacheError(f"redis holds over {_MAX_OBJECTS} LMCache objects")
+            return total + (self._strlen(batch) if batch else 0)
+        except (KeyError, IndexError, TypeError, ValueError) as exc:
+            raise LMCacheError(f"GET /config: unexpected reply ({exc!r})") from None
+        except redis.RedisError as exc:
+            raise LMCacheError(f"redis: {exc}") from None
+
+    def _strlen(self, keys: list[bytes]) -> int:
+        pipe = self._redis.pipeline(transaction=False)
+        for key in keys:
+            pipe.strlen(key)
+        return sum(int(n) for n in pipe.execute())
 
     def _object_keys(
         self, token_ids: list[int], cache_salt: str, model_name: str, world_size: int
@@ -158,6 +266,12 @@ class LMCacheServer:
             raise LMCacheError(f"{method} {path}: HTTP {err.code} {err.read()[:200]!r}") from None
         except (OSError, ValueError) as exc:
             raise LMCacheError(f"{method} {path}: {exc}") from None
+
+
+def _key_id(key: dict[str, Any]) -> tuple[str, str, int, int, str]:
+    """An LMCache object key (its JSON shape) as a comparable value."""
+    return (str(key["chunk_hash_hex"]), str(key["model_name"]), int(key["kv_rank"]),
+            int(key["object_group_id"]), str(key["cache_salt"]))  # fmt: skip
 
 
 def _folder_bytes(root: Path) -> int:
