@@ -5,16 +5,24 @@ size), so three other prompts evict a prefix from it."""
 
 from __future__ import annotations
 
+import os
 import random
 import sys
+import time
 from collections import Counter
+from collections.abc import Callable, Mapping, Sequence
+from importlib.util import find_spec
 from pathlib import Path
 from typing import Any
 
 from vllm_helpers import HOST, Collector, complete, engine, free_port, send_directive, start_all
 
+from router.config import PoolConfig, WorkerConfig
+from router.index import MemoryStore, PrefixIndex, completed
+from router.metrics.stats import bytes_by_pool_tier, index_view
+from router.workers import Workers
 from warply.launch import EngineProcess, VllmServer, http_json
-from warply.protocol import Directive, DirectiveAck, DirectiveKind, Tier
+from warply.protocol import Directive, DirectiveAck, DirectiveKind, LoadSnapshot, Tier
 from warply.spec import KVTier, render_vllm
 
 BLOCK = 256
@@ -24,9 +32,29 @@ PROMPT_LEN = 600
 CHUNKED = PROMPT_LEN // BLOCK * BLOCK
 """Tokens of a prompt LMCache can hold (512)."""
 WORKER = "w"
+MODEL = "tiny"
+"""The served model name: the root of the canonical keys the plugin and the router compute."""
 EXTERNAL = "external_unspecified"
 """The source vLLM 0.32 reports for tokens LMCacheMPConnector loaded."""
 _ENV = {"LMCACHE_TRACK_USAGE": "false"}
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def overlay_env(tmp: Path, venv: str, module: str, entries: Sequence[str]) -> dict[str, str] | None:
+    """PYTHONPATH under which this venv's processes import `module` from `.venvs/VENV`'s
+    packages `entries` (globs), through links under `tmp` (nothing is installed): {} if
+    `module` is importable here already, None if that venv lacks it."""
+    if find_spec(module) is not None:
+        return {}
+    site = next(iter((ROOT / ".venvs" / venv / "lib").glob("python3*/site-packages")), None)
+    if site is None or not (site / module).is_dir():
+        return None
+    overlay = tmp / f"{module}-overlay"
+    overlay.mkdir()
+    for pattern in entries:
+        for entry in site.glob(pattern):
+            (overlay / entry.name).symlink_to(entry)
+    return {"PYTHONPATH": os.pathsep.join([str(overlay), os.environ.get("PYTHONPATH", "")])}
 
 
 def prompt(seed: int) -> list[int]:
@@ -36,9 +64,13 @@ def prompt(seed: int) -> list[int]:
 
 class Stack:
     """The engine, its LMCache server (tiers: `tier_fields` of `KVTier`) and the plugin's
-    sockets. `start()`, `restart()` and `close()` drive the processes (stopped by PID)."""
+    sockets. `start()`, `stop()`, `restart()` and `close()` drive the processes (stopped by
+    PID); `lmcache_env` is added to the LMCache server's environment."""
 
-    def __init__(self, model: str, logs: Path, **tier_fields: Any) -> None:
+    def __init__(
+        self, model: str, logs: Path, lmcache_env: Mapping[str, str] | None = None,
+        **tier_fields: Any,
+    ) -> None:  # fmt: skip
         self.state = Collector()
         self.control = f"tcp://{HOST}:{free_port()}"
         tier = KVTier(
@@ -60,7 +92,7 @@ class Stack:
             [str(Path(sys.executable).parent / "lmcache"), *rendered.lmcache_server[1:]],
             url=self.lmcache_url,
             log_path=logs / "lmcache-server.log",
-            env=_ENV,
+            env={**_ENV, **rendered.lmcache_env, **(lmcache_env or {})},
         )
         self.server: VllmServer = engine(
             model,
@@ -76,16 +108,18 @@ class Stack:
         self.lmcache.wait_healthy(120, path="/healthcheck")
         start_all([self.server])
 
-    def restart(self) -> None:
-        """Both processes stopped and started again: the engine's cache and LMCache's L1 are
-        gone; what its L2 adapters wrote (disk, redis) stays."""
+    def stop(self) -> None:
         self.server.stop()
         self.lmcache.stop()
+
+    def restart(self) -> None:
+        """Both processes stopped and started again: the engine's cache and LMCache's L1 are
+        gone; what its L2 adapters wrote (disk, redis, a bucket) stays."""
+        self.stop()
         self.start()
 
     def close(self) -> None:
-        self.server.stop()
-        self.lmcache.stop()
+        self.stop()
         self.state.close()
 
     def status(self) -> dict[str, Any]:
@@ -114,3 +148,59 @@ class Stack:
         d = Directive(f"{kind.value}-{tier.value}", kind, token_ids=tokens, tier=tier,
                       namespace=namespace)  # fmt: skip
         return send_directive(self.control, d)
+
+
+def until(what: str, check: Callable[[], bool], timeout_s: float = 20) -> None:
+    """Wait for a background effect (LMCache stores to L2 and prefetches asynchronously)."""
+    deadline = time.monotonic() + timeout_s
+    while not check():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.2)
+
+
+def reported(events: list[Any], tier: Tier) -> int | None:
+    """The `tier` bytes of the plugin's last load snapshot that carries them."""
+    for e in reversed(events):
+        if isinstance(e, LoadSnapshot) and e.backend_bytes and tier in e.backend_bytes:
+            return e.backend_bytes[tier]
+    return None
+
+
+def snapshot_shows(stack: Stack, tier: Tier, expected: int) -> None:
+    """Wait for a load snapshot carrying `expected` bytes on `tier` (snapshots go out at engine
+    steps: a short prompt, no whole chunk, makes one after the plugin's next reading)."""
+
+    def seen() -> bool:
+        complete(stack.server, prompt(999)[:16], max_tokens=1)
+        return reported(stack.state.snapshot(), tier) == expected
+
+    until(f"a load snapshot with {expected} {tier.value} bytes", seen)
+
+
+def router_bytes(events: list[Any], model: str, tier: Tier) -> int:
+    """`bytes_by_tier[tier]` as the router computes it from the plugin's stream."""
+    index = PrefixIndex(model, MemoryStore())
+    completed(index.apply(WORKER, events))
+    workers = Workers(
+        [PoolConfig(name="p", block_size=BLOCK, workers=[WorkerConfig(name=WORKER, url="http://x")])]
+    )
+    workers.engine_load(WORKER, [e for e in events if isinstance(e, LoadSnapshot)][-1])
+    stats = completed(index.stats())
+    return index_view(stats, bytes_by_pool_tier(stats, workers), workers).bytes_by_tier[tier.value]
+
+
+def evict_l1(stack: Stack, tokens: list[int], namespace: str = "") -> int:
+    """Evict the prefix's L1 copies once LMCache lets go of them (LMCache 0.5.6 keeps a chunk
+    locked in L1 until its L2 writes finish, and the plugin skips locked chunks, "kept N
+    locked"): evicts again until none is kept; the chunks evicted in all."""
+    evicted: list[int] = []
+
+    def done() -> bool:
+        ack = stack.direct(DirectiveKind.EVICT, tokens, Tier.CPU, namespace)
+        assert ack.applied or "locked" in ack.reason, ack.reason
+        evicted.append(ack.blocks)
+        return ack.applied and "locked" not in ack.reason
+
+    until("the prefix's L1 chunks unlocked and evicted", done)
+    return sum(evicted)

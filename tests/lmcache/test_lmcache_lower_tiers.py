@@ -6,8 +6,9 @@ Shown: evict directives move a prefix off each tier (and the engine then loads i
 one down, or recomputes it) while the plugin's `backend_bytes` and the router's `bytes_by_tier`
 follow the ssd tier's bytes; a prefetch directive brings a prefix from L2 back into L1; one
 tenant's (cache_salt) chunks on the lower tiers never serve another tenant; an engine and
-LMCache server restarted get a document prefix back from disk instead of recomputing it.
-(LMCache 0.5.6's `s3` adapter cannot reach moto on loopback, see docs/tiering.md.)
+LMCache server restarted get a document prefix back from disk instead of recomputing it. The
+object_store tier's bytes are read back from redis by the plugin. (The `s3` adapter on moto:
+tests/lmcache/test_lmcache_s3.py.)
 """
 
 from __future__ import annotations
@@ -15,59 +16,50 @@ from __future__ import annotations
 import asyncio
 import subprocess
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
-from typing import Any
 
 import pytest
-from lmcache_stack import BLOCK, CHUNKED, EXTERNAL, WORKER, Stack, prompt
-from vllm_helpers import HOST, complete, free_port
+import redis
+from lmcache_stack import (
+    BLOCK,
+    CHUNKED,
+    EXTERNAL,
+    MODEL,
+    WORKER,
+    Stack,
+    evict_l1,
+    prompt,
+    router_bytes,
+    snapshot_shows,
+    until,
+)
+from vllm_helpers import HOST, free_port
 
 from router.config import PoolConfig, TieringConfig, WorkerConfig
-from router.index import MemoryStore, PrefixIndex, completed
+from router.index import MemoryStore, PrefixIndex
 from router.metrics.registry import Series
-from router.metrics.stats import bytes_by_pool_tier, index_view
 from router.tiering import Action, TierPolicy, TierRunner, TierState
 from router.workers import Workers
-from warply.protocol import DirectiveAck, DirectiveKind, LoadSnapshot, Tier, chain_keys, root_seed
+from warply.protocol import DirectiveKind, Tier, chain_keys, root_seed
 
 pytestmark = pytest.mark.timeout(600)
 
 EVICT, PREFETCH = DirectiveKind.EVICT, DirectiveKind.PREFETCH
-MODEL = "tiny"
-"""The served model name: the root of the canonical keys the plugin and the router compute."""
 
 
 def _folder_bytes(root: Path) -> int:
     return sum(p.stat().st_size for p in root.rglob("*") if p.is_file())
 
 
-def _until(what: str, check: Callable[[], bool], timeout_s: float = 20) -> None:
-    """Wait for a background effect (LMCache stores to L2 and prefetches asynchronously)."""
-    deadline = time.monotonic() + timeout_s
-    while not check():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.2)
-
-
-def _evict_l1(stack: Stack, p: list[int], namespace: str = "") -> DirectiveAck:
-    """Evict `p`'s L1 copies once LMCache lets go of them: LMCache 0.5.6 keeps a chunk locked
-    in L1 until its L2 writes finish, and the plugin skips locked chunks ("kept N locked")."""
-    acks: list[DirectiveAck] = []
-
-    def evicted() -> bool:
-        acks.append(stack.direct(EVICT, p, Tier.CPU, namespace=namespace))
-        assert acks[-1].applied or "locked" in acks[-1].reason, acks[-1].reason
-        return acks[-1].applied
-
-    _until("the prefix's L1 chunks unlocked and evicted", evicted)
-    return acks[-1]
-
-
 class _Tiers:
-    def __init__(self, stack: Stack, ssd: Path) -> None:
+    def __init__(self, stack: Stack, ssd: Path, redis_port: int) -> None:
         self.stack, self.ssd = stack, ssd
+        self.redis = redis.Redis(HOST, redis_port)
+
+    def in_redis(self) -> dict[bytes, int]:
+        """Every value in the test's redis-server (LMCache's resp adapter alone writes there)."""
+        return {k: int(self.redis.strlen(k)) for k in self.redis.scan_iter()}
 
 
 @pytest.fixture(scope="module")
@@ -86,42 +78,11 @@ def tiers(
     )  # fmt: skip
     try:
         stack.start()
-        yield _Tiers(stack, ssd)
+        yield _Tiers(stack, ssd, port)
     finally:
         stack.close()
         redis.terminate()
         redis.wait(10)
-
-
-def _ssd_reported(events: list[Any]) -> int | None:
-    """The ssd bytes of the plugin's last load snapshot that carries them."""
-    for e in reversed(events):
-        if isinstance(e, LoadSnapshot) and e.backend_bytes and Tier.SSD in e.backend_bytes:
-            return e.backend_bytes[Tier.SSD]
-    return None
-
-
-def _router_ssd_bytes(events: list[Any]) -> int:
-    """`bytes_by_tier["ssd"]` as the router computes it from the plugin's stream."""
-    index = PrefixIndex(MODEL, MemoryStore())
-    completed(index.apply(WORKER, events))
-    workers = Workers(
-        [PoolConfig(name="p", block_size=BLOCK, workers=[WorkerConfig(name=WORKER, url="http://x")])]
-    )
-    workers.engine_load(WORKER, [e for e in events if isinstance(e, LoadSnapshot)][-1])
-    stats = completed(index.stats())
-    return index_view(stats, bytes_by_pool_tier(stats, workers), workers).bytes_by_tier["ssd"]
-
-
-def _snapshot_shows_ssd(stack: Stack, expected: int) -> None:
-    """Wait for a load snapshot carrying `expected` ssd bytes (snapshots go out at engine steps:
-    a short prompt, no whole chunk, makes one after the plugin's next /status poll)."""
-
-    def seen() -> bool:
-        complete(stack.server, prompt(999)[:16], max_tokens=1)
-        return _ssd_reported(stack.state.snapshot()) == expected
-
-    _until(f"a load snapshot with {expected} ssd bytes", seen)
 
 
 def test_directives_move_a_prefix_down_the_tiers_and_bytes_follow(tiers: _Tiers) -> None:
@@ -129,19 +90,23 @@ def test_directives_move_a_prefix_down_the_tiers_and_bytes_follow(tiers: _Tiers)
     p = prompt(11)
     first, sources = stack.ask(p)
     assert sources[EXTERNAL] == 0
-    _until("the prefix's chunks on disk", lambda: _folder_bytes(tiers.ssd) > 0)
+    until("the prefix's chunks on disk", lambda: _folder_bytes(tiers.ssd) > 0)
     on_disk = _folder_bytes(tiers.ssd)
-    _snapshot_shows_ssd(stack, on_disk)
-    assert _router_ssd_bytes(stack.state.snapshot()) == on_disk
+    snapshot_shows(stack, Tier.SSD, on_disk)
+    assert router_bytes(stack.state.snapshot(), MODEL, Tier.SSD) == on_disk
+    until("the prefix's chunks in redis", lambda: len(tiers.in_redis()) == CHUNKED // BLOCK)
+    in_redis = sum(tiers.in_redis().values())
+    snapshot_shows(stack, Tier.OBJECT_STORE, in_redis)
+    assert router_bytes(stack.state.snapshot(), MODEL, Tier.OBJECT_STORE) == in_redis
 
     l1_before = stack.l1_used()
-    acks = {Tier.CPU: _evict_l1(stack, p), Tier.SSD: stack.direct(EVICT, p, Tier.SSD)}
-    for tier, ack in acks.items():
-        assert ack.applied and ack.blocks == CHUNKED // BLOCK, (tier, ack.reason)
+    assert evict_l1(stack, p) == CHUNKED // BLOCK
+    ack = stack.direct(EVICT, p, Tier.SSD)
+    assert ack.applied and ack.blocks == CHUNKED // BLOCK, ack.reason
     assert stack.l1_used() < l1_before
     assert _folder_bytes(tiers.ssd) < on_disk
-    _snapshot_shows_ssd(stack, _folder_bytes(tiers.ssd))
-    assert _router_ssd_bytes(stack.state.snapshot()) == _folder_bytes(tiers.ssd)
+    snapshot_shows(stack, Tier.SSD, _folder_bytes(tiers.ssd))
+    assert router_bytes(stack.state.snapshot(), MODEL, Tier.SSD) == _folder_bytes(tiers.ssd)
 
     stack.evict_from_device(300)
     again, sources = stack.ask(p)  # L1 and disk dropped it: it comes from redis
@@ -161,12 +126,12 @@ def test_prefetch_brings_a_prefix_from_l2_back_into_l1(tiers: _Tiers) -> None:
     stack = tiers.stack
     p = prompt(21)
     stack.ask(p)
-    _until("the prefix's chunks on disk", lambda: _folder_bytes(tiers.ssd) > 0)
-    _evict_l1(stack, p)
+    until("the prefix's chunks on disk", lambda: _folder_bytes(tiers.ssd) > 0)
+    evict_l1(stack, p)
     l1_without = stack.l1_used()
     ack = stack.direct(PREFETCH, p, Tier.CPU)
     assert ack.applied and ack.blocks == CHUNKED // BLOCK, ack.reason
-    _until("the prefetched chunks in L1", lambda: stack.l1_used() > l1_without)
+    until("the prefetched chunks in L1", lambda: stack.l1_used() > l1_without)
     rejected = stack.direct(DirectiveKind.OFFLOAD, p, Tier.SSD)
     assert not rejected.applied and "no L1 -> L2 push" in rejected.reason
 
@@ -176,8 +141,8 @@ def test_one_tenants_lower_tier_chunks_never_serve_another(tiers: _Tiers) -> Non
     p = prompt(31)
     first, sources = stack.ask(p, cache_salt="tenant-a")
     assert sources[EXTERNAL] == 0
-    _until("tenant-a's chunks on disk", lambda: _folder_bytes(tiers.ssd) > 0)
-    _evict_l1(stack, p, namespace="tenant-a")  # L2 copies only
+    until("tenant-a's chunks on disk", lambda: _folder_bytes(tiers.ssd) > 0)
+    evict_l1(stack, p, namespace="tenant-a")  # L2 copies only
     stack.evict_from_device(400)
 
     other, sources = stack.ask(p, cache_salt="tenant-b")
@@ -203,7 +168,7 @@ def test_a_policy_run_by_the_router_moves_bytes_by_canonical_keys(tiers: _Tiers)
     stack = tiers.stack
     p = prompt(51)
     stack.ask(p)
-    _until("the prefix's chunks on disk", lambda: _folder_bytes(tiers.ssd) > 0)
+    until("the prefix's chunks on disk", lambda: _folder_bytes(tiers.ssd) > 0)
     on_disk = _folder_bytes(tiers.ssd)
     workers = Workers([PoolConfig(name="p", block_size=BLOCK, workers=[
         WorkerConfig(name=WORKER, url="http://x", control=stack.control)])])  # fmt: skip
@@ -223,7 +188,7 @@ def test_a_restarted_engine_gets_its_document_prefix_back_from_disk(tiers: _Tier
     stack = tiers.stack
     doc = prompt(41)
     first, _ = stack.ask(doc)
-    _until("the document's chunks on disk", lambda: _folder_bytes(tiers.ssd) > 0)
+    until("the document's chunks on disk", lambda: _folder_bytes(tiers.ssd) > 0)
     assert stack.direct(EVICT, doc, Tier.OBJECT_STORE).applied  # disk is its only lower tier
 
     stack.restart()  # the engine's cache and LMCache's L1 are gone; the fs adapter's files stay

@@ -10,40 +10,24 @@ skipped when neither venv can provide it. ~4 min on 2 cores.
 from __future__ import annotations
 
 import asyncio
-import os
 import sys
 import time
-from importlib.util import find_spec
 from pathlib import Path
 
 import pytest
+from lmcache_stack import overlay_env
 
 import warply as wp
 from warply.lifecycle import group_members
 
 pytestmark = pytest.mark.timeout(900)
 
-ROOT = Path(__file__).resolve().parents[2]
 SYSTEM = " ".join(f"rule{i} cache block prefix token" for i in range(120))
 """A shared system prompt of several LMCache chunks (256 tokens each)."""
 
 
-def _nixl_env(tmp: Path) -> dict[str, str] | None:
-    """PYTHONPATH for engines that can import nixl (None: no nixl on this machine)."""
-    if find_spec("nixl") is not None:
-        return {}
-    site = next(iter((ROOT / ".venvs" / "vllm" / "lib").glob("python3*/site-packages")), None)
-    if site is None or not (site / "nixl").is_dir():
-        return None
-    overlay = tmp / "nixl-overlay"
-    overlay.mkdir()
-    for entry in site.glob("nixl*"):
-        (overlay / entry.name).symlink_to(entry)
-    return {"PYTHONPATH": os.pathsep.join([str(overlay), os.environ.get("PYTHONPATH", "")])}
-
-
 def test_design_example_up_chat_stats_down(tiny_model: str, tmp_path: Path) -> None:
-    env = _nixl_env(tmp_path)
+    env = overlay_env(tmp_path, "vllm", "nixl", ["nixl*"])
     if env is None:
         pytest.skip("no nixl in .venvs/lmcache or .venvs/vllm")
     engine = wp.DisaggEngine(
