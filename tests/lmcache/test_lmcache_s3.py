@@ -32,6 +32,7 @@ from lmcache_stack import (
     BLOCK,
     CHUNKED,
     EXTERNAL,
+    MODEL,
     ROOT,
     WORKER,
     Stack,
@@ -55,7 +56,6 @@ from warply.protocol import DirectiveKind, Tier, chain_keys, root_seed
 pytestmark = pytest.mark.timeout(600)
 
 BUCKET = "warply-kv"
-MODEL = "tiny"
 _CREDENTIALS = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing"}
 """moto accepts any keys; LMCache's s3 adapter resolves them through boto3 (env vars)."""
 _BOTO3 = ["boto3", "botocore", "s3transfer", "dateutil", "six.py"]
