@@ -91,6 +91,17 @@ def test_aggregated_without_tiers_has_no_delegate(model_dir: str, tmp_path: Path
     assert config.tiering.policy.name == "lru_by_tier"
 
 
+def test_an_s3_tier_on_an_http_endpoint_reaches_it_through_the_proxy(
+    model_dir: str, tmp_path: Path
+) -> None:
+    tier = wp.KVTier(l2="cpu", l3="ssd", ssd_path="/kv", l4="object_store",
+                     object_store_url="s3://kv", object_store_endpoint="http://127.0.0.1:9000")
+    spec = wp.Engine(model=model_dir, pool=wp.Pool("cpu"), routing=wp.CacheRouting(tiering=tier))
+    (lmcache,) = make_plan(spec, BINS, tmp_path, cpu_cores=2).services
+    assert lmcache.env["HTTP_PROXY"] == "http://127.0.0.1:9000"  # LMCache's BUCKET.HOST
+    assert json.loads(lmcache.argv[-1])["s3_endpoint"] == "s3://kv.127.0.0.1:9000"
+
+
 def test_gpu_pools_take_devices_in_order(model_dir: str, tmp_path: Path) -> None:
     spec = wp.DisaggEngine(model=model_dir, prefill=wp.Pool("1xH100", replicas=2),
                            decode=wp.Pool("2xH100"))  # fmt: skip

@@ -52,7 +52,8 @@ class KVTier(BaseModel):
     object_store_url: str | None = None
     """The shared tier: `s3://BUCKET` or `redis://[USER:PASSWORD@]HOST:PORT`."""
     object_store_endpoint: str | None = None
-    """An S3-compatible endpoint (`http://127.0.0.1:9000`); None: AWS."""
+    """An S3-compatible endpoint (`http://127.0.0.1:9000`); None: AWS. LMCache's s3 adapter
+    reaches an `http://` one as the proxy of `BUCKET.HOST` (`VllmTiering.lmcache_env`)."""
     object_store_region: str = "us-east-1"
     lmcache_port: int = Field(5555, gt=0, le=65535)
     """The LMCache MP server's ZMQ port (it binds 127.0.0.1)."""
