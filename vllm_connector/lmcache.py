@@ -59,6 +59,8 @@ class LMCacheServer:
         self._layout: tuple[int, str] | None = None
         self._hasher: Any = None
         """LMCache's TokenHasher for the server's chunk size and hash algorithm (built once)."""
+        self._fs_root: Path | None = None
+        """The `fs` adapter's folder (from `/status`)."""
         self._adapters: list[str] | None = None
         """The server's L2 adapter types, in its order (read once)."""
         self._redis: Any = None
@@ -91,7 +93,8 @@ class LMCacheServer:
             found = {Tier.CPU: int(manager["l1_usage"][0])}
             for adapter in manager.get("l2_adapters", []):
                 if adapter.get("type") == "FSL2Adapter":
-                    found[Tier.SSD] = _folder_bytes(Path(adapter["base_path"]))
+                    self._fs_root = Path(adapter["base_path"])
+                    found[Tier.SSD] = _folder_bytes(self._fs_root)
         except (KeyError, IndexError, TypeError, ValueError) as exc:
             raise LMCacheError(f"GET /status: unexpected reply ({exc!r})") from None
         store = self._object_store_bytes()
@@ -103,11 +106,22 @@ class LMCacheServer:
     def held(
         self, tier: Tier, token_ids: list[int], cache_salt: str, model_name: str, world_size: int
     ) -> tuple[int, int]:
-        """(whole chunks of `token_ids` the adapter holding `tier` has, whole chunks in all), read
-        from the adapter's own listing (raises `LMCacheError` where it cannot list: fs, resp)."""
-        keys = self._object_keys(token_ids, cache_salt, model_name, world_size)
-        listed = {_key_id(e["key"]) for e in self._listing(self.adapter(tier), model_name)}
-        return sum(_key_id(k) in listed for k in keys), len(keys)
+        """(whole chunks of `token_ids` the adapter holding `tier` has, whole chunks in all),
+        read from the store: the `fs` adapter's files, the `resp` adapter's redis keys, or the
+        adapter's own listing (`s3`); raises `LMCacheError`."""
+        objects = self._object_keys(token_ids, cache_salt, model_name, world_size)
+        keys = [_key_id(k) for k in objects]
+        adapter = self.adapter(tier)
+        if adapter == "resp":
+            return self._in_redis(keys), len(keys)
+        if adapter == "fs":
+            if self._fs_root is None:
+                self.status()
+            assert self._fs_root is not None
+            files = {_file_key(f.name) for f in self._fs_root.glob("*@*.data")}
+            return sum((*k[:4], "") in files for k in keys), len(keys)
+        listed = {_key_id(e["key"]) for e in self._listing(adapter, model_name)}
+        return sum(k in listed for k in keys), len(keys)
 
     def evict(
         self, tier: Tier, token_ids: list[int], cache_salt: str, model_name: str, world_size: int
@@ -159,7 +173,7 @@ class LMCacheServer:
             if "s3" in kinds:
                 self._store_bytes = sum(int(e["size_bytes"]) for e in self._listing("s3"))
             elif "resp" in kinds:
-                self._store_bytes = self._redis_bytes(kinds.index("resp"))
+                self._store_bytes = self._redis_bytes()
         except LMCacheError as exc:
             self._store_bytes, error = None, str(exc)
         if error and error != self._store_error:
@@ -183,19 +197,13 @@ class LMCacheServer:
                 return entries
             query["page_token"] = str(page["next_page_token"])
 
-    def _redis_bytes(self, index: int) -> int:
-        """Bytes of the values LMCache's `resp` adapter (the `index`-th) wrote to its redis
-        server: its keys are `MODEL@RANK@GROUP@HASH[@SALT]` (LMCache 0.5.6), raw values."""
+    def _redis_bytes(self) -> int:
+        """Bytes of the values LMCache's `resp` adapter wrote to its redis server: its keys are
+        `MODEL@RANK@GROUP@HASH[@SALT]` (LMCache 0.5.6), its values the raw chunks."""
         import redis  # in the LMCache venv only, like lmcache itself
 
         try:
-            if self._redis is None:
-                manager = self._request("GET", "/config")["storage_manager"]
-                conf = manager["l2_adapter_config"]["adapters"][index]
-                self._redis = redis.Redis(
-                    host=conf["host"], port=int(conf["port"]), username=conf["username"] or None,
-                    password=conf["password"] or None, socket_timeout=_TIMEOUT_S,
-                )  # fmt: skip
+            self._connect_redis()
             total = seen = 0
             batch: list[bytes] = []
             for key in self._redis.scan_iter(match="*@*@*@*", count=1000):
@@ -206,8 +214,34 @@ class LMCacheServer:
                     if seen > _MAX_OBJECTS:
                         raise LMCacheError(f"redis holds over {_MAX_OBJECTS} LMCache objects")
             return total + (self._strlen(batch) if batch else 0)
+        except redis.RedisError as exc:
+            raise LMCacheError(f"redis: {exc}") from None
+
+    def _connect_redis(self) -> None:
+        """A client of the `resp` adapter's server, at the address in `GET /config` (once)."""
+        import redis
+
+        if self._redis is not None:
+            return
+        try:
+            index = self._adapter_types().index("resp")
+            manager = self._request("GET", "/config")["storage_manager"]
+            conf = manager["l2_adapter_config"]["adapters"][index]
+            self._redis = redis.Redis(
+                host=conf["host"], port=int(conf["port"]), username=conf["username"] or None,
+                password=conf["password"] or None, socket_timeout=_TIMEOUT_S,
+            )  # fmt: skip
         except (KeyError, IndexError, TypeError, ValueError) as exc:
-            raise LMCacheError(f"GET /config: unexpected reply ({exc!r})") from None
+            raise LMCacheError(f"GET /config: no resp adapter address ({exc!r})") from None
+
+    def _in_redis(self, keys: list[_KeyId]) -> int:
+        """How many of `keys` the `resp` adapter's redis server holds (one EXISTS)."""
+        import redis
+
+        try:
+            self._connect_redis()
+            names = [_redis_name(k) for k in keys]
+            return int(self._redis.exists(*names)) if names else 0
         except redis.RedisError as exc:
             raise LMCacheError(f"redis: {exc}") from None
 
@@ -268,10 +302,36 @@ class LMCacheServer:
             raise LMCacheError(f"{method} {path}: {exc}") from None
 
 
-def _key_id(key: dict[str, Any]) -> tuple[str, str, int, int, str]:
+_KeyId = tuple[str, int, int, str, str]
+"""An LMCache object key: chunk hash (hex), kv rank, object group, cache salt, model name."""
+
+
+def _key_id(key: dict[str, Any]) -> _KeyId:
     """An LMCache object key (its JSON shape) as a comparable value."""
-    return (str(key["chunk_hash_hex"]), str(key["model_name"]), int(key["kv_rank"]),
-            int(key["object_group_id"]), str(key["cache_salt"]))  # fmt: skip
+    return (str(key["chunk_hash_hex"]), int(key["kv_rank"]), int(key["object_group_id"]),
+            str(key["cache_salt"]), str(key["model_name"]))  # fmt: skip
+
+
+def _redis_name(key: _KeyId) -> str:
+    """The `resp` adapter's redis key of an object (LMCache 0.5.6: `MODEL@RANK@GROUP@HASH`, 8
+    hex digits of rank, `@SALT` when salted)."""
+    chunk, rank, group, salt, model = key
+    name = f"{model}@{rank:08x}@{group:x}@{chunk}"
+    return f"{name}@{salt}" if salt else name
+
+
+def _file_key(name: str) -> _KeyId | None:
+    """The object an `fs` adapter file holds (LMCache 0.5.6:
+    `SAFE_MODEL@0xRANK@GROUP@HASH[@SALT].data`, `/` in the model name replaced); the model name
+    is left empty, so files match keys by everything else (one server's folder)."""
+    parts = name.removesuffix(".data").split("@")
+    if len(parts) not in (4, 5):
+        return None
+    try:
+        rank, group = int(parts[1], 16), int(parts[2], 16)
+    except ValueError:
+        return None
+    return (parts[3], rank, group, parts[4] if len(parts) == 5 else "", "")
 
 
 def _folder_bytes(root: Path) -> int:

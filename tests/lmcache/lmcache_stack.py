@@ -5,6 +5,7 @@ size), so three other prompts evict a prefix from it."""
 
 from __future__ import annotations
 
+import asyncio
 import os
 import random
 import sys
@@ -17,12 +18,24 @@ from typing import Any
 
 from vllm_helpers import HOST, Collector, complete, engine, free_port, send_directive, start_all
 
-from router.config import PoolConfig, WorkerConfig
+from router.config import PoolConfig, TieringConfig, WorkerConfig
 from router.index import MemoryStore, PrefixIndex, completed
+from router.metrics.registry import Series
 from router.metrics.stats import bytes_by_pool_tier, index_view
+from router.tiering import TierRunner
+from router.tiering.builtin import RagWarm, RagWarmKnobs
 from router.workers import Workers
 from warply.launch import EngineProcess, VllmServer, http_json
-from warply.protocol import Directive, DirectiveAck, DirectiveKind, LoadSnapshot, Tier
+from warply.protocol import (
+    Directive,
+    DirectiveAck,
+    DirectiveKind,
+    LoadSnapshot,
+    Tier,
+    chain_keys,
+    root_seed,
+)
+from warply.protocol.api import TieringStats
 from warply.spec import KVTier, render_vllm
 
 BLOCK = 256
@@ -204,3 +217,20 @@ def evict_l1(stack: Stack, tokens: list[int], namespace: str = "") -> int:
 
     until("the prefix's L1 chunks unlocked and evicted", done)
     return sum(evicted)
+
+
+def rag_warm_round(stack: Stack, doc: list[int], tier: Tier) -> TieringStats:
+    """One round of the router's `TierRunner` with the built-in `rag_warm` (keep on `tier`)
+    after two requests for `doc` (shared), over an index fed by the plugin's stream, its
+    directives sent to the plugin's control socket."""
+    index = PrefixIndex(MODEL, MemoryStore())
+    completed(index.apply(WORKER, stack.state.snapshot()))
+    workers = Workers([PoolConfig(name="p", block_size=BLOCK, workers=[
+        WorkerConfig(name=WORKER, url="http://x", control=stack.control)])])  # fmt: skip
+    policy = RagWarm(RagWarmKnobs(tier=tier))
+    runner = TierRunner(TieringConfig(), index, workers, Series(), policy)
+    keys = chain_keys(doc[:CHUNKED], BLOCK, root_seed(MODEL))
+    runner.tracker.record("", keys, WORKER, 0, time.time())
+    runner.tracker.record("", keys, WORKER, len(keys), time.time())
+    asyncio.run(runner.round())
+    return runner.stats()

@@ -5,9 +5,10 @@ adapter and its `resp` adapter, all on loopback and configured by `warply.spec.r
 Shown: evict directives move a prefix off each tier (and the engine then loads it from the next
 one down, or recomputes it) while the plugin's `backend_bytes` and the router's `bytes_by_tier`
 follow the ssd tier's bytes; a prefetch directive brings a prefix from L2 back into L1; one
-tenant's (cache_salt) chunks on the lower tiers never serve another tenant; an engine and
-LMCache server restarted get a document prefix back from disk instead of recomputing it. The
-object_store tier's bytes are read back from redis by the plugin. (The `s3` adapter on moto:
+tenant's (cache_salt) chunks on the lower tiers never serve another tenant; the router's
+`rag_warm` keeps a document on disk, and the engine and LMCache server restarted get it back
+from there instead of recomputing it. The object_store tier's bytes are read back from redis by
+the plugin. (The `s3` adapter on moto:
 tests/lmcache/test_lmcache_s3.py.)
 """
 
@@ -30,6 +31,7 @@ from lmcache_stack import (
     Stack,
     evict_l1,
     prompt,
+    rag_warm_round,
     router_bytes,
     snapshot_shows,
     until,
@@ -132,8 +134,9 @@ def test_prefetch_brings_a_prefix_from_l2_back_into_l1(tiers: _Tiers) -> None:
     ack = stack.direct(PREFETCH, p, Tier.CPU)
     assert ack.applied and ack.blocks == CHUNKED // BLOCK, ack.reason
     until("the prefetched chunks in L1", lambda: stack.l1_used() > l1_without)
-    rejected = stack.direct(DirectiveKind.OFFLOAD, p, Tier.SSD)
-    assert not rejected.applied and "no L1 -> L2 push" in rejected.reason
+    # No L1 -> L2 push in LMCache: an offload holds where the store policy wrote the chunks.
+    ack = stack.direct(DirectiveKind.OFFLOAD, p, Tier.SSD)
+    assert ack.applied and ack.blocks == CHUNKED // BLOCK, ack.reason
 
 
 def test_one_tenants_lower_tier_chunks_never_serve_another(tiers: _Tiers) -> None:
@@ -184,12 +187,20 @@ def test_a_policy_run_by_the_router_moves_bytes_by_canonical_keys(tiers: _Tiers)
     assert _folder_bytes(tiers.ssd) < on_disk
 
 
-def test_a_restarted_engine_gets_its_document_prefix_back_from_disk(tiers: _Tiers) -> None:
+def test_rag_warm_keeps_a_document_on_disk_across_a_restart(tiers: _Tiers) -> None:
+    """The router's runner with the built-in `rag_warm` (tier: ssd): a document asked twice is
+    shared; its offload to ssd is applied once its chunk files are on disk. The engine and
+    LMCache server then restart; the document's next request loads it from disk."""
     stack = tiers.stack
     doc = prompt(41)
+    files = len(list(tiers.ssd.iterdir()))
     first, _ = stack.ask(doc)
-    until("the document's chunks on disk", lambda: _folder_bytes(tiers.ssd) > 0)
+    stack.ask(doc)
+    stored = files + CHUNKED // BLOCK
+    until("the document's chunks on disk", lambda: len(list(tiers.ssd.iterdir())) >= stored)
     assert stack.direct(EVICT, doc, Tier.OBJECT_STORE).applied  # disk is its only lower tier
+    stats = rag_warm_round(stack, doc, Tier.SSD)
+    assert stats.directives == {"offload": {"applied": 1}}, stats
 
     stack.restart()  # the engine's cache and LMCache's L1 are gone; the fs adapter's files stay
     assert stack.l1_used() == 0

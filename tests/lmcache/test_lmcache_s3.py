@@ -18,10 +18,8 @@ lacks it.
 
 from __future__ import annotations
 
-import asyncio
 import shutil
 import subprocess
-import time
 import urllib.request
 import xml.etree.ElementTree as ET
 from collections.abc import Iterator
@@ -34,24 +32,18 @@ from lmcache_stack import (
     EXTERNAL,
     MODEL,
     ROOT,
-    WORKER,
     Stack,
     evict_l1,
     overlay_env,
     prompt,
+    rag_warm_round,
     router_bytes,
     snapshot_shows,
     until,
 )
 from vllm_helpers import HOST, free_port
 
-from router.config import PoolConfig, TieringConfig, WorkerConfig
-from router.index import MemoryStore, PrefixIndex, completed
-from router.metrics.registry import Series
-from router.tiering import TierRunner
-from router.tiering.builtin import RagWarm, RagWarmKnobs
-from router.workers import Workers
-from warply.protocol import DirectiveKind, Tier, chain_keys, root_seed
+from warply.protocol import DirectiveKind, Tier
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -167,17 +159,8 @@ def test_rag_warm_keeps_a_document_on_the_object_store_across_a_restart(s3: _S3)
     stack.ask(doc)
     stored = before + CHUNKED // BLOCK
     until("the document's chunks in the bucket", lambda: len(s3.bucket.objects()) >= stored)
-    index = PrefixIndex(MODEL, MemoryStore())
-    completed(index.apply(WORKER, stack.state.snapshot()))
-    workers = Workers([PoolConfig(name="p", block_size=BLOCK, workers=[
-        WorkerConfig(name=WORKER, url="http://x", control=stack.control)])])  # fmt: skip
-    policy = RagWarm(RagWarmKnobs(tier=Tier.OBJECT_STORE))
-    runner = TierRunner(TieringConfig(), index, workers, Series(), policy)
-    keys = chain_keys(doc[:CHUNKED], BLOCK, root_seed(MODEL))
-    runner.tracker.record("", keys, WORKER, 0, time.time())
-    runner.tracker.record("", keys, WORKER, len(keys), time.time())
-    asyncio.run(runner.round())
-    assert runner.stats().directives == {"offload": {"applied": 1}}, runner.stats()
+    stats = rag_warm_round(stack, doc, Tier.OBJECT_STORE)
+    assert stats.directives == {"offload": {"applied": 1}}, stats
 
     stack.stop()
     shutil.rmtree(s3.ssd)  # a new node: the local disk is empty, the bucket stays
