@@ -17,6 +17,9 @@ can really do on its device tier:
   tier loads them from L2 into L1; offload to the ssd or object_store tier is applied when that
   adapter's own listing already holds every whole chunk (LMCache's store policy writes them
   there; it has no L1 -> L2 push); other kinds are rejected with what LMCache 0.5.6 lacks.
+- with a Mooncake store behind the delegate (`mooncake_url`, `vllm_connector.mooncake`), on the
+  cpu tier: evict removes the prefix's objects (leased ones are kept and counted), pin / unpin
+  set or clear their soft pin; prefetch, offload are rejected (no tier below the store's memory).
 
 Every directive gets a `DirectiveAck`, as the reply on the control socket and on the state stream.
 """
@@ -35,6 +38,7 @@ from vllm.v1.core.kv_cache_utils import get_block_hash, get_group_id, hash_block
 
 from vllm_connector.export import StateExporter, engine_hash
 from vllm_connector.lmcache import LMCacheError, LMCacheServer
+from vllm_connector.mooncake import MooncakeError, MooncakeStore
 from warply.protocol import Directive, DirectiveAck, DirectiveKind, Tier
 from warply.protocol.control import ControlServer
 
@@ -88,6 +92,7 @@ class DirectiveApplier:
         on_refused: Callable[[int], None],
         lmcache: LMCacheServer | None = None,
         lmcache_identity: Callable[[], tuple[str, int]] | None = None,
+        mooncake: MooncakeStore | None = None,
     ) -> None:
         self._server = server
         self._exporter = exporter
@@ -102,6 +107,7 @@ class DirectiveApplier:
         self._lmcache = lmcache
         self._lmcache_identity = lmcache_identity
         """(model name, world size) the delegate registered with LMCache (its object keys)."""
+        self._mooncake = mooncake
         self._pool: BlockPool | None = None
         self._pins: dict[int, _Pin] = {}
 
@@ -143,6 +149,8 @@ class DirectiveApplier:
             return self._apply_lmcache(d)
         if self._pool is None:
             return DirectiveAck(d.id, False, "the block pool is not bound yet")
+        if d.tier is Tier.CPU and self._mooncake is not None:
+            return self._apply_mooncake(d)
         if d.kind in (DirectiveKind.PREFETCH, DirectiveKind.OFFLOAD):
             via = (
                 f" (delegate {self._delegate_name} has no such API)" if self._delegate_name else ""
@@ -221,6 +229,68 @@ class DirectiveApplier:
             f"offload: LMCache has no L1 -> L2 push; {chunks - held} of {chunks} whole chunk(s) "
             f"are not on its {d.tier.value} tier",
         )
+
+    def _apply_mooncake(self, d: Directive) -> DirectiveAck:
+        """A cpu-tier directive on the Mooncake store's objects of the prefix (loopback calls to
+        its master on this thread)."""
+        assert self._mooncake is not None
+        if d.kind in (DirectiveKind.PREFETCH, DirectiveKind.OFFLOAD):
+            return DirectiveAck(
+                d.id,
+                False,
+                f"{d.kind.value} on the cpu tier: the Mooncake store is the only tier below the "
+                "device (MooncakeStoreConnector stores every block and loads it when a request "
+                "needs it; vLLM 0.32 reaches Mooncake's SSD only through an external client)",
+            )
+        hashes = self._prefix_hashes(d)
+        if not hashes:
+            return DirectiveAck(
+                d.id,
+                False,
+                f"{d.kind.value} on the cpu tier needs token_ids, or keys of blocks this worker "
+                "stored lately (Mooncake keys objects by vLLM block hashes)",
+            )
+        try:
+            keys = self._mooncake.keys_for(hashes)
+            if not keys:
+                return DirectiveAck(
+                    d.id, False, "no block of this prefix is in the Mooncake store", blocks=0
+                )
+            if d.kind is DirectiveKind.EVICT:
+                gone = self._mooncake.remove(keys)
+                kept = [f"kept {gone.leased} leased object(s)"] if gone.leased else []
+                kept += [f"{gone.failed} removal(s) failed"] if gone.failed else []
+                return DirectiveAck(d.id, gone.removed > 0, "; ".join(kept), blocks=gone.removed)
+            pinned = self._mooncake.soft_pin(keys, d.kind is DirectiveKind.PIN, d.ttl_s)
+        except MooncakeError as exc:
+            return DirectiveAck(d.id, False, f"Mooncake: {exc}")
+        why = "" if pinned else "the prefix's objects left the store meanwhile"
+        return DirectiveAck(d.id, pinned > 0, why, blocks=pinned)
+
+    def _prefix_hashes(self, d: Directive) -> list[BlockHash]:
+        """vLLM block hashes of the directive's whole blocks: all of `token_ids`, or the blocks
+        of its keys (hashed from the tokens of the prefix's root, as vLLM chains them)."""
+        if d.token_ids:
+            return self._hash_chain(d.token_ids, d.namespace)
+        tokens = self._exporter.tokens_for(d.keys or [])
+        if not tokens or not d.keys:
+            return []
+        return self._hash_chain(tokens, d.namespace)[-len(d.keys) :]
+
+    def _hash_chain(self, tokens: list[int], namespace: str) -> list[BlockHash]:
+        assert self._pool is not None
+        size = self._pool.hash_block_size
+        parent: BlockHash | None = None
+        out: list[BlockHash] = []
+        for i in range(len(tokens) // size):
+            # vLLM 0.32 folds cache_salt into the first block's extra keys, tagged like this
+            # (kv_cache_utils.generate_block_hash_extra_keys).
+            extra = (("cache_salt", namespace),) if i == 0 and namespace else None
+            parent = hash_block_tokens(
+                self._hash_fn, parent, tokens[i * size : (i + 1) * size], extra
+            )
+            out.append(parent)
+        return out
 
     def _evict(self, d: Directive, blocks: list[KVCacheBlock]) -> DirectiveAck:
         assert self._pool is not None
@@ -303,17 +373,9 @@ class DirectiveApplier:
 
     def _resolve_tokens(self, tokens: list[int], namespace: str) -> list[KVCacheBlock]:
         assert self._pool is not None
-        size = self._pool.hash_block_size
-        parent: BlockHash | None = None
         out: list[KVCacheBlock] = []
-        for i in range(len(tokens) // size):
-            # vLLM 0.32 folds cache_salt into the first block's extra keys, tagged like this
-            # (kv_cache_utils.generate_block_hash_extra_keys).
-            extra = (("cache_salt", namespace),) if i == 0 and namespace else None
-            parent = hash_block_tokens(
-                self._hash_fn, parent, tokens[i * size : (i + 1) * size], extra
-            )
-            found = self._pool.get_cached_block(parent, [0])
+        for block_hash in self._hash_chain(tokens, namespace):
+            found = self._pool.get_cached_block(block_hash, [0])
             if found is None:
                 break
             out.append(found[0])

@@ -71,13 +71,22 @@ class WarplySettings(PluginSettings):
     """HTTP base URL of the LMCache MP server behind an LMCacheMPConnector delegate
     (`http://127.0.0.1:8080`): its `/status` bytes go out as the cpu tier's in load snapshots,
     and evict directives on the cpu tier go to its `/cache/objects`. Empty: neither."""
+    mooncake_url: str = ""
+    """HTTP admin URL of the Mooncake master behind a MooncakeStoreConnector delegate (its
+    `-metrics_port`: `http://127.0.0.1:9003`): its `master_allocated_bytes` go out as the cpu
+    tier's bytes, and cpu-tier evict / pin / unpin directives act on the store's objects of the
+    prefix (through a store client set up from `MOONCAKE_CONFIG_PATH`). Empty: neither."""
 
     def __post_init__(self) -> None:
         super().__post_init__()
         if self.replay_buffer_steps <= 0:
             raise SettingsError("replay_buffer_steps", "must be greater than 0")
-        if self.lmcache_url and not self.lmcache_url.startswith(("http://", "https://")):
-            raise SettingsError("lmcache_url", "must be an http:// or https:// URL")
+        for name in ("lmcache_url", "mooncake_url"):
+            url = getattr(self, name)
+            if url and not url.startswith(("http://", "https://")):
+                raise SettingsError(name, "must be an http:// or https:// URL")
+        if self.lmcache_url and self.mooncake_url:
+            raise SettingsError("mooncake_url", "one delegate backend: drop lmcache_url or this")
 
 
 class WarplyConnectorConfig(_Strict):

@@ -58,6 +58,7 @@ from vllm_connector.metrics import (
     WarplyPromMetrics,
     build_stats,
 )
+from vllm_connector.mooncake import MooncakeStore, connect_store
 from warply.protocol import Tier
 from warply.protocol.control import ControlServer
 
@@ -181,6 +182,7 @@ class WarplyConnector(KVConnectorBase_V1):
         self._exporter: StateExporter | None = None
         self._directives: DirectiveApplier | None = None
         self._lmcache: LMCacheServer | None = None
+        self._mooncake: MooncakeStore | None = None
         if role is KVConnectorRole.SCHEDULER:
             self._start_scheduler_side(vllm_config, kv_cache_config)
 
@@ -204,6 +206,9 @@ class WarplyConnector(KVConnectorBase_V1):
         if w.lmcache_url:
             self._lmcache = LMCacheServer(w.lmcache_url, w.snapshot_interval_s)
             self._lmcache.start()
+        if w.mooncake_url:
+            self._mooncake = MooncakeStore(w.mooncake_url, w.snapshot_interval_s, connect_store)
+            self._mooncake.start()
         with _binding("warply.events_endpoint", f"{w.events_endpoint} / {w.replay_endpoint}"):
             self._exporter = StateExporter(
                 w,
@@ -212,7 +217,7 @@ class WarplyConnector(KVConnectorBase_V1):
                 counters=self._counters,
                 load=self._load,
                 bytes_per_block=_bytes_per_block(vllm_config, kv_cache_config),
-                backend_bytes=None if self._lmcache is None else self._lmcache_bytes,
+                backend_bytes=self._backend_bytes,
             )
         if w.control_endpoint:
             wake = find_engine_wakeup()
@@ -230,6 +235,7 @@ class WarplyConnector(KVConnectorBase_V1):
                 on_refused=self._count_refused,
                 lmcache=self._lmcache,
                 lmcache_identity=self._lmcache_identity,
+                mooncake=self._mooncake,
             )
 
     @property
@@ -398,6 +404,8 @@ class WarplyConnector(KVConnectorBase_V1):
             self._exporter.close()
         if self._lmcache is not None:
             self._lmcache.close()
+        if self._mooncake is not None:
+            self._mooncake.close()
         if self._delegate is not None:
             return self._delegate.shutdown()
         return None
@@ -406,8 +414,11 @@ class WarplyConnector(KVConnectorBase_V1):
         running = sum(1 for r in self._requests.values() if r.status == RequestStatus.RUNNING)
         return running, len(self._requests) - running
 
-    def _lmcache_bytes(self) -> dict[Tier, int] | None:
-        return None if self._lmcache is None else self._lmcache.tier_bytes
+    def _backend_bytes(self) -> dict[Tier, int] | None:
+        """The delegate's backend's own bytes per tier (LMCache server, Mooncake master)."""
+        if self._lmcache is not None:
+            return self._lmcache.tier_bytes
+        return None if self._mooncake is None else self._mooncake.tier_bytes
 
     def _lmcache_identity(self) -> tuple[str, int]:
         """The model name and world size the delegate keys LMCache objects with (lmcache 0.5.6:
