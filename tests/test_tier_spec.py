@@ -45,6 +45,10 @@ from warply.spec import KVTier, render_sglang, render_vllm
         ({"backend": "mooncake"}, "'mooncake' serves l2 on vLLM"),
         ({"backend": "mooncake", "l2": "cpu", "l2_size_gb": 1}, "needs mooncake_master"),
         (
+            {"backend": "mooncake", "l2": "cpu", "mooncake_master": "master"},
+            "expected HOST:PORT",
+        ),
+        (
             {"backend": "mooncake", "l2": "cpu", "l2_size_gb": 1, "l3": "ssd", "ssd_path": "/x",
              "mooncake_master": "h:1"},
             "no ssd tier Warply can configure",
@@ -142,9 +146,15 @@ def test_vllm_redis_and_gpu_only() -> None:
 def test_vllm_mooncake_store_file() -> None:
     tier = KVTier(backend="mooncake", l2="cpu", l2_size_gb=2, mooncake_master="127.0.0.1:50051")
     out = render_vllm(tier)
+    assert out.kv_transfer_config["kv_load_failure_policy"] == "recompute"
     assert out.kv_transfer_config["kv_connector_extra_config"] == {
-        "delegate": {"kv_connector": "MooncakeStoreConnector"}
+        "delegate": {"kv_connector": "MooncakeStoreConnector"},
+        "warply": {"mooncake_url": "http://127.0.0.1:9003"},
     }
+    assert out.mooncake_master == [
+        "mooncake_master", "--rpc_address=127.0.0.1", "--rpc_port=50051",
+        "--metrics_host=127.0.0.1", "--metrics_port=9003",
+    ]  # fmt: skip
     assert out.mooncake_config == {
         "metadata_server": "P2PHANDSHAKE",
         "master_server_address": "127.0.0.1:50051",
@@ -154,6 +164,19 @@ def test_vllm_mooncake_store_file() -> None:
         "global_segment_size": 2 << 30,
     }
     assert out.lmcache_server is None
+    http = KVTier(
+        backend="mooncake", l2="cpu", mooncake_master="10.0.0.2:50051", mooncake_metrics_port=9100,
+        mooncake_metadata_server="http://10.0.0.2:8080/metadata",
+    )  # fmt: skip
+    rendered = render_vllm(http, {"mooncake_url": "http://mc:1"})
+    assert rendered.mooncake_master is not None
+    assert rendered.mooncake_master[-3:] == [
+        "--enable_http_metadata_server=true", "--http_metadata_server_host=10.0.0.2",
+        "--http_metadata_server_port=8080",
+    ]  # fmt: skip
+    assert rendered.kv_transfer_config["kv_connector_extra_config"]["warply"] == {
+        "mooncake_url": "http://mc:1"
+    }
 
 
 def test_sglang_hicache_with_warply_l3_and_mooncake() -> None:

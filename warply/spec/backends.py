@@ -45,6 +45,9 @@ class VllmTiering:
     """argv of the LMCache MP server to start first (None: no LMCache)."""
     mooncake_config: dict[str, Any] | None = None
     """The Mooncake store file: write it as JSON, point `MOONCAKE_CONFIG_PATH` at it."""
+    mooncake_master: list[str] | None = None
+    """argv of the Mooncake master (`mooncake_master`, bundled with the mooncake wheel) that
+    the store file names, if it runs on the engine's host: start it first."""
     lmcache_env: dict[str, str] = field(default_factory=dict)
     """Environment the LMCache server needs besides its argv (an `http://` S3 endpoint's proxy)."""
 
@@ -89,12 +92,22 @@ def render_vllm(
     if lmcache is not None:
         # The plugin reads the server's bytes and sends evictions over its HTTP API.
         section.setdefault("lmcache_url", f"http://{_LOOPBACK}:{tier.lmcache_http_port}")
+    master: list[str] | None = None
+    if mooncake is not None:
+        # The plugin reads the store's bytes and finds a prefix's objects on the admin port.
+        master = _mooncake_master(tier)
+        host = _master_host(tier)
+        section.setdefault("mooncake_url", f"http://{host}:{tier.mooncake_metrics_port}")
     if section:
         extra["warply"] = section
     config: dict[str, Any] = {"kv_connector": "WarplyConnector", "kv_role": kv_role}
+    if mooncake is not None:
+        # A Mooncake read whose lease ran out before the transfer ended (LEASE_EXPIRED, seen on a
+        # loaded CPU) fails the request under vLLM's default policy; recompute those blocks.
+        config["kv_load_failure_policy"] = "recompute"
     if extra:
         config["kv_connector_extra_config"] = extra
-    return VllmTiering(config, lmcache, mooncake, lmcache_env)
+    return VllmTiering(config, lmcache, mooncake, mooncake_master=master, lmcache_env=lmcache_env)
 
 
 def _lmcache_server(tier: KVTier) -> list[str]:
@@ -170,6 +183,27 @@ def _mooncake_store(tier: KVTier) -> dict[str, Any]:
         "mode": "embedded",
         "global_segment_size": int(tier.l2_gb * (1 << 30)),
     }
+
+
+def _master_host(tier: KVTier) -> str:
+    assert tier.mooncake_master is not None  # validated with backend mooncake
+    return tier.mooncake_master.rpartition(":")[0]
+
+
+def _mooncake_master(tier: KVTier) -> list[str]:
+    """The master for `tier`'s store, its RPC and admin ports on the master's host (gflags;
+    mooncake 0.3.13). With `P2PHANDSHAKE` no metadata server is needed; an `http://` one is
+    the master's own (which binds all interfaces in 0.3.13, whatever its host flag says)."""
+    assert tier.mooncake_master is not None
+    host, _, port = tier.mooncake_master.rpartition(":")
+    argv = ["mooncake_master", f"--rpc_address={host}", f"--rpc_port={port}",
+            f"--metrics_host={host}", f"--metrics_port={tier.mooncake_metrics_port}"]  # fmt: skip
+    meta = urlsplit(tier.mooncake_metadata_server)
+    if meta.scheme == "http":
+        argv += ["--enable_http_metadata_server=true",
+                 f"--http_metadata_server_host={meta.hostname}",
+                 f"--http_metadata_server_port={meta.port or 80}"]  # fmt: skip
+    return argv
 
 
 def render_sglang(tier: KVTier) -> SglangTiering:

@@ -63,6 +63,9 @@ class KVTier(BaseModel):
     lmcache_chunk_size: int = Field(256, gt=0)
     mooncake_master: str | None = None
     """Mooncake master `HOST:PORT` (required with backend mooncake)."""
+    mooncake_metrics_port: int = Field(9003, gt=0, le=65535)
+    """The Mooncake master's HTTP admin port (`-metrics_port`, on the master's host): where
+    Warply reads the store's bytes (`/metrics`) and finds a prefix's objects (`/get_all_keys`)."""
     mooncake_metadata_server: str = "P2PHANDSHAKE"
     mooncake_protocol: Literal["tcp", "rdma"] = "tcp"
 
@@ -207,3 +210,8 @@ class KVTier(BaseModel):
     def _need_master(self) -> None:
         if not self.mooncake_master:
             raise ValueError("backend 'mooncake' needs mooncake_master (HOST:PORT of its master)")
+        host, _, port = self.mooncake_master.rpartition(":")
+        if not host or not port.isdigit():
+            raise ValueError(
+                f"mooncake_master {self.mooncake_master!r}: expected HOST:PORT of its master"
+            )
