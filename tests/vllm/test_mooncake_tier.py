@@ -15,12 +15,13 @@ Needs `mooncake-transfer-engine-non-cuda` (0.3.13) and the system's libibverbs i
 
 from __future__ import annotations
 
+import asyncio
 import json
 import random
 import time
 import urllib.request
 from collections import Counter
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -28,12 +29,22 @@ import pytest
 from conftest import HOST, Collector, complete, engine, free_port, send_directive, start_all
 from prometheus_client.parser import text_string_to_metric_families
 
-from router.config import PoolConfig, WorkerConfig
+from router.config import PoolConfig, TieringConfig, WorkerConfig
 from router.index import MemoryStore, PrefixIndex, completed
+from router.metrics.registry import Series
 from router.metrics.stats import bytes_by_pool_tier, index_view
+from router.tiering import Action, TierPolicy, TierRunner, TierState
 from router.workers import Workers
 from warply.launch import EngineProcess, VllmServer
-from warply.protocol import Directive, DirectiveAck, DirectiveKind, LoadSnapshot, Tier
+from warply.protocol import (
+    Directive,
+    DirectiveAck,
+    DirectiveKind,
+    LoadSnapshot,
+    Tier,
+    chain_keys,
+    root_seed,
+)
 from warply.spec import KVTier, render_vllm
 
 store_module = pytest.importorskip(
@@ -48,6 +59,7 @@ PROMPT_LEN = 600
 """Two whole blocks (the connector stores whole blocks only) and a partial one."""
 STORED = PROMPT_LEN // BLOCK
 WORKER = "w"
+MODEL = "tiny"
 EXTERNAL = "external_unspecified"
 """The source vLLM 0.32 reports for tokens MooncakeStoreConnector loaded."""
 LEASE_S = 10.0
@@ -138,10 +150,14 @@ class Stack:
         for i in range(3):
             complete(self.server, prompt(seed + i), max_tokens=8)
 
-    def direct(self, kind: DirectiveKind, tokens: list[int]) -> DirectiveAck:
-        """One cpu-tier directive, once the leases of the prompt's last lookup have run out
-        (the master keeps a leased object: the ack would count it as kept)."""
+    def leases_out(self, tokens: list[int]) -> None:
+        """Wait until the leases of the prompt's last lookup have run out (the master keeps a
+        leased object: an evict would count it as kept)."""
         time.sleep(max(0.0, self.looked_up.get(tokens[0], 0.0) + LEASE_S + 1 - time.monotonic()))
+
+    def direct(self, kind: DirectiveKind, tokens: list[int]) -> DirectiveAck:
+        """One cpu-tier directive on the prompt, once its leases have run out."""
+        self.leases_out(tokens)
         d = Directive(f"{kind.value}-{tokens[0]}", kind, token_ids=tokens, tier=Tier.CPU)
         return send_directive(self.control, d)
 
@@ -177,7 +193,7 @@ def stack(tiny_model: str, server_logs: Path) -> Iterator[Stack]:
 
 def _router_cpu_bytes(events: list[Any]) -> int:
     """What the router's `bytes_by_tier["cpu"]` reads from these events."""
-    index = PrefixIndex("tiny", MemoryStore())
+    index = PrefixIndex(MODEL, MemoryStore())
     completed(index.apply(WORKER, events))
     workers = Workers(
         [PoolConfig(name="p", block_size=BLOCK, workers=[WorkerConfig(name=WORKER, url="http://x")])]
@@ -255,3 +271,36 @@ def test_pin_and_unpin_set_the_soft_pin_the_master_counts(stack: Stack) -> None:
     stack.evict_from_device(300)
     _, sources = stack.ask(tokens)
     assert sources[EXTERNAL] == STORED * BLOCK
+
+
+class _OutOfTheStore(TierPolicy):
+    """Evict every tracked prefix from the cpu tier."""
+
+    name = "out_of_the_store"
+
+    def decide(self, state: TierState) -> Sequence[Action]:
+        return [Action.on(DirectiveKind.EVICT, p, Tier.CPU) for p in state.prefixes]
+
+
+def test_a_policy_run_by_the_router_removes_objects_by_canonical_keys(stack: Stack) -> None:
+    """The router's runner names prefixes by canonical keys only; the plugin hashes the tokens
+    it kept for them as vLLM does and removes exactly those blocks' objects."""
+    tokens = prompt(4)
+    stack.ask(tokens)
+    before = stack.master_metrics()["master_key_count"]
+    workers = Workers([PoolConfig(name="p", block_size=BLOCK, workers=[
+        WorkerConfig(name=WORKER, url="http://x", control=stack.control)])])  # fmt: skip
+    runner = TierRunner(
+        TieringConfig(), PrefixIndex(MODEL, MemoryStore()), workers, Series(), _OutOfTheStore()
+    )
+    # Two tracked prefixes: the first block, and the block after it (a mid-chain head).
+    keys = chain_keys(tokens[: STORED * BLOCK], BLOCK, root_seed(MODEL))
+    runner.tracker.record("", keys[:1], WORKER, 0, time.time())
+    runner.tracker.record("", keys, WORKER, 0, time.time())
+    stack.leases_out(tokens)
+    asyncio.run(runner.round())
+    assert runner.stats().directives == {"evict": {"applied": 2}}, runner.stats()
+    assert stack.master_metrics()["master_key_count"] == before - STORED
+    stack.evict_from_device(500)
+    _, sources = stack.ask(tokens)
+    assert sources[EXTERNAL] == 0  # both blocks recomputed
