@@ -34,7 +34,13 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from vllm.v1.core.kv_cache_utils import get_block_hash, get_group_id, hash_block_tokens
+from vllm.distributed.kv_events import BlockRemoved as VllmBlockRemoved
+from vllm.v1.core.kv_cache_utils import (
+    get_block_hash,
+    get_group_id,
+    hash_block_tokens,
+    maybe_convert_block_hash,
+)
 
 from vllm_connector.export import StateExporter, engine_hash
 from vllm_connector.lmcache import LMCacheError, LMCacheServer
@@ -258,14 +264,26 @@ class DirectiveApplier:
                 )
             if d.kind is DirectiveKind.EVICT:
                 gone = self._mooncake.remove(keys)
+                self._export_removed(hashes, keys, gone.removed)
                 kept = [f"kept {gone.leased} leased object(s)"] if gone.leased else []
                 kept += [f"{gone.failed} removal(s) failed"] if gone.failed else []
-                return DirectiveAck(d.id, gone.removed > 0, "; ".join(kept), blocks=gone.removed)
+                n = len(gone.removed)
+                return DirectiveAck(d.id, n > 0, "; ".join(kept), blocks=n)
             pinned = self._mooncake.soft_pin(keys, d.kind is DirectiveKind.PIN, d.ttl_s)
         except MooncakeError as exc:
             return DirectiveAck(d.id, False, f"Mooncake: {exc}")
         why = "" if pinned else "the prefix's objects left the store meanwhile"
         return DirectiveAck(d.id, pinned > 0, why, blocks=pinned)
+
+    def _export_removed(self, hashes: list[BlockHash], keys: list[str], removed: list[str]) -> None:
+        """Export a cpu-tier removal of the blocks none of whose objects (one per rank / group)
+        is left, as the delegate's own events are exported (MooncakeStoreConnector reports its
+        stores as cpu-tier events, never a removal)."""
+        left = {MooncakeStore.block_hash_hex(k) for k in set(keys) - set(removed)}
+        done = {MooncakeStore.block_hash_hex(k) for k in removed} - left
+        gone = [maybe_convert_block_hash(h) for h in hashes if h.hex() in done]
+        if gone:
+            self._exporter.add_delegate_events([VllmBlockRemoved(gone, medium="cpu")])
 
     def _prefix_hashes(self, d: Directive) -> list[BlockHash]:
         """vLLM block hashes of the directive's whole blocks: all of `token_ids`, or the blocks

@@ -52,7 +52,8 @@ class MooncakeError(RuntimeError):
 class Removal:
     """What a `remove` of a prefix's objects did, per object."""
 
-    removed: int
+    removed: list[str]
+    """The keys removed."""
     leased: int
     """Kept: a client looked them up or read them within the lease TTL."""
     failed: int
@@ -100,21 +101,23 @@ class MooncakeStore:
                 return found
         raise MooncakeError(f"GET /metrics: no {_ALLOCATED} sample")
 
+    @staticmethod
+    def block_hash_hex(key: str) -> str:
+        """The vLLM block hash (hex) a store key ends with."""
+        return key[key.rfind("@") + 1 :]
+
     def keys_for(self, hashes: Sequence[bytes]) -> list[str]:
         """The store's keys of these vLLM block hashes (every rank, group and key prefix)."""
-        wanted = {"@" + h.hex() for h in hashes}
-        return [
-            key
-            for key in self._get("/get_all_keys").splitlines()
-            if key[key.rfind("@") :] in wanted
-        ]
+        wanted = {h.hex() for h in hashes}
+        listed = self._get("/get_all_keys").splitlines()
+        return [key for key in listed if self.block_hash_hex(key) in wanted]
 
     def remove(self, keys: Sequence[str]) -> Removal:
         """Remove these objects (never by force: leased ones are kept and counted)."""
         codes = self._store().batch_remove(list(keys)) if keys else []
         leased = sum(1 for c in codes if c == _HAS_LEASE)
         failed = sum(1 for c in codes if c not in (_OK, _HAS_LEASE, _NOT_FOUND))
-        return Removal(sum(1 for c in codes if c == _OK), leased, failed)
+        return Removal([k for k, c in zip(keys, codes, strict=True) if c == _OK], leased, failed)
 
     def soft_pin(self, keys: Sequence[str], pin: bool, ttl_s: float) -> int:
         """Soft-pin (or unpin) these objects by upserting each with its own bytes; returns how

@@ -37,6 +37,8 @@ from router.tiering import Action, TierPolicy, TierRunner, TierState
 from router.workers import Workers
 from warply.launch import EngineProcess, VllmServer
 from warply.protocol import (
+    BlockRemoved,
+    BlockStored,
     Directive,
     DirectiveAck,
     DirectiveKind,
@@ -203,6 +205,11 @@ def _router_cpu_bytes(events: list[Any]) -> int:
     return index_view(stats, bytes_by_pool_tier(stats, workers), workers).bytes_by_tier["cpu"]
 
 
+def _cpu_blocks(events: list[Any], kind: type[BlockStored] | type[BlockRemoved]) -> list[int]:
+    """Block ids of the cpu-tier events of this kind, in order."""
+    return [h for e in events if isinstance(e, kind) and e.tier is Tier.CPU for h in e.block_hashes]
+
+
 def _until(read: Callable[[], float], want: float) -> float:
     deadline = time.monotonic() + 30
     while (got := read()) != want and time.monotonic() < deadline:
@@ -228,8 +235,15 @@ def test_evict_directive_moves_a_prefix_out_of_the_store_and_bytes_follow(stack:
     per_object = used / keys
     assert _router_cpu_bytes(stack.reported(int(used))) == used
 
+    # The connector reports its stores as cpu-tier events: the index holds the store's blocks.
+    stored = _cpu_blocks(stack.state.snapshot(), BlockStored)
+    assert len(stored) >= 5 * STORED
+
     ack = stack.direct(DirectiveKind.EVICT, evicted)
     assert ack.applied and ack.blocks == STORED, ack.reason
+    # ... and the plugin reports the removal of the evicted blocks on the cpu tier.
+    removed = stack.state.wait_for(lambda ev: len(_cpu_blocks(ev, BlockRemoved)) == STORED, 30)
+    assert set(_cpu_blocks(removed, BlockRemoved)) < set(stored)
     after = stack.master_metrics()
     assert after["master_key_count"] == keys - STORED
     assert after["master_allocated_bytes"] == used - STORED * per_object
