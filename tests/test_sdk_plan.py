@@ -143,6 +143,23 @@ def test_a_loopback_redis_object_store_gets_a_server(model_dir: str, tmp_path: P
     assert _flag(plan.services[0], "--port") == "6390"
 
 
+def test_a_loopback_mooncake_master_is_started_first(model_dir: str, tmp_path: Path) -> None:
+    tier = wp.KVTier(backend="mooncake", l2="cpu", mooncake_master="127.0.0.1:50051")
+    spec = wp.Engine(model=model_dir, pool=wp.Pool("cpu", replicas=2),
+                     routing=wp.CacheRouting(tiering=tier))  # fmt: skip
+    plan = make_plan(spec, BINS, tmp_path)
+    assert [s.name for s in plan.services] == ["mooncake-master"]  # one, shared by both engines
+    master = plan.services[0]
+    assert master.argv[0] == "/env/bin/mooncake_master" and master.url == "http://127.0.0.1:9003"
+    assert "--rpc_port=50051" in master.argv
+    for engine in plan.engines:
+        config = json.loads(_flag(engine, "--kv-transfer-config"))
+        assert config["kv_connector_extra_config"]["warply"]["mooncake_url"] == master.url
+    remote = tier.model_copy(update={"mooncake_master": "10.0.0.7:50051"})
+    spec = wp.Engine(model=model_dir, routing=wp.CacheRouting(tiering=remote))
+    assert make_plan(spec, BINS, tmp_path).services == []  # someone else's master
+
+
 def test_a_hub_model_must_be_in_the_local_cache(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -23,7 +23,7 @@ from warply.spec.backends import render_sglang, render_vllm
 from warply.spec.deployment import Deployment, DisaggEngine, Pool
 from warply.spec.tiers import KVTier
 
-Kind = Literal["engine", "router", "lmcache", "redis"]
+Kind = Literal["engine", "router", "lmcache", "redis", "mooncake"]
 _VLLM_ROLES = {"prefill": "kv_producer", "decode": "kv_consumer", "engine": "kv_both"}
 _ROUTER_ROLES = {"prefill": "prefill", "decode": "decode", "engine": "both"}
 _BLOCK = {"cpu": 32, "gpu": 16}
@@ -178,7 +178,7 @@ def make_plan(
         if pool_name != "engine":
             entry["kv_handoff"] = spec.backend
         pools.append(entry)
-    services = _object_store_services(tier) + services
+    services = _object_store_services(tier) + _mooncake_services(spec, tier, bins) + services
     token = secrets.token_hex(16)
     port = router_port or spec.router_port or at.port("router", "http")
     config: dict[str, Any] = {
@@ -362,6 +362,20 @@ def _object_store_services(tier: KVTier | None) -> list[ProcessPlan]:
     if url.password:
         argv += ["--requirepass", url.password]
     return [ProcessPlan("redis", "redis", argv, f"redis://{HOST}:{url.port}", health="")]
+
+
+def _mooncake_services(spec: Deployment, tier: KVTier | None, bins: Binaries) -> list[ProcessPlan]:
+    """The Mooncake master a vLLM spec's store names, when it is on this host: one for every
+    engine (they share its pool); the wheel's `mooncake_master` from the engines' venv."""
+    if spec.backend != "vllm" or tier is None or tier.l2 is None:
+        return []
+    master = render_vllm(tier).mooncake_master
+    host = (tier.mooncake_master or "").rpartition(":")[0]
+    if master is None or host not in (HOST, "localhost"):
+        return []
+    argv = [str(Path(bins.vllm).parent / "mooncake_master"), *master[1:]]
+    url = f"http://{host}:{tier.mooncake_metrics_port}"
+    return [ProcessPlan("mooncake-master", "mooncake", argv, url)]
 
 
 def _flag(argv: list[str], flag: str) -> str:
