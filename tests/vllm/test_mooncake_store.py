@@ -45,7 +45,7 @@ def master(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, Path
     rendered = render_vllm(tier)
     assert rendered.mooncake_master is not None and rendered.mooncake_config is not None
     store_file = logs / "mooncake.json"
-    store_file.write_text(json.dumps({**rendered.mooncake_config, "local_buffer_size": 16 << 20}))
+    store_file.write_text(json.dumps(rendered.mooncake_config))
     binary = Path(str(store_module.__file__)).parent / "mooncake_master"
     url = rendered.kv_transfer_config["kv_connector_extra_config"]["warply"]["mooncake_url"]
     proc = EngineProcess(

@@ -98,9 +98,7 @@ class Stack:
             log_path=logs / "mooncake-master.log",
         )
         store_file = logs / "mooncake.json"
-        # vLLM's default local buffer is 4 GiB per engine; the test's blocks are 128 KiB.
-        store = {**rendered.mooncake_config, "local_buffer_size": 64 << 20}
-        store_file.write_text(json.dumps(store))
+        store_file.write_text(json.dumps(rendered.mooncake_config))
         self.server: VllmServer = engine(
             model,
             logs / "vllm-mooncake.log",
