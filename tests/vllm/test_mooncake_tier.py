@@ -138,10 +138,10 @@ class Stack:
                     out[sample.labels["source"]] += int(sample.value)
         return out
 
-    def ask(self, tokens: list[int]) -> tuple[str, Counter[str]]:
+    def ask(self, tokens: list[int], cache_salt: str | None = None) -> tuple[str, Counter[str]]:
         """Greedy answer and the prompt tokens cached per source for this request."""
         before = self.cached_by_source()
-        reply = complete(self.server, tokens, max_tokens=8)
+        reply = complete(self.server, tokens, max_tokens=8, cache_salt=cache_salt)
         self.looked_up[tokens[0]] = time.monotonic()
         return str(reply["choices"][0]["text"]), self.cached_by_source() - before
 
@@ -283,6 +283,27 @@ def test_pin_and_unpin_set_the_soft_pin_the_master_counts(stack: Stack) -> None:
     stack.evict_from_device(300)
     _, sources = stack.ask(tokens)
     assert sources[EXTERNAL] == STORED * BLOCK
+
+
+def test_one_tenants_objects_never_serve_another(stack: Stack) -> None:
+    """cache_salt is part of vLLM's block hash, hence of the store's keys: one tenant's objects
+    are another key space, and a tenant's evict touches its own objects only."""
+    tokens = prompt(5)
+    first, sources = stack.ask(tokens, cache_salt="tenant-a")
+    assert sources[EXTERNAL] == 0
+    stack.evict_from_device(600)
+    other, sources = stack.ask(tokens, cache_salt="tenant-b")
+    assert sum(sources.values()) == 0  # tenant-a's objects unused: computed afresh
+    stack.evict_from_device(610)
+
+    stack.leases_out(tokens)
+    d = Directive("evict-b", DirectiveKind.EVICT, token_ids=tokens, tier=Tier.CPU,
+                  namespace="tenant-b")  # fmt: skip
+    ack = send_directive(stack.control, d)
+    assert ack.applied and ack.blocks == STORED, ack.reason  # tenant-b's own 2 objects
+    again, sources = stack.ask(tokens, cache_salt="tenant-a")
+    assert sources[EXTERNAL] == STORED * BLOCK  # tenant-a's objects untouched, loaded
+    assert first == other == again
 
 
 class _OutOfTheStore(TierPolicy):
