@@ -122,9 +122,9 @@ class MooncakeStore:
     def soft_pin(self, keys: Sequence[str], pin: bool, ttl_s: float) -> int:
         """Soft-pin (or unpin) these objects by upserting each with its own bytes; returns how
         many were rewritten (an object gone since the listing is skipped)."""
+        store = self._store()
         from mooncake.store import ReplicateConfig, SoftPinAction
 
-        store = self._store()
         config = ReplicateConfig()
         config.soft_pin_action = SoftPinAction.ENABLE if pin else SoftPinAction.DISABLE
         if pin and ttl_s > 0:
@@ -141,7 +141,10 @@ class MooncakeStore:
 
     def _store(self) -> Any:
         if self._client is None:
-            self._client = self._connect()
+            try:
+                self._client = self._connect()
+            except (ImportError, OSError, ValueError, TypeError, RuntimeError) as exc:
+                raise MooncakeError(f"store client: {exc}") from None
         return self._client
 
     def _poll(self) -> None:
@@ -167,7 +170,8 @@ class MooncakeStore:
 
 def connect_store() -> Any:
     """A store client with no segment of its own, set up from the engine's store file
-    (`MOONCAKE_CONFIG_PATH`, read by vLLM 0.32's own reader) on the engine's address."""
+    (`MOONCAKE_CONFIG_PATH`, read by vLLM 0.32's own reader) on the engine's address; raises
+    what the reader or the setup raises (`MooncakeStore` reports it as a `MooncakeError`)."""
     # Imported here (also above): only an engine with a Mooncake delegate has mooncake installed.
     from mooncake.store import MooncakeDistributedStore
 
@@ -178,8 +182,5 @@ def connect_store() -> Any:
         local_buffer_size=_CLIENT_BUFFER_BYTES,
     )
     store = MooncakeDistributedStore()
-    try:
-        setup_mooncake_store(store, config, get_ip())
-    except RuntimeError as exc:
-        raise MooncakeError(f"store client setup: {exc}") from None
+    setup_mooncake_store(store, config, get_ip())
     return store

@@ -132,8 +132,13 @@ def test_soft_pin_and_unpin_rewrite_the_objects_the_master_counts(
     assert _soft_pins(plugin) == 0
 
 
-def test_an_unreachable_master_is_an_error_not_a_crash(master: tuple[str, Path]) -> None:
+def test_an_unreachable_master_is_an_error_not_a_crash(
+    master: tuple[str, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.delenv("MOONCAKE_CONFIG_PATH", raising=False)
     plugin = MooncakeStore(f"http://{HOST}:{free_port()}", 0.2, connect_store)
+    with pytest.raises(MooncakeError, match="MOONCAKE_CONFIG_PATH"):
+        plugin.remove(["tiny@k"])  # no store file: the client cannot be set up
     with pytest.raises(MooncakeError, match="GET /metrics"):
         plugin.allocated_bytes()
     with pytest.raises(MooncakeError, match="GET /get_all_keys"):
