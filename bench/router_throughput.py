@@ -271,9 +271,10 @@ def _newest_tiny() -> Path | None:
 def _warply(args: argparse.Namespace, upstreams: list[str], work: Path,
             root: Path = ROOT, tag: str = "warply") -> EngineProcess:
     port = free_port()
-    router = ["-m", "router"]
+    # -P: `root` (PYTHONPATH) is imported, not the current directory's checkout
+    router = ["-P", "-m", "router"]
     if args.profile:
-        router = ["-m", "cProfile", "-o", str(args.profile), "-m", "router"]
+        router = ["-P", "-m", "cProfile", "-o", str(args.profile), "-m", "router"]
     cmd = [sys.executable, *router, "--model", MODEL, "--tokenizer", str(args.tokenizer),
            "--block-size", "16", "--port", str(port), "--log-level", "WARNING",
            *(x for u in upstreams for x in ("--worker", u))]

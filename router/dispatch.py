@@ -44,11 +44,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
+from collections.abc import AsyncIterator, Awaitable, Mapping
 from dataclasses import dataclass
 from typing import Any, Protocol, TypeVar
 
-import aiohttp
 import msgspec
 from aiohttp import web
 
@@ -58,6 +57,15 @@ from router.handoff import sglang
 from router.handoff.vllm import decode_params, prefill_body
 from router.placement import Decision
 from router.tokenize import Prompt
+from router.upstream import (
+    ConnectFailed,
+    ConnectTimeout,
+    Disconnected,
+    Response,
+    Timeouts,
+    Upstream,
+    UpstreamError,
+)
 from router.workers import Worker
 
 _log = logging.getLogger("warply.router")
@@ -78,6 +86,17 @@ class Prepared(Protocol):
     stream: bool
     client_wants_usage: bool
     single: bool
+
+
+@dataclass(slots=True)
+class Call:
+    """One client request being dispatched: what each of its attempts shares."""
+
+    request: web.Request
+    kind: str
+    prep: Prepared
+    account: RequestAccount
+    headers: Mapping[str, str]
 
 
 class Retry(Exception):
@@ -149,7 +168,7 @@ def _failure(exc: BaseException, worker: Worker) -> str:
     unhealthy, the health loop brings it back), `worker_down`, `timeout` or `error`; each
     counts against the worker's circuit breaker."""
     worker.answered(False)
-    if isinstance(exc, aiohttp.ClientConnectorError):
+    if isinstance(exc, ConnectFailed):
         worker.set_health(False, refused=True)
         return "connect"
     if isinstance(exc, _PrefillLost):
@@ -167,7 +186,7 @@ def _prefill_outcome(
     failure's reason, with the engine's own answer when it refused the request (4xx)."""
     try:
         status, raw, content_type = leg.result()
-    except (aiohttp.ClientError, _PrefillLost, TimeoutError) as exc:
+    except (UpstreamError, _PrefillLost, TimeoutError) as exc:
         return _failure(exc, worker), None
     worker.answered(status < 500)
     if status == 200:
@@ -180,91 +199,72 @@ def _prefill_outcome(
 
 
 class Dispatcher:
-    """Sends placed requests upstream over one pooled client session."""
+    """Sends placed requests upstream over one pool of keep-alive connections."""
 
     def __init__(
         self,
-        session: Callable[[], aiohttp.ClientSession],
+        upstream: Upstream,
+        timeouts: Timeouts,
         prefill_timeout_s: float,
         lost_after_s: float,
     ) -> None:
-        self._session = session
-        self._prefill_timeout = aiohttp.ClientTimeout(total=prefill_timeout_s, sock_connect=5)
+        self._upstream = upstream
+        self._timeouts = timeouts
+        self._prefill_timeouts = Timeouts(prefill_timeout_s, timeouts.connect)
         self._lost_after_s = lost_after_s
 
     @contextlib.asynccontextmanager
     async def _post(
-        self, url: str, body: dict[str, Any] | bytes, **kw: Any
-    ) -> AsyncIterator[aiohttp.ClientResponse]:
+        self, url: str, body: dict[str, Any] | bytes, headers: Mapping[str, str], timeouts: Timeouts
+    ) -> AsyncIterator[Response]:
         """POST a JSON body (bytes are sent as they are) and yield the response once its headers
         arrived. Retried once when nothing reached the engine: a pooled connection it closed
-        meanwhile (its keep-alive ran out: the body cannot be written, or the server disconnects
-        before answering), or a connection not made in time (a stalled machine). A refused
-        connection is not retried (`ClientConnectorError`: the caller tries another worker)."""
+        meanwhile (its keep-alive ran out: the server disconnects before answering), or a
+        connection not made in time (a stalled machine). A refused connection is not retried
+        (`ConnectFailed`: the caller tries another worker)."""
         data = body if isinstance(body, bytes) else msgspec.json.encode(body)
-        for attempt in (0, 1):
-            try:
-                resp = await self._session().post(url, data=data, **kw)
-                break
-            except aiohttp.ClientConnectorError:
-                raise
-            except (
-                aiohttp.ServerDisconnectedError,
-                aiohttp.ClientOSError,
-                aiohttp.ConnectionTimeoutError,
-            ):
-                if attempt:
-                    raise
+        try:
+            resp = await self._upstream.post(url, data, headers, timeouts)
+        except (Disconnected, ConnectTimeout):
+            resp = await self._upstream.post(url, data, headers, timeouts)
         try:
             yield resp
         finally:
             resp.release()
 
-    async def send(
-        self,
-        request: web.Request,
-        kind: str,
-        prep: Prepared,
-        decision: Decision,
-        account: RequestAccount,
-        headers: Mapping[str, str],
-    ) -> Answer:
+    async def send(self, call: Call, decision: Decision) -> Answer:
         """Serve one placed request; raises `Retry` or `ApiError`."""
         params = None
+        account = call.account
         if decision.prefill is not None and decision.worker.pool.kv_handoff == "vllm":
-            if not prep.single:  # several prompts or choices: one hand-off cannot carry them
+            if not call.prep.single:  # several prompts or choices: one hand-off cannot carry them
                 account.relocate("batch")
             else:
-                params = await self._prefill(kind, prep, decision, account, headers)
+                params = await self._prefill(call, decision)
         assert account.decision is not None
-        return await self._answer(request, kind, prep, account.decision, account, headers, params)
+        return await self._answer(call, account.decision, params)
 
-    async def _settle(self, prep: Prepared, account: RequestAccount) -> None:
+    @staticmethod
+    async def _settle(call: Call) -> None:
         """Once the first request is on its way: the rest of an early-placed prompt."""
+        prep = call.prep
         if prep.rest is not None:
             prep.prompt, prep.rest = await prep.rest, None
-            account.measured(prep.prompt.estimate)
+            call.account.measured(prep.prompt.estimate)
 
-    async def _prefill(
-        self,
-        kind: str,
-        prep: Prepared,
-        decision: Decision,
-        account: RequestAccount,
-        headers: Mapping[str, str],
-    ) -> dict[str, Any] | None:
+    async def _prefill(self, call: Call, decision: Decision) -> dict[str, Any] | None:
         """The prefill leg: the decode leg's `kv_transfer_params`, or None after a failure
         (the account then holds the decision with a local prefill)."""
         leg = decision.prefill
         assert leg is not None
+        account = call.account
         started = account.elapsed()
-        url = leg.worker.config.url + PATHS[kind]
+        url = leg.worker.config.url + PATHS[call.kind]
 
         async def exchange() -> tuple[int, bytes]:
-            async with self._post(
-                url, prefill_body(prep.body), headers=headers, timeout=self._prefill_timeout
-            ) as up:
-                await self._settle(prep, account)
+            body = prefill_body(call.prep.body)
+            async with self._post(url, body, call.headers, self._prefill_timeouts) as up:
+                await self._settle(call)
                 return up.status, await up.read()
 
         reason = ""
@@ -281,9 +281,9 @@ class Dispatcher:
                     account.prefill_answered(usage, started)
                     return decode_params(params, usage)
                 reason = "no_kv_transfer_params"
-        except (aiohttp.ClientError, _PrefillLost, TimeoutError, msgspec.DecodeError) as exc:
+        except (UpstreamError, _PrefillLost, TimeoutError, msgspec.DecodeError) as exc:
             reason = _failure(exc, leg.worker)
-        await self._settle(prep, account)
+        await self._settle(call)
         _log.warning(
             "prefill on %s failed (%s); %s prefills locally",
             leg.worker.name, reason, decision.worker.name,
@@ -293,14 +293,7 @@ class Dispatcher:
         return None
 
     async def _answer(
-        self,
-        request: web.Request,
-        kind: str,
-        prep: Prepared,
-        decision: Decision,
-        account: RequestAccount,
-        headers: Mapping[str, str],
-        params: dict[str, Any] | None,
+        self, call: Call, decision: Decision, params: dict[str, Any] | None
     ) -> Answer:
         """The request to the answering worker, relayed to the client. A vLLM hand-off's decode
         leg is abandoned if its prefill worker is lost before the first event (stream) or the
@@ -311,46 +304,40 @@ class Dispatcher:
         anything (connection reset or closed, as when the engine is killed) raises `Retry`."""
         worker = decision.worker
         try:
-            answer = await self._attempt(request, kind, prep, decision, account, headers, params)
+            answer = await self._attempt(call, decision, params)
             worker.answered(answer.status < 500)
             return answer
-        except aiohttp.ClientConnectorError:
+        except ConnectFailed:
             worker.set_health(False, refused=True)  # the health loop brings it back
             worker.answered(False)
             raise Retry(worker.name) from None
         except TimeoutError:
             worker.answered(False)
             raise ApiError(504, f"upstream {worker.name} timed out") from None
-        except (aiohttp.ServerDisconnectedError, aiohttp.ClientPayloadError, aiohttp.ClientOSError):
+        except Disconnected:
             # Broken before the client got a byte (after that, `_stream` ends the stream with an
             # error event): e.g. the engine died with the request queued. Another worker tries.
             _log.warning("upstream %s broke before answering; placing it again", worker.name)
             worker.answered(False)
             raise Retry(worker.name) from None
-        except aiohttp.ClientError as exc:
+        except UpstreamError as exc:
             worker.answered(False)
             raise ApiError(502, f"upstream {worker.name} failed: {exc}") from None
 
     async def _attempt(
-        self,
-        request: web.Request,
-        kind: str,
-        prep: Prepared,
-        decision: Decision,
-        account: RequestAccount,
-        headers: Mapping[str, str],
-        params: dict[str, Any] | None,
+        self, call: Call, decision: Decision, params: dict[str, Any] | None
     ) -> Answer:
         """`_answer`'s one try, raising what the upstream raised."""
         worker = decision.worker
         if decision.prefill is not None and worker.pool.kv_handoff == "sglang":
-            return await self._paired(request, kind, prep, decision, account, headers)
+            return await self._paired(call, decision)
+        prep = call.prep
         body: dict[str, Any] | bytes = prep.body if prep.raw is None else prep.raw
         if params is not None:
             body = {**prep.body, "kv_transfer_params": params}
-        account.answer_sent()
+        call.account.answer_sent()
         started = asyncio.Event()
-        relay = self._relay(request, kind, prep, decision, account, headers, body, started)
+        relay = self._relay(call, decision, body, started)
         if params is None or decision.prefill is None:
             return await relay
         prefill = decision.prefill.worker
@@ -361,22 +348,12 @@ class Dispatcher:
                 "prefill worker %s went down before %s answered; %s prefills locally",
                 prefill.name, worker.name, worker.name,
             )
-            account.prefill_failed("lost_before_decode")
-            account.relocate("prefill_failed")
-            assert account.decision is not None
-            return await self._answer(
-                request, kind, prep, account.decision, account, headers, None
-            )
+            call.account.prefill_failed("lost_before_decode")
+            call.account.relocate("prefill_failed")
+            assert call.account.decision is not None
+            return await self._answer(call, call.account.decision, None)
 
-    async def _paired(
-        self,
-        request: web.Request,
-        kind: str,
-        prep: Prepared,
-        decision: Decision,
-        account: RequestAccount,
-        headers: Mapping[str, str],
-    ) -> Answer:
+    async def _paired(self, call: Call, decision: Decision) -> Answer:
         """SGLang's hand-off: the client's body with one bootstrap room to the prefill and the
         decode worker at once (`router.handoff.sglang`); decode's answer is relayed, prefill's
         read for its usage. A prefill leg that fails before decode's first event (stream) or
@@ -386,15 +363,13 @@ class Dispatcher:
         leg = decision.prefill
         assert leg is not None
         prefill = leg.worker
-        body = sglang.leg_body(prep.body, prefill.config)
+        account = call.account
+        body = sglang.leg_body(call.prep.body, prefill.config)
         sent_s = account.elapsed()
 
         async def exchange() -> tuple[int, bytes, str]:
             async with self._post(
-                prefill.config.url + PATHS[kind],
-                body,
-                headers=headers,
-                timeout=self._prefill_timeout,
+                prefill.config.url + PATHS[call.kind], body, call.headers, self._prefill_timeouts
             ) as up:
                 return up.status, await up.read(), up.content_type
 
@@ -403,9 +378,7 @@ class Dispatcher:
             _unless_lost(exchange(), prefill, self._lost_after_s, started)
         )
         account.answer_sent()
-        decode_leg = asyncio.ensure_future(
-            self._relay(request, kind, prep, decision, account, headers, body, started)
-        )
+        decode_leg = asyncio.ensure_future(self._relay(call, decision, body, started))
         try:
             pending: set[asyncio.Future[Any]] = {prefill_leg, decode_leg}
             while decode_leg in pending:
@@ -434,31 +407,24 @@ class Dispatcher:
 
     async def _relay(
         self,
-        request: web.Request,
-        kind: str,
-        prep: Prepared,
+        call: Call,
         decision: Decision,
-        account: RequestAccount,
-        headers: Mapping[str, str],
         body: dict[str, Any] | bytes,
         started: asyncio.Event,
     ) -> Answer:
-        async with self._post(
-            decision.worker.config.url + PATHS[kind], body, headers=headers
-        ) as up:
-            await self._settle(prep, account)
-            if prep.stream and up.status == 200:
-                return await self._stream(request, up, prep, decision, account, started)
+        url = decision.worker.config.url + PATHS[call.kind]
+        async with self._post(url, body, call.headers, self._timeouts) as up:
+            await self._settle(call)
+            if call.prep.stream and up.status == 200:
+                return await self._stream(call, up, decision, started)
             resp, usage = await self._whole(up)
             started.set()
             resp.headers.update(placed_headers(decision))
-            account.usage(usage)
+            call.account.usage(usage)
             return Answer(resp, resp.status)
 
     @staticmethod
-    async def _whole(
-        up: aiohttp.ClientResponse,
-    ) -> tuple[web.Response, dict[str, Any] | None]:
+    async def _whole(up: Response) -> tuple[web.Response, dict[str, Any] | None]:
         raw = await up.read()
         usage = None
         if up.status == 200:
@@ -474,25 +440,22 @@ class Dispatcher:
 
     @staticmethod
     async def _stream(
-        request: web.Request,
-        up: aiohttp.ClientResponse,
-        prep: Prepared,
-        decision: Decision,
-        account: RequestAccount,
-        started: asyncio.Event,
+        call: Call, up: Response, decision: Decision, started: asyncio.Event
     ) -> Answer:
         """Relay SSE events (those of one upstream read in one write); read (and maybe hide)
         the final usage chunk; time the first one.
         The client's response starts with the first event (until then a failure is still an
         HTTP error, or a hand-off can still be retried locally); an upstream failure after
         that ends the stream with an error event."""
+        account, request = call.account, call.request
+        wants_usage = call.prep.client_wants_usage
         resp = web.StreamResponse(headers=_SSE_HEADERS)
         resp.headers.update(placed_headers(decision))
         usage: dict[str, Any] | None = None
         buf = b""
         status = 200
         try:
-            async for chunk in up.content.iter_any():
+            async for chunk in up.chunks():
                 buf += chunk
                 if b"\n\n" not in buf:
                     continue
@@ -507,7 +470,7 @@ class Dispatcher:
                         parsed = msgspec.json.decode(event[6:])
                         if isinstance(parsed.get("usage"), dict):
                             usage = parsed["usage"]
-                            if not parsed.get("choices") and not prep.client_wants_usage:
+                            if not parsed.get("choices") and not wants_usage:
                                 continue
                     elif event.startswith(b"data: {"):
                         account.generated(1)
@@ -519,7 +482,7 @@ class Dispatcher:
                 await resp.prepare(request)
             if buf.strip():
                 await resp.write(buf)
-        except (aiohttp.ClientError, TimeoutError) as exc:
+        except (UpstreamError, TimeoutError) as exc:
             if not resp.prepared:
                 raise  # nothing sent yet: an HTTP error (or a retry)
             timed_out = isinstance(exc, TimeoutError)

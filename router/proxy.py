@@ -24,12 +24,13 @@ from aiohttp import web
 
 from router.accounting import RequestAccount
 from router.config import LimitsConfig
-from router.dispatch import Dispatcher, Retry
+from router.dispatch import Call, Dispatcher, Retry
 from router.errors import ApiError, read_body
 from router.metrics import RouterMetrics
 from router.placement import Decision, Placement
 from router.strategies import NoCandidate
 from router.tokenize import Prompt, PromptError, RouterTokenizer, start_prompts
+from router.upstream import Timeouts, Upstream
 from warply.protocol import request_namespace
 from warply.protocol.api import CacheKey, Overrides
 
@@ -152,7 +153,10 @@ class Proxy:
             total=timeout_s, sock_connect=5, sock_read=idle_timeout_s
         )
         self._session: aiohttp.ClientSession | None = None
-        self._dispatch = Dispatcher(lambda: self.session, prefill_timeout_s, lost_after_s)
+        self._upstream = Upstream()
+        self._dispatch = Dispatcher(
+            self._upstream, Timeouts(timeout_s, 5, idle_timeout_s), prefill_timeout_s, lost_after_s
+        )
         # One thread: a cold 8k-token prompt (10-30 ms in `tokenizers`, which releases the GIL)
         # must not stall the event loop. The chunk cache is not thread-safe: the lock lets the
         # loop encode a small prompt itself while the thread is idle.
@@ -161,7 +165,8 @@ class Proxy:
 
     @property
     def session(self) -> aiohttp.ClientSession:
-        """The pooled upstream client (created on first use, inside the event loop)."""
+        """The client of the router's other calls to the workers (health, /metrics, parity;
+        created on first use, inside the event loop). Requests go through `router.upstream`."""
         if self._session is None:
             self._session = aiohttp.ClientSession(
                 # idle connections are dropped before the engines drop them (vLLM's uvicorn:
@@ -175,6 +180,7 @@ class Proxy:
         if self._session is not None:
             await self._session.close()
             self._session = None
+        self._upstream.close()
         self._tokenize_pool.shutdown(wait=False, cancel_futures=True)
 
     async def handle(self, request: web.Request, kind: str) -> web.StreamResponse:
@@ -186,14 +192,13 @@ class Proxy:
             prep = await self.prepare(body, kind, raw)
             headers = {h: request.headers[h] for h in _FORWARD_HEADERS if h in request.headers}
             headers.update(_JSON)
+            call = Call(request, kind, prep, account, headers)
             tried: set[str] = set()
             while True:
                 decision = await self.place(prep, tried)
                 account.placed(decision, exact=prep.rest is None)
                 try:
-                    answer = await self._dispatch.send(
-                        request, kind, prep, decision, account, headers
-                    )
+                    answer = await self._dispatch.send(call, decision)
                 except Retry as retry:
                     tried.add(retry.worker)
                     continue

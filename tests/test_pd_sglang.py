@@ -278,7 +278,9 @@ def test_decode_failure_is_an_openai_error(tokenizer_dir: Path, behaviour: str) 
                 body = json.loads(text)  # refused or dropped: placed again without d, none left
                 want = (503, "no_healthy_worker")
                 assert _is_error(body) and (status, body["error"]["code"]) == want
-            assert len(p.bodies) == 1, "the prefill leg ran once"
+            # a refused decode connection can end the pair before its prefill leg was written
+            sent = {0, 1} if behaviour == "down" else {1}
+            assert len(p.bodies) in sent, "the prefill leg ran at most once"
             _no_load(router)
 
     _run(scenario())

@@ -26,6 +26,7 @@ from router.placement import Placement
 from router.tiering import Action, TierPolicy, TierState
 from router.token_cache import ChunkCache
 from router.tokenize import RouterTokenizer
+from router.upstream import ConnectTimeout
 from router.workers import Workers
 from warply.protocol import (
     BlockStored,
@@ -618,17 +619,17 @@ def test_a_connection_not_made_in_time_is_tried_once_more(tokenizer_dir: Path) -
 
     async def scenario() -> None:
         async with running(tokenizer_dir, [FakeEngine("a")]) as (router, call, _s, _b):
-            real = router.proxy.session
+            real = router.proxy._dispatch._upstream
             calls = []
 
             class _Stalled:
-                def post(self, url: str, **kw: Any) -> Any:
+                async def post(self, url: str, *args: Any) -> Any:
                     calls.append(url)
                     if len(calls) == 1:
-                        raise aiohttp.ConnectionTimeoutError(f"Connection timeout to host {url}")
-                    return real.post(url, **kw)
+                        raise ConnectTimeout(f"no connection to {url} in 5 s")
+                    return await real.post(url, *args)
 
-            router.proxy._dispatch._session = _Stalled
+            router.proxy._dispatch._upstream = _Stalled()
             status, body = await call("POST", "/v1/completions", {"prompt": "a prefix"})
             assert status == 200 and body["choices"][0]["text"] == "a"
             assert len(calls) == 2 and router.workers["a"].healthy
