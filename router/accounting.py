@@ -9,7 +9,6 @@ request ends.
 
 from __future__ import annotations
 
-import dataclasses
 import time
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -141,7 +140,7 @@ class RequestAccount:
     def closed(self, status: int) -> None:
         """The request ended with HTTP `status`: record it."""
         self.released()
-        rec = dataclasses.replace(self._record, status=status, latency_s=self._now())
-        rec.decision = self.decision
+        rec = self._record
+        rec.status, rec.latency_s, rec.decision = status, self._now(), self.decision
         self._metrics.request(rec)
 

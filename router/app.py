@@ -107,7 +107,7 @@ class Router:
             self.metrics.on_request.append(self.tiering.observe)
         self._health_task: asyncio.Task[None] | None = None
         self.app = web.Application(
-            middlewares=[self._errors, self._auth], client_max_size=config.limits.max_body_bytes
+            middlewares=[self._errors], client_max_size=config.limits.max_body_bytes
         )
         self.app.add_routes(
             [
@@ -227,9 +227,11 @@ class Router:
 
     @web.middleware
     async def _errors(self, request: web.Request, handler: _Handler) -> web.StreamResponse:
-        """Router errors, aiohttp's own (404 route, 405 method) and unexpected ones (500) in the
-        OpenAI error shape, each counted in `warply_router_errors_total`."""
+        """Admin auth (`_auth`), then router errors, aiohttp's own (404 route, 405 method) and
+        unexpected ones (500) in the OpenAI error shape, each counted in
+        `warply_router_errors_total`. One middleware: each layer costs every request a call."""
         try:
+            self._auth(request)
             return await handler(request)
         except ApiError as err:
             error = err
@@ -246,15 +248,14 @@ class Router:
         self.metrics.error(error.status, error.code)
         return error.response()
 
-    @web.middleware
-    async def _auth(self, request: web.Request, handler: _Handler) -> web.StreamResponse:
+    def _auth(self, request: web.Request) -> None:
+        """401 for an admin path without the configured Bearer token."""
         token = self.config.auth_token
         if token and request.path.startswith("/warply/"):
             given = request.headers.get("Authorization", "")
             if not hmac.compare_digest(given.encode(), f"Bearer {token}".encode()):
                 msg = "a valid 'Authorization: Bearer <token>' is required"
                 raise ApiError(401, msg, "invalid_api_key")
-        return await handler(request)
 
     # -- client API ------------------------------------------------------------------------------
 

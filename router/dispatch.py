@@ -42,9 +42,8 @@ prefill's 4xx is the client's answer. Decode failures are handled as above.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
-from collections.abc import AsyncIterator, Awaitable, Mapping
+from collections.abc import Awaitable, Mapping
 from dataclasses import dataclass
 from typing import Any, Protocol, TypeVar
 
@@ -130,6 +129,38 @@ def placed_headers(decision: Decision) -> dict[str, str]:
     return headers
 
 
+class _Answer(msgspec.Struct):
+    """What the router reads of an engine's JSON answer (the rest is skipped, not decoded)."""
+
+    usage: dict[str, Any] | None = None
+
+
+class _Chunk(_Answer):
+    """What the router reads of an SSE chunk: its usage, and whether it has choices."""
+
+    choices: list[Any] | None = None
+
+
+_read_answer = msgspec.json.Decoder(_Answer)
+_read_chunk = msgspec.json.Decoder(_Chunk)
+
+
+def _chunk(raw: bytes) -> _Chunk | None:
+    """An SSE chunk's usage and choices; None when it is not such an object."""
+    try:
+        return _read_chunk.decode(raw)
+    except (msgspec.DecodeError, msgspec.ValidationError):
+        return None
+
+
+def _usage(raw: bytes) -> dict[str, Any] | None:
+    """A JSON answer's usage block, when it has one."""
+    try:
+        return _read_answer.decode(raw).usage
+    except (msgspec.DecodeError, msgspec.ValidationError):
+        return None
+
+
 def _error_event(status: int, message: str) -> bytes:
     err = ApiError(status, message)
     body = {"error": {"message": message, "type": err.type, "param": None, "code": status}}
@@ -213,24 +244,19 @@ class Dispatcher:
         self._prefill_timeouts = Timeouts(prefill_timeout_s, timeouts.connect)
         self._lost_after_s = lost_after_s
 
-    @contextlib.asynccontextmanager
     async def _post(
         self, url: str, body: dict[str, Any] | bytes, headers: Mapping[str, str], timeouts: Timeouts
-    ) -> AsyncIterator[Response]:
-        """POST a JSON body (bytes are sent as they are) and yield the response once its headers
-        arrived. Retried once when nothing reached the engine: a pooled connection it closed
-        meanwhile (its keep-alive ran out: the server disconnects before answering), or a
-        connection not made in time (a stalled machine). A refused connection is not retried
-        (`ConnectFailed`: the caller tries another worker)."""
+    ) -> Response:
+        """POST a JSON body (bytes are sent as they are); the response once its headers arrived
+        (the caller releases it). Retried once when nothing reached the engine: a pooled
+        connection it closed meanwhile (its keep-alive ran out: the server disconnects before
+        answering), or a connection not made in time (a stalled machine). A refused connection
+        is not retried (`ConnectFailed`: the caller tries another worker)."""
         data = body if isinstance(body, bytes) else msgspec.json.encode(body)
         try:
-            resp = await self._upstream.post(url, data, headers, timeouts)
+            return await self._upstream.post(url, data, headers, timeouts)
         except (Disconnected, ConnectTimeout):
-            resp = await self._upstream.post(url, data, headers, timeouts)
-        try:
-            yield resp
-        finally:
-            resp.release()
+            return await self._upstream.post(url, data, headers, timeouts)
 
     async def send(self, call: Call, decision: Decision) -> Answer:
         """Serve one placed request; raises `Retry` or `ApiError`."""
@@ -263,9 +289,12 @@ class Dispatcher:
 
         async def exchange() -> tuple[int, bytes]:
             body = prefill_body(call.prep.body)
-            async with self._post(url, body, call.headers, self._prefill_timeouts) as up:
+            up = await self._post(url, body, call.headers, self._prefill_timeouts)
+            try:
                 await self._settle(call)
                 return up.status, await up.read()
+            finally:
+                up.release()
 
         reason = ""
         try:
@@ -368,10 +397,13 @@ class Dispatcher:
         sent_s = account.elapsed()
 
         async def exchange() -> tuple[int, bytes, str]:
-            async with self._post(
+            up = await self._post(
                 prefill.config.url + PATHS[call.kind], body, call.headers, self._prefill_timeouts
-            ) as up:
+            )
+            try:
                 return up.status, await up.read(), up.content_type
+            finally:
+                up.release()
 
         started = asyncio.Event()
         prefill_leg = asyncio.ensure_future(
@@ -413,30 +445,26 @@ class Dispatcher:
         started: asyncio.Event,
     ) -> Answer:
         url = decision.worker.config.url + PATHS[call.kind]
-        async with self._post(url, body, call.headers, self._timeouts) as up:
+        up = await self._post(url, body, call.headers, self._timeouts)
+        try:
             await self._settle(call)
             if call.prep.stream and up.status == 200:
                 return await self._stream(call, up, decision, started)
             resp, usage = await self._whole(up)
-            started.set()
-            resp.headers.update(placed_headers(decision))
-            call.account.usage(usage)
-            return Answer(resp, resp.status)
+        finally:
+            up.release()
+        started.set()
+        resp.headers.update(placed_headers(decision))
+        call.account.usage(usage)
+        return Answer(resp, resp.status)
 
     @staticmethod
     async def _whole(up: Response) -> tuple[web.Response, dict[str, Any] | None]:
         raw = await up.read()
-        usage = None
-        if up.status == 200:
-            try:
-                parsed = msgspec.json.decode(raw)
-                usage = parsed.get("usage") if isinstance(parsed, dict) else None
-            except msgspec.DecodeError:
-                pass
         resp = web.Response(
             body=raw, status=up.status, content_type=up.content_type or "application/json"
         )
-        return resp, usage if isinstance(usage, dict) else None
+        return resp, _usage(raw) if up.status == 200 else None
 
     @staticmethod
     async def _stream(
@@ -467,10 +495,10 @@ class Dispatcher:
                 out = []
                 for event in events:
                     if b'"usage"' in event and event.startswith(b"data: {"):
-                        parsed = msgspec.json.decode(event[6:])
-                        if isinstance(parsed.get("usage"), dict):
-                            usage = parsed["usage"]
-                            if not parsed.get("choices") and not wants_usage:
+                        parsed = _chunk(event[6:])
+                        if parsed is not None and parsed.usage is not None:
+                            usage = parsed.usage
+                            if not parsed.choices and not wants_usage:
                                 continue
                     elif event.startswith(b"data: {"):
                         account.generated(1)

@@ -49,7 +49,7 @@ class RouterMetrics:
         """One request ended: its placement, what the engines reported, its timings."""
         d = rec.decision
         s = self.series
-        self.series.requests.labels(d.worker.name if d else "", str(rec.status)).inc()
+        s.child(s.requests, d.worker.name if d else "", str(rec.status)).inc()
         s.latency.observe(rec.latency_s)
         for observe in self.on_request:
             observe(rec)
@@ -63,18 +63,18 @@ class RouterMetrics:
             self.stats.totals["placed_early"] += 1
         prompt = rec.prompt_tokens
         reason = d.local_reason or ("remote" if d.prefill is not None else "")
-        s.decisions.labels(d.mode, reason).inc()
+        s.child(s.decisions, d.mode, reason).inc()
         leg = d.prefill
         if leg is not None:  # handed off: the prefill worker computed, the decode worker pulled
             self._computed(leg.worker, prompt, leg.predicted_cached, rec.prefill_cached)
             self.stats.handoff(d.worker.name, prompt, d.predicted_cached)
             pool = d.worker.pool.name
-            s.handoff_prompt_tokens.labels(pool).inc(prompt)
-            s.handoff_held_tokens.labels(pool).inc(d.predicted_cached)
+            s.child(s.handoff_prompt_tokens, pool).inc(prompt)
+            s.child(s.handoff_held_tokens, pool).inc(d.predicted_cached)
         else:
             self._computed(d.worker, prompt, d.predicted_cached, rec.cached)
         if rec.prefill_failure:
-            s.prefill_failures.labels(rec.prefill_failure).inc()
+            s.child(s.prefill_failures, rec.prefill_failure).inc()
         self.stats.decided(d.mode, d.local_reason, rec.prefill_failure)
         if d.worker.role == "decode":
             self.stats.phases(rec)
@@ -84,7 +84,7 @@ class RouterMetrics:
                 ("decode_first_token", rec.decode_first_token_s),
             ):
                 if value is not None and (phase == "queue" or leg is not None):
-                    s.phase.labels(phase).observe(value)
+                    s.child(s.phase, phase).observe(value)
         # The client's view: the cached tokens its usage reports (no engine computed them).
         self.stats.routed(
             d.worker.name,
@@ -105,15 +105,16 @@ class RouterMetrics:
         local prefill on decode): its pool's and role's hit counters."""
         labels = (worker.pool.name, worker.role)
         s = self.series
-        s.prompt_tokens.labels(*labels).inc(prompt)
-        s.predicted_tokens.labels(*labels).inc(predicted)
+        s.child(s.prompt_tokens, *labels).inc(prompt)
+        s.child(s.predicted_tokens, *labels).inc(predicted)
         if cached is not None:
-            s.engine_tokens.labels(*labels).inc(cached)
+            s.child(s.engine_tokens, *labels).inc(cached)
         self.stats.computed(worker.name, prompt, predicted, cached)
 
     def error(self, status: int, code: str | None) -> None:
         """The router answered a request with an error of its own (`router.errors.ApiError`)."""
-        self.series.errors.labels(str(status), code or "").inc()
+        s = self.series
+        s.child(s.errors, str(status), code or "").inc()
 
     def stream_rejections(self, worker: str, rejected: Mapping[str, int]) -> None:
         """A worker's subscriber's rejection counts so far (set before each scrape)."""

@@ -8,6 +8,7 @@ current state by `refresh` just before each scrape.
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
+from typing import TypeVar, cast
 
 from prometheus_client import CollectorRegistry, Gauge, Histogram
 from prometheus_client import Counter as PromCounter
@@ -20,6 +21,7 @@ from router.token_cache import ChunkStats
 from router.workers import Worker
 from warply.protocol.api import IndexHealthView, KvTransferStats, StrategyState
 
+_M = TypeVar("_M", PromCounter, Gauge, Histogram)
 _INDEX_STATES = ("exact", "degraded", "fallback")
 _BREAKER_STATES = ("closed", "open", "half_open")
 
@@ -44,6 +46,7 @@ class Series:
     """Every series the router exports; `render()` is the text exposition."""
 
     def __init__(self) -> None:
+        self._children: dict[tuple[object, tuple[str, ...]], object] = {}
         r = self.registry = CollectorRegistry()
         self.requests = PromCounter(
             "warply_router_requests", "Requests by worker and outcome", ["worker", "status"],
@@ -292,8 +295,18 @@ class Series:
             registry=r,
         )
 
+    def child(self, metric: _M, *labels: str) -> _M:
+        """`metric.labels(*labels)`, looked up once: prometheus_client's `labels` validates and
+        locks on every call, a cost each request paid several times."""
+        key = (metric, labels)
+        found = self._children.get(key)
+        if found is None:
+            found = self._children[key] = metric.labels(*labels)
+        return cast(_M, found)
+
     def forget(self, worker: str) -> None:
         """Remove every labelled series of `worker` (it left the router)."""
+        self._children.clear()
         for metric in (
             self.requests,
             self.kv_transfer_bytes,

@@ -164,7 +164,10 @@ class AdaptiveAffinity(Strategy):
         candidates: Sequence[WorkerLoad],
         matches: Mapping[str, WorkerMatch],
     ) -> dict[str, Score]:
-        return self._plan(request, candidates, matches).scores
+        plan = self._plan(request, candidates, matches, explain=True)
+        return {
+            name: Score(key, "lowest cost", plan.terms[name]) for name, key in plan.keys.items()
+        }
 
     def choose(
         self,
@@ -174,7 +177,8 @@ class AdaptiveAffinity(Strategy):
     ) -> str:
         k: AdaptiveKnobs = self.knobs  # type: ignore[assignment]
         plan = self._plan(request, candidates, matches)
-        name = self._lowest(candidates, plan.scores)
+        keys = plan.keys
+        name = self._best(candidates, lambda w: keys[w.name])
         n, decay = len(candidates), plan.decay
         self._tick += 1
         if request.prefix_reuse:
@@ -200,9 +204,11 @@ class AdaptiveAffinity(Strategy):
         request: RequestView,
         candidates: Sequence[WorkerLoad],
         matches: Mapping[str, WorkerMatch],
+        explain: bool = False,
     ) -> _Plan:
         """Every candidate's cost as of this request, changing no state: `choose` commits
-        what it measured (π, the prefix's heat, the queue depth) after picking the lowest."""
+        what it measured (π, the prefix's heat, the queue depth) after picking the lowest.
+        `explain`: with the terms behind each cost (for people; `choose` needs none)."""
         k: AdaptiveKnobs = self.knobs  # type: ignore[assignment]
         bs, n = request.block_size, len(candidates)
         prompt = max(request.prompt_tokens, len(request.keys) * bs)
@@ -228,23 +234,26 @@ class AdaptiveAffinity(Strategy):
         queue_depth = sum(depths) / n
         if not k.adapt:
             depths = [0.0] * n
-        scores = {}
+        keys: dict[str, tuple[float, float]] = {}
+        terms: dict[str, dict[str, float]] = {}
+        routed, balance = self._routed, k.balance
         for i, w in enumerate(candidates):
             u = uncached[w.name]
-            share = n * self._routed.get(w.name, 0.0)
+            share = n * routed.get(w.name, 0.0)
             price = depths[i] + dup
-            cost = w.pending_prefill_tokens + u + price * (u - least) + k.balance * share
-            terms = {
-                "queued_tokens": w.pending_prefill_tokens,
-                "uncached_tokens": u,
-                "recompute_price": price,
-                "recomputed_tokens": u - least,
-                "routed_share": share,
-                "heat": heat,
-                "cost": cost,
-            }
-            scores[w.name] = Score((cost, share), "lowest cost", terms)
-        return _Plan(scores, uncached, least, decay, loss, depth, queue_depth)
+            cost = w.pending_prefill_tokens + u + price * (u - least) + balance * share
+            keys[w.name] = (cost, share)
+            if explain:
+                terms[w.name] = {
+                    "queued_tokens": w.pending_prefill_tokens,
+                    "uncached_tokens": u,
+                    "recompute_price": price,
+                    "recomputed_tokens": u - least,
+                    "routed_share": share,
+                    "heat": heat,
+                    "cost": cost,
+                }
+        return _Plan(keys, terms, uncached, least, decay, loss, depth, queue_depth)
 
     def _loss_after(
         self, keys: Sequence[int], found: int, stride: int, decay: float
@@ -298,7 +307,10 @@ class AdaptiveAffinity(Strategy):
 class _Plan:
     """One request's costs (`AdaptiveAffinity._plan`) and what `choose` commits after."""
 
-    scores: dict[str, Score]
+    keys: dict[str, tuple[float, float]]
+    """Each candidate's (cost, routed share): the lowest wins."""
+    terms: dict[str, dict[str, float]]
+    """The named numbers behind each cost (explained plans only)."""
     uncached: dict[str, float]
     least: float
     decay: float

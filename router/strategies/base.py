@@ -17,6 +17,7 @@ import copy
 import json
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from functools import cached_property
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -121,9 +122,15 @@ class TierWeights(BaseModel):
     ssd: float = Field(_MEASURED["ssd"], ge=0, le=1)
     object_store: float = Field(_MEASURED["object_store"], ge=0, le=1)
 
+    @cached_property
+    def _by_name(self) -> dict[str, float]:
+        return self.model_dump()
+
     def credit(self, match: WorkerMatch) -> float:
         """Σ_t weight_t · hit_t(w): cached blocks, discounted by how slow their tier is."""
-        weights: dict[str, float] = self.model_dump()
+        if not match.by_tier:
+            return 0.0
+        weights = self._by_name
         return sum(weights[tier.value] * n for tier, n in match.by_tier.items())
 
 
