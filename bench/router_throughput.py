@@ -15,7 +15,9 @@ Closed-loop clients (one keep-alive connection per stream, raw HTTP/1.1 on uvloo
 `--seconds` (after `--warmup` seconds), to the upstreams directly, through warply and through
 sglang-router, one target after the other. Per row: requests/s, client latency p50/p99, and
 the router-added latency: the row's quantile minus the direct row's at the same concurrency
-(same run). Ratios are warply / sglang-router.
+(same run), and the router process's CPU µs per request (all its threads, from /proc: on a
+machine shared with other work, the figure its load changes least). Ratios are warply /
+sglang-router.
 
     nice -n 10 .venvs/core/bin/python bench/router_throughput.py [--seconds 5] \\
         [--streams 1 64 100] [--modes json stream] [--paced 500] [--profile FILE]
@@ -200,19 +202,37 @@ class _Row:
     latencies: list[float] = field(default_factory=list)
     errors: int = 0
     seconds: float = 0.0
+    cpu_s: float = float("nan")
+    """CPU seconds the router process used while measured (all its threads)."""
 
     @property
     def rps(self) -> float:
         return len(self.latencies) / self.seconds if self.seconds else 0.0
+
+    @property
+    def cpu_us(self) -> float:
+        """The router's CPU µs per request: what a shared machine's load changes least."""
+        return self.cpu_s / len(self.latencies) * 1e6 if self.latencies else float("nan")
 
     def q(self, p: float) -> float:
         xs = sorted(self.latencies)
         return xs[min(len(xs) - 1, int(p * (len(xs) - 1)))] if xs else float("nan")
 
 
+def _cpu(pid: int) -> float:
+    """CPU seconds (user + system) of process `pid`'s threads so far."""
+    total = 0
+    for task in os.listdir(f"/proc/{pid}/task"):
+        with contextlib.suppress(OSError):
+            fields = Path(f"/proc/{pid}/task/{task}/stat").read_text().rsplit(")", 1)[1].split()
+            total += int(fields[11]) + int(fields[12])
+    return total / os.sysconf("SC_CLK_TCK")
+
+
 async def _load(row: _Row, ports: list[int], seconds: float, warmup: float,
-                max_requests: int) -> None:
-    """`row.streams` closed-loop clients for warmup + seconds; latencies after the warm-up."""
+                max_requests: int, pid: int | None = None) -> None:
+    """`row.streams` closed-loop clients for warmup + seconds; latencies after the warm-up;
+    the CPU process `pid` used meanwhile."""
     prompts = _prompts(512)
     stream = row.mode == "stream"
     start = time.perf_counter()
@@ -251,7 +271,15 @@ async def _load(row: _Row, ports: list[int], seconds: float, warmup: float,
         finally:
             writer.close()
 
-    await asyncio.gather(*(client(i) for i in range(row.streams)))
+    async def cpu() -> None:
+        await asyncio.sleep(measure_from - time.perf_counter())
+        assert pid is not None
+        used = _cpu(pid)
+        await asyncio.sleep(stop_at - time.perf_counter())
+        row.cpu_s = _cpu(pid) - used
+
+    meter = [cpu()] if pid is not None and Path(f"/proc/{pid}").exists() else []
+    await asyncio.gather(*(client(i) for i in range(row.streams)), *meter)
     row.seconds = min(time.perf_counter(), stop_at) - measure_from
 
 
@@ -303,8 +331,9 @@ def _wait_sglang(router: EngineProcess, upstreams: list[str]) -> None:
 
 
 @contextlib.contextmanager
-def _processes(args: argparse.Namespace) -> Iterator[dict[str, list[int]]]:
-    """Start the upstreams and the routers; yield target -> ports; stop them all."""
+def _processes(args: argparse.Namespace) -> Iterator[dict[str, tuple[list[int], int | None]]]:
+    """Start the upstreams and the routers; yield target -> (ports, the router's pid); stop
+    them all."""
     work = Path(tempfile.mkdtemp(prefix="warply-throughput-"))
     ports = [free_port() for _ in range(args.upstreams)]
     urls = [f"http://{HOST}:{p}" for p in ports]
@@ -316,21 +345,21 @@ def _processes(args: argparse.Namespace) -> Iterator[dict[str, list[int]]]:
             url=urls[0], log_path=work / "upstream.log", env={"PYTHONPATH": str(ROOT)})
         procs.append(up.start())
         up.wait_healthy(30)
-        targets = {"direct": ports}
+        targets: dict[str, tuple[list[int], int | None]] = {"direct": (ports, None)}
         warply = _warply(args, urls, work)
         procs.append(warply.start())
         warply.wait_healthy(60)
-        targets["warply"] = [int(warply.url.rsplit(":", 1)[1])]
+        targets["warply"] = ([int(warply.url.rsplit(":", 1)[1])], warply.pid)
         if args.baseline:
             base = _warply(args, urls, work, args.baseline, "base")
             procs.append(base.start())
             base.wait_healthy(60)
-            targets["base"] = [int(base.url.rsplit(":", 1)[1])]
+            targets["base"] = ([int(base.url.rsplit(":", 1)[1])], base.pid)
         if args.sglang_python:
             sgl = _sglang(args.sglang_python, urls, work)
             procs.append(sgl.start())
             _wait_sglang(sgl, urls)
-            targets["sglang"] = [int(sgl.url.rsplit(":", 1)[1])]
+            targets["sglang"] = ([int(sgl.url.rsplit(":", 1)[1])], sgl.pid)
         yield targets
     finally:
         for p in reversed(procs):
@@ -348,25 +377,27 @@ def _ms(x: float) -> str:
 def _print(rows: list[_Row]) -> None:
     direct = {(r.mode, r.streams, r.rate): r for r in rows if r.target == "direct"}
     print(f"{'mode':6s} {'streams':>7s} {'paced':>6s} {'target':8s} {'req/s':>8s} {'p50 ms':>8s} "
-          f"{'p99 ms':>8s} {'added p50':>9s} {'added p99':>9s} {'errors':>6s}")
+          f"{'p99 ms':>8s} {'added p50':>9s} {'added p99':>9s} {'errors':>6s} {'cpu µs/req':>10s}")
     for r in rows:
         d = direct.get((r.mode, r.streams, r.rate))
         added = ("", "") if d is None or r is d else (
             _ms(r.q(0.5) - d.q(0.5)), _ms(r.q(0.99) - d.q(0.99)))
         paced = f"{r.rate:6.0f}" if r.rate else f"{'-':>6s}"
         print(f"{r.mode:6s} {r.streams:7d} {paced} {r.target:8s} {r.rps:8.0f} {_ms(r.q(0.5)):>8s} "
-              f"{_ms(r.q(0.99)):>8s} {added[0]:>9s} {added[1]:>9s} {r.errors:6d}")
+              f"{_ms(r.q(0.99)):>8s} {added[0]:>9s} {added[1]:>9s} {r.errors:6d} "
+              f"{r.cpu_us:10.0f}")
     by = {(r.target, r.mode, r.streams, r.rate): r for r in rows}
     pairs = [(w, by.get(("sglang", w.mode, w.streams, w.rate))) for w in rows
              if w.target == "warply"]
     if any(s is not None for _, s in pairs):
-        print("\nwarply / sglang-router (req/s ratio > 1 and p99 ratio <= 1 favour warply):")
+        print("\nwarply / sglang-router (req/s ratio > 1, p99 and cpu ratios <= 1 favour warply):")
         for w, s in pairs:
             if s is None or not s.latencies or not w.latencies:
                 continue
             paced = f"@{w.rate:.0f}/s" if w.rate else ""
             print(f"{w.mode:6s} {w.streams:7d}{paced:>8s}  req/s {w.rps / s.rps:5.2f}x  "
-                  f"p50 {w.q(0.5) / s.q(0.5):5.2f}x  p99 {w.q(0.99) / s.q(0.99):5.2f}x")
+                  f"p50 {w.q(0.5) / s.q(0.5):5.2f}x  p99 {w.q(0.99) / s.q(0.99):5.2f}x  "
+                  f"cpu/req {w.cpu_us / s.cpu_us:5.2f}x")
     bases = [(w, by.get(("base", w.mode, w.streams, w.rate))) for w in rows
               if w.target == "warply"]
     if any(b is not None for _, b in bases):
@@ -376,25 +407,29 @@ def _print(rows: list[_Row]) -> None:
                 continue
             paced = f"@{w.rate:.0f}/s" if w.rate else ""
             print(f"{w.mode:6s} {w.streams:7d}{paced:>8s}  req/s {w.rps / b.rps:5.2f}x  "
-                  f"p50 {w.q(0.5) / b.q(0.5):5.2f}x  p99 {w.q(0.99) / b.q(0.99):5.2f}x")
+                  f"p50 {w.q(0.5) / b.q(0.5):5.2f}x  p99 {w.q(0.99) / b.q(0.99):5.2f}x  "
+                  f"cpu/req {w.cpu_us / b.cpu_us:5.2f}x")
     print("\ntargets (warply): added p50 <= 1 ms at 1 stream, added p99 <= 5 ms at 100 streams "
           "below saturation, req/s at 64 streams >= sglang-router's with p99 no worse")
 
 
-async def _run(args: argparse.Namespace, targets: dict[str, list[int]]) -> list[_Row]:
+async def _run(
+    args: argparse.Namespace, targets: dict[str, tuple[list[int], int | None]]
+) -> list[_Row]:
     rows = []
     plan = [(streams, 0.0) for streams in args.streams]
     if args.paced:
         plan.append((max(args.streams), args.paced))
     for mode in args.modes:
         for streams, rate in plan:
-            for target, ports in targets.items():
+            for target, (ports, pid) in targets.items():
                 row = _Row(target, mode, streams, rate)
-                await _load(row, ports, args.seconds, args.warmup, args.max_requests)
+                await _load(row, ports, args.seconds, args.warmup, args.max_requests, pid)
                 rows.append(row)
                 print(f"  {mode} {streams:3d} streams @{rate:.0f} {target:7s} {row.rps:7.0f} req/s "
                       f"p50 {_ms(row.q(0.5))} ms p99 {_ms(row.q(0.99))} ms "
-                      f"errors {row.errors}", file=sys.stderr, flush=True)
+                      f"errors {row.errors} cpu {row.cpu_us:.0f} µs/req", file=sys.stderr,
+                      flush=True)
     return rows
 
 
