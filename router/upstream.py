@@ -360,7 +360,13 @@ class Upstream:
         self._tls: ssl.SSLContext | None = None
 
     def idle(self, key: tuple[str, int, bool], conn: _Connection) -> None:
-        self._idle.setdefault(key, []).append(conn)
+        """`conn` may be reused; the oldest idle ones past keep-alive (or closed by the worker)
+        are dropped, so a burst's connections do not stay open."""
+        idle = self._idle.setdefault(key, [])
+        expired = conn.idle_since - self._keepalive_s
+        while idle and (idle[0].closed or idle[0].idle_since <= expired):
+            idle.pop(0).close()
+        idle.append(conn)
 
     async def _connect(self, key: tuple[str, int, bool], timeout_s: float) -> _Connection:
         idle = self._idle.get(key)

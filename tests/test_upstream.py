@@ -221,12 +221,23 @@ def test_an_idle_connection_past_keepalive_is_not_reused() -> None:
 
     async def scenario() -> None:
         async with _serving(answer) as (server, url):
-            up = Upstream(keepalive_s=0.05)
+            up = Upstream(keepalive_s=0.2)
             for _ in range(2):
                 resp = await up.post(url, b"{}", {}, T)
                 await resp.read()
                 resp.release()
-                await asyncio.sleep(0.1)
+                await asyncio.sleep(0.3)
             assert server.connections == 2
+            burst = await asyncio.gather(*(up.post(url, b"{}", {}, T) for _ in range(5)))
+            for resp in burst:  # five new connections (the idle one expired), all idle once read
+                await resp.read()
+                resp.release()
+            assert server.connections == 7 and [len(c) for c in up._idle.values()] == [5]
+            for _ in range(4):  # one at a time: the newest is reused, the others age and go
+                await asyncio.sleep(0.1)
+                resp = await up.post(url, b"{}", {}, T)
+                await resp.read()
+                resp.release()
+            assert server.connections == 7 and [len(c) for c in up._idle.values()] == [1]
 
     _run(scenario())
