@@ -2,16 +2,21 @@
 # Runs the whole test suite: lint + types + import layers + core tests in .venvs/core, then each engine's
 # integration tests in its own venv (vLLM: tests/vllm in .venvs/vllm; SGLang: tests/sglang in
 # .venvs/sglang; vLLM with a real LMCache server: tests/lmcache in .venvs/lmcache). Installs what
-# it needs first (idempotent, cached per machine), including the redis-server the shared index
-# store's tests start (Debian's package; sudo unless root).
+# it needs first (idempotent, cached per machine), including Debian's redis-server and libibverbs1
+# (sudo unless root).
 set -uo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT"
-if ! command -v redis-server >/dev/null; then
+# Debian packages: redis-server (the shared index store's tests and the redis tier start one) and
+# libibverbs1 (the Mooncake wheel's transfer engine links it, even for TCP).
+missing=()
+command -v redis-server >/dev/null || missing+=(redis-server)
+dpkg -s libibverbs1 >/dev/null 2>&1 || missing+=(libibverbs1)
+if [[ ${#missing[@]} -gt 0 ]]; then
     SUDO=""
     [[ "$(id -u)" -ne 0 ]] && SUDO="sudo"
-    echo "[setup] installing redis-server (tests/test_index_redis.py starts one)" >&2
-    { $SUDO apt-get update -qq && $SUDO apt-get install -y -qq redis-server >/dev/null; } || exit 1
+    echo "[setup] installing ${missing[*]}" >&2
+    { $SUDO apt-get update -qq && $SUDO apt-get install -y -qq "${missing[@]}" >/dev/null; } || exit 1
 fi
 bash scripts/setup_envs.sh core vllm sglang lmcache || exit 1
 
