@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import random
-from collections import Counter
+from collections import Counter, OrderedDict
 from collections.abc import Collection, Iterable, Sequence
 from typing import Any
 
@@ -26,7 +26,9 @@ from warply.protocol import (
     Event,
     Tier,
     TierMoved,
+    chain_keys,
     prefix_keys,
+    root_seed,
 )
 
 MODEL = "m"
@@ -271,9 +273,9 @@ class _Suspending(IndexStore):
         self.calls[name] += 1
         await asyncio.sleep(0)
 
-    async def add(self, worker: str, tier: Tier, keys: Sequence[int]) -> None:
+    async def add(self, worker: str, tier: Tier, keys: Sequence[int], chain: bool = False) -> None:
         await self._hop("add")
-        await self.inner.add(worker, tier, keys)
+        await self.inner.add(worker, tier, keys, chain)
 
     async def remove(self, worker: str, tier: Tier | None, keys: Sequence[int]) -> list[bool]:
         await self._hop("remove")
@@ -362,3 +364,206 @@ def test_engine_hash_maps_stay_within_the_cap_and_the_store_follows() -> None:
     for w, hashes in maps.items():  # every block still indexed can be removed
         completed(index.apply(w, [BlockRemoved(list(hashes))]))
     assert completed(index.stats()).entries == 0
+
+
+# -- remembered runs: a conversation's history is skipped, never trusted stale -----------------
+
+
+class _PlainStore:
+    """Holders per block and the LRU order as per-block moves leave them: the reference the
+    memory store's remembered runs and deferred moves must equal."""
+
+    def __init__(self, max_entries: int) -> None:
+        self.max_entries = max_entries
+        self.blocks: OrderedDict[int, dict[str, set[Tier]]] = OrderedDict()
+
+    def add(self, worker: str, tier: Tier, keys: Sequence[int]) -> None:
+        known = self.blocks.keys() & set(keys)
+        for k in keys:
+            if k in known:
+                self.blocks.move_to_end(k)
+                self.blocks[k].setdefault(worker, set()).add(tier)
+        for k in dict.fromkeys(k for k in keys if k not in known):
+            self.blocks.setdefault(k, {}).setdefault(worker, set()).add(tier)
+        while sum(len(h) for h in self.blocks.values()) > self.max_entries:
+            self.blocks.popitem(last=False)
+
+    def change(
+        self, worker: str, keys: Sequence[int], drop: Tier | None, gain: Tier | None
+    ) -> None:
+        """`worker`'s blocks lose `drop` (None: every tier) and gain `gain` where held."""
+        for k in keys:
+            held = self.blocks.get(k, {}).get(worker)
+            if not held:
+                continue
+            held -= set(Tier) if drop is None else {drop}
+            if gain is not None:
+                held.add(gain)
+            if not held:
+                del self.blocks[k][worker]
+                if not self.blocks[k]:
+                    del self.blocks[k]
+
+    def match(self, keys: Sequence[int], workers: Collection[str]) -> dict[str, WorkerMatch]:
+        out = {}
+        for w in workers:
+            run = 0
+            while run < len(keys) and w in self.blocks.get(keys[run], {}):
+                run += 1
+            fastest = Counter(min(self.blocks[k][w], key=list(Tier).index) for k in keys[:run])
+            out[w] = WorkerMatch(run, dict(fastest))
+        for k in keys[: max((m.blocks for m in out.values()), default=0)]:
+            self.blocks.move_to_end(k)
+        return out
+
+    def order(self) -> list[tuple[int, frozenset[str]]]:
+        return [(k, frozenset(h)) for k, h in self.blocks.items()]
+
+
+def _order(store: MemoryStore) -> list[tuple[int, frozenset[str]]]:
+    by_key: dict[int, set[str]] = {}
+    for k, w, _ in store.entries():
+        by_key.setdefault(k, set()).add(w)
+    return [(k, frozenset(ws)) for k, ws in by_key.items()]
+
+
+def test_remembered_runs_match_and_order_like_a_block_walk_under_random_conversations() -> None:
+    """Conversations that grow turn by turn, stored in chained runs on three workers, with
+    removals, tier moves, new tiers, drops and cap evictions between matches: every match and
+    the LRU order equal a store that walks and moves block by block."""
+    rng = random.Random(5)
+    store, plain = MemoryStore(max_entries=2500), _PlainStore(2500)
+    workers = ["a", "b", "c"]
+    tiers = list(Tier)
+    chains: list[list[int]] = []
+    stored: dict[str, set[int]] = {w: set() for w in workers}
+    skipped = 0
+    for step in range(1500):
+        op = rng.random()
+        if op < 0.3 or not chains:  # a new conversation (some share a first turn) or a turn
+            if chains and rng.random() < 0.7:
+                base = rng.choice(chains)
+                chain = base[: rng.randint(1, len(base))]
+            else:
+                chain = []
+            tokens = [rng.randrange(50) for _ in range(BS * rng.randint(1, 40))]
+            seed = chain[-1] if chain else root_seed(MODEL)
+            chain = chain + chain_keys(tokens, BS, seed)
+            chains.append(chain)
+        elif op < 0.6:  # a worker stores a run of a conversation: the blocks it lacks, in steps
+            w, chain, tier = rng.choice(workers), rng.choice(chains), rng.choice(tiers[:2])
+            start = 0  # from where its cached prefix ends (sometimes a stray later run)
+            while start < len(chain) and w in plain.blocks.get(chain[start], {}):
+                start += 1
+            if rng.random() < 0.1:
+                start = rng.randrange(len(chain))
+            while start < len(chain):
+                end = min(len(chain), start + rng.randint(1, 30))
+                completed(store.add(w, tier, chain[start:end], chain=True))
+                plain.add(w, tier, chain[start:end])
+                stored[w].update(chain[start:end])
+                start = end
+        elif op < 0.75 and any(stored.values()):  # removals, moves, new tiers of a few blocks
+            w = rng.choice([w for w in workers if stored[w]])
+            keys = rng.sample(sorted(stored[w]), min(len(stored[w]), rng.randint(1, 3)))
+            kind = rng.randrange(3)
+            if kind == 0:
+                tier = rng.choice([None, *tiers])
+                completed(store.remove(w, tier, keys))
+                plain.change(w, keys, tier, None)
+            elif kind == 1:
+                src, dst = rng.sample(tiers, 2)
+                completed(store.move(w, src, dst, keys))
+                plain.change(w, keys, src, dst)
+            else:
+                tier = rng.choice(tiers)  # a held block gains a tier (and counts as used)
+                held = [k for k in keys if w in plain.blocks.get(k, {})]
+                completed(store.add(w, tier, held))
+                plain.add(w, tier, held)
+        elif op < 0.78:
+            w = rng.choice(workers)
+            completed(store.drop_worker(w, stored[w]))
+            plain.change(w, list(stored[w]), None, None)
+            stored[w] = set()
+        chain = rng.choice(chains)
+        chain = chain[: rng.randint(len(chain) // 2, len(chain))]
+        asked = rng.sample(workers, rng.randint(1, 3))
+        got, want = completed(store.match(chain, asked)), plain.match(chain, asked)
+        assert got == want, step
+        skipped += any(store._runs.values())
+        if step % 50 == 0:
+            assert _order(store) == plain.order(), step
+    assert _order(store) == plain.order()
+    assert skipped > 500  # runs were remembered (and so skipped) through most of the run
+
+
+class _CountingBlocks(OrderedDict[int, int]):
+    """The memory store's block map, counting the lookups a match makes."""
+
+    lookups = 0
+
+    def get(self, key: int, default: Any = None) -> Any:
+        type(self).lookups += 1
+        return super().get(key, default)
+
+
+def test_a_next_turn_looks_up_its_new_blocks_not_its_history() -> None:
+    """A 2,000-block history stored in chained runs, then a 40-block turn past it: the match
+    skips the history's runs, and the one after it the run that match remembered."""
+    store = MemoryStore()
+    store._blocks = _CountingBlocks()
+    history = chain_keys(list(range(2000 * BS)), BS, root_seed(MODEL))
+    for start in range(0, 2000, 250):  # prefilled in steps, as engines store blocks
+        completed(store.add("a", Tier.GPU, history[start : start + 250], chain=True))
+    completed(store.add("b", Tier.GPU, history[:3], chain=True))
+    turn = history + chain_keys([7] * 40 * BS, BS, history[-1])
+    for i in range(0, 40, 4):  # the turn's blocks, some of them stored one by one
+        completed(store.add("a", Tier.CPU, turn[2000 + i : 2000 + i + 3], chain=True))
+    _CountingBlocks.lookups = 0
+    m = completed(store.match(turn, ["a", "b"]))
+    assert (m["a"], m["b"]) == (
+        WorkerMatch(2003, {Tier.GPU: 2000, Tier.CPU: 3}),
+        WorkerMatch(3, {Tier.GPU: 3}),
+    )
+    assert _CountingBlocks.lookups <= 40 + 10  # the new blocks, and a few of the history
+    _CountingBlocks.lookups = 0
+    assert completed(store.match(turn, ["a"]))["a"] == m["a"]
+    assert _CountingBlocks.lookups <= 40 + 1
+
+
+def test_a_changed_block_inside_a_remembered_run_is_never_skipped() -> None:
+    store = MemoryStore()
+    chain = chain_keys(list(range(100 * BS)), BS, root_seed(MODEL))
+    completed(store.add("a", Tier.GPU, chain, chain=True))
+    assert completed(store.match(chain, ["a"]))["a"].blocks == 100
+    completed(store.move("a", Tier.GPU, Tier.CPU, [chain[70]]))
+    assert completed(store.match(chain, ["a"]))["a"].by_tier == {Tier.GPU: 99, Tier.CPU: 1}
+    completed(store.add("a", Tier.GPU, [chain[70]]))  # a faster copy again
+    assert completed(store.match(chain, ["a"]))["a"].by_tier == {Tier.GPU: 100}
+    completed(store.remove("a", None, [chain[40]]))
+    assert completed(store.match(chain, ["a"]))["a"] == WorkerMatch(40, {Tier.GPU: 40})
+    completed(store.add("a", Tier.GPU, [chain[40]]))
+    assert completed(store.match(chain, ["a"]))["a"].blocks == 100
+    small = MemoryStore(max_entries=100)  # the cap evicts the oldest block: the run's first
+    completed(small.add("a", Tier.GPU, chain, chain=True))
+    completed(small.add("b", Tier.GPU, [1]))
+    assert completed(small.match(chain, ["a"]))["a"].blocks == 0
+    assert completed(small.match(chain[1:], ["a"]))["a"].blocks == 99
+    completed(store.drop_worker("a", chain))
+    assert completed(store.match(chain, ["a"]))["a"].blocks == 0
+
+
+def test_remembered_runs_and_change_logs_stay_bounded() -> None:
+    from router.index import memory
+
+    store = MemoryStore(max_entries=10**6)
+    for i in range(memory._RUNS + 100):
+        chain = chain_keys([i] * 8 * BS, BS, root_seed(MODEL))
+        completed(store.add("a", Tier.GPU, chain, chain=True))
+    shift = store._shift["a"]
+    assert len(store._runs[shift]) == memory._RUNS  # the least recently used went
+    keys = [k for k, _, _ in store.entries()]
+    completed(store.move("a", Tier.GPU, Tier.CPU, keys))
+    assert len(store._log[shift]) == len(keys) and store._runs[shift]
+    completed(store.move("a", Tier.CPU, Tier.GPU, keys))  # past the log's bound: all dropped
+    assert len(store._log[shift]) <= memory._LOG and not store._runs[shift]

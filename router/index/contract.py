@@ -100,7 +100,7 @@ class IndexStore(abc.ABC):
     the terms and the guarantees every method keeps."""
 
     @abc.abstractmethod
-    async def add(self, worker: str, tier: Tier, keys: Sequence[int]) -> None:
+    async def add(self, worker: str, tier: Tier, keys: Sequence[int], chain: bool = False) -> None:
         """
         Record that `worker` now holds each of `keys` on `tier`.
 
@@ -112,6 +112,10 @@ class IndexStore(abc.ABC):
             keys: canonical keys of the stored blocks, in chain order (parent first). A key the
                 worker already holds on other tiers gains `tier`; a key it already holds on
                 `tier` is unchanged. Keys may repeat.
+            chain: the keys are consecutive blocks of one chain (`warply.protocol.chain_keys`,
+                as ingestion computes them): each commits to every block before it, so a store
+                may remember the run and let a later `match` of a chain through its first and
+                last key take it whole (the memory store does). Ignoring it is allowed.
 
         Effects:
             Each key counts as used (most recent first to survive a bound). A bounded store
@@ -187,10 +191,12 @@ class IndexStore(abc.ABC):
         For each worker in `workers`, the leading run of `keys` it holds.
 
         Called by placement once per pool for each request, on the request's path: this is the
-        call to keep fast (the memory store answers an 8k-token chain in tens of microseconds).
+        call to keep fast (the memory store answers an 8k-token chain in tens of microseconds,
+        and skips the runs it remembers: a conversation's history costs it a step or two).
 
         Args:
-            keys: a request's key chain (`warply.protocol.prefix_keys`), first block first.
+            keys: a request's key chain (`warply.protocol.prefix_keys`), first block first; a
+                store may rely on its keys being chained (see `add`'s `chain`).
             workers: the candidate workers' names; names the store never saw are allowed.
 
         Returns:

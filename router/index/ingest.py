@@ -63,7 +63,7 @@ class Ingest:
             if isinstance(ev, BlockStored):
                 keys = self._keys(hashes, ev)
                 if keys:
-                    await store.add(worker, ev.tier, keys)
+                    await store.add(worker, ev.tier, keys, chain=True)
                     if len(hashes) > self.max_hashes // len(self._engine):
                         await self._shed(worker, hashes)
             elif isinstance(ev, BlockRemoved):

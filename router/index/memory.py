@@ -7,16 +7,29 @@ tier bits), so a block costs no per-block dict, a batch of new blocks is inserte
 million entries). Per (worker, fastest tier) entry counts are kept as entries change, so
 `stats()` never walks the index.
 
+A long conversation's next turn matches a chain whose history the worker already held at the
+last match, or stored in a few `add` calls since: walking it block by block (a lookup and an
+LRU move each) costs the request time in proportion to its history. So each worker's chained
+runs are remembered (`add(chain=True)`: the stored run; `match`: the run walked from a
+remembered one on, merged), by first key, with the worker's change count when they were known
+held. A match meeting a run's first key whose last key is the chain's key at the run's end
+(chained keys: equal keys, equal prefixes) skips the run whole while no block of the worker
+changed since (a removal, move, new tier or eviction: each logged per worker, and the logged
+keys checked against the run's). The walk's LRU moves are deferred to the next call that
+changes or reads the order (every write, `entries`), which then applies them in the order
+taken: the index holds and evicts exactly what per-block moves would have left.
+
 No method suspends: synchronous code (the trace replayer, tests, benches) drives the async
 contract with `completed`.
 """
 
 from __future__ import annotations
 
+from array import array
 from collections import Counter, OrderedDict, deque
 from collections.abc import Collection, Coroutine, Iterable, Iterator, Sequence
 from itertools import repeat
-from typing import Any, TypeVar
+from typing import Any, TypeAlias, TypeVar
 
 from router.index.contract import IndexStats, IndexStore, WorkerMatch
 from warply.protocol import Tier
@@ -32,6 +45,18 @@ assert len(_TIERS) <= _SLOT, "a worker's tier bits must fit its slot"
 _NIBBLE = (1 << _SLOT) - 1
 _STEP = 512
 """Keys per step of a one-worker walk (`MemoryStore._run`)."""
+_MIN_RUN = 4
+"""Blocks a stored run needs to be remembered (shorter ones cost a walk no more than a skip)."""
+_RUNS = 4096
+"""Runs remembered per worker, least recently used dropped first."""
+_LOG = 1 << 16
+"""Changed keys logged per worker; past that its log and runs are dropped."""
+_DEFERRED = 1 << 18
+"""Keys whose LRU move may wait for the next write."""
+
+_Run: TypeAlias = "tuple[array[int], int, int, tuple[int, ...]]"
+"""A remembered run: (its keys 0, 1, 2, 4, 8, ... blocks before its end, blocks, the worker's
+change count when it was known held, blocks per fastest tier index)."""
 
 
 def completed(coro: Coroutine[Any, Any, _T]) -> _T:
@@ -77,6 +102,15 @@ class MemoryStore(IndexStore):
         # (worker, index of the fastest tier holding the block) -> entries, kept as entries change
         # so `stats()` (every /metrics scrape) never walks the index (1.2 s at a million entries).
         self._held: Counter[tuple[str, int]] = Counter()
+        self._runs: dict[int, dict[int, _Run]] = {}
+        """Slot offset -> first key -> the worker's remembered run from it (oldest used first)."""
+        self._log: dict[int, array[int]] = {}
+        """Slot offset -> keys whose entry changed since `_base` (removed, moved, new tier)."""
+        self._base: dict[int, int] = {}
+        """Slot offset -> changes before its log's first: the log ends at change `_changes`."""
+        self._deferred: list[Sequence[int]] = []
+        """Matched runs whose LRU moves wait, in match order (`_flush`)."""
+        self._deferred_keys = 0
 
     def _slot(self, worker: str) -> int:
         """The worker's slot offset, given the next free slot on first sight."""
@@ -84,9 +118,51 @@ class MemoryStore(IndexStore):
         if shift is None:
             shift = self._shift[worker] = _SLOT * len(self._workers)
             self._workers.append(worker)
+            self._runs[shift], self._log[shift], self._base[shift] = {}, array("Q"), 0
         return shift
 
-    async def add(self, worker: str, tier: Tier, keys: Sequence[int]) -> None:
+    def _changes(self, shift: int) -> int:
+        """How many of the slot's entries changed so far (a run's validity stamp)."""
+        return self._base[shift] + len(self._log[shift])
+
+    def _changed(self, shift: int, key: int) -> None:
+        """The slot's entry for `key` lost or changed a tier: runs holding it are stale."""
+        log = self._log[shift]
+        log.append(key)
+        if len(log) > _LOG:
+            self._forget_runs(shift)
+
+    def _forget_runs(self, shift: int) -> None:
+        log = self._log[shift]
+        self._base[shift] += len(log)
+        del log[:]
+        self._runs[shift].clear()
+
+    def _remember(
+        self, shift: int, keys: Sequence[int], start: int, end: int, counts: Sequence[int]
+    ) -> None:
+        """The slot holds keys[start:end] (chained), with `counts` blocks per fastest tier."""
+        marks, back = array("Q"), 0
+        while back < end - start:
+            marks.append(keys[end - 1 - back])
+            back = back * 2 or 1
+        runs = self._runs[shift]
+        runs.pop(keys[start], None)
+        runs[keys[start]] = (marks, end - start, self._changes(shift), tuple(counts))
+        if len(runs) > _RUNS:
+            del runs[next(iter(runs))]
+
+    def _flush(self) -> None:
+        """Apply the deferred LRU moves of earlier matches, oldest first."""
+        touch = self._blocks.move_to_end
+        for keys in self._deferred:
+            deque(map(touch, keys), maxlen=0)
+        self._deferred.clear()
+        self._deferred_keys = 0
+
+    async def add(self, worker: str, tier: Tier, keys: Sequence[int], chain: bool = False) -> None:
+        if self._deferred:
+            self._flush()
         shift = self._shift.get(worker)
         if shift is None:
             shift = self._slot(worker)
@@ -105,12 +181,17 @@ class MemoryStore(IndexStore):
                     fresh += 1
                 elif old | bit != old:
                     self._retier(worker, old, old | bit)
+                    self._changed(shift, key)
                 blocks[key] = holders | bit << shift
         new = dict.fromkeys((k for k in keys if k not in known) if known else keys, bit << shift)
         blocks.update(new)
         fresh += len(new)
         self._entries += fresh
         self._held[(worker, _fastest(bit))] += fresh
+        if chain and fresh == len(keys) >= _MIN_RUN:  # every key new to the worker, on `tier`
+            counts = [0] * len(_TIERS)
+            counts[_fastest(bit)] = fresh
+            self._remember(shift, keys, 0, fresh, counts)
         if self._entries > self.max_entries:
             self._enforce_cap()
 
@@ -124,6 +205,7 @@ class MemoryStore(IndexStore):
     def _set(self, key: int, holders: int, shift: int, old: int, new: int) -> None:
         """Replace one worker's tier bits `old` by `new` in a block's holders (0: it left)."""
         self._retier(self._workers[shift // _SLOT], old, new)
+        self._changed(shift, key)
         rest = holders & ~(_NIBBLE << shift) | new << shift
         if rest:
             self._blocks[key] = rest
@@ -133,6 +215,8 @@ class MemoryStore(IndexStore):
             self._entries -= 1
 
     async def remove(self, worker: str, tier: Tier | None, keys: Sequence[int]) -> list[bool]:
+        if self._deferred:
+            self._flush()
         shift = self._shift.get(worker)
         if shift is None:
             return [False] * len(keys)
@@ -149,6 +233,8 @@ class MemoryStore(IndexStore):
         return held
 
     async def move(self, worker: str, src: Tier, dst: Tier, keys: Sequence[int]) -> int:
+        if self._deferred:
+            self._flush()
         shift = self._shift.get(worker)
         if shift is None:
             return len(keys)
@@ -167,6 +253,8 @@ class MemoryStore(IndexStore):
         return absent
 
     async def drop_worker(self, worker: str, keys: Iterable[int]) -> None:
+        if self._deferred:
+            self._flush()
         shift = self._shift.get(worker)
         if shift is None:
             return
@@ -176,11 +264,13 @@ class MemoryStore(IndexStore):
             old = holders >> shift & _NIBBLE
             if old:
                 self._set(key, holders, shift, old, 0)
+        self._forget_runs(shift)
 
     def _enforce_cap(self) -> None:
         while self._entries > self.max_entries:
-            _, holders = self._blocks.popitem(last=False)
+            key, holders = self._blocks.popitem(last=False)
             for worker, bits in self._holders(holders):
+                self._changed(self._shift[worker], key)
                 self._held[(worker, _fastest(bits))] -= 1
                 self._entries -= 1
                 self._evictions += 1
@@ -195,6 +285,8 @@ class MemoryStore(IndexStore):
     def entries(self) -> Iterator[tuple[int, str, int]]:
         """Every (canonical key, worker, tier bits) entry, oldest block first (a full walk: for
         tests and debugging, not for metrics). Bit i of the tier bits is `tuple(Tier)[i]`."""
+        if self._deferred:
+            self._flush()
         for key, holders in self._blocks.items():
             for worker, bits in self._holders(holders):
                 yield key, worker, bits
@@ -205,7 +297,7 @@ class MemoryStore(IndexStore):
         shifts = {w: self._shift[w] for w in asked if w in self._shift}
         live = sum(1 << s for s in shifts.values())  # lowest bit of each live worker's slot
         chain: list[int] = []  # holders of each matched block, in request order
-        get, touch, append = self._blocks.get, self._blocks.move_to_end, chain.append
+        get, append = self._blocks.get, chain.append
         it = iter(keys if live else ())
         for key in it:
             holders = get(key, 0)
@@ -217,47 +309,125 @@ class MemoryStore(IndexStore):
                 live = present
                 if not live:
                     break
-            touch(key)
             append(holders)
             if not live & (live - 1):
                 break
+        walked, more = len(chain), None
         if live and not live & (live - 1):  # one worker left (the deep part of most walks)
-            self._run(keys, chain, _NIBBLE << live.bit_length() - 1)
+            walked, more = self._run(keys, chain, live.bit_length() - 1)
         for w, s in shifts.items():
             if live >> s & 1:
-                depth[w] = len(chain)
-        return {
-            w: WorkerMatch(d, self._by_tier(chain, shifts[w], d) if d else {})
-            for w, d in depth.items()
-        }
+                depth[w] = walked
+        if walked:  # the walked keys count as used: moved at the next write
+            self._deferred.append(keys[:walked])
+            self._deferred_keys += walked
+            if self._deferred_keys > _DEFERRED:
+                self._flush()
+        out = {}
+        for w, d in depth.items():
+            by_tier = self._by_tier(chain, shifts[w], d) if d else {}
+            if more is not None and d > len(chain):
+                for i, n in enumerate(more):
+                    if n:
+                        by_tier[_TIERS[i]] = by_tier.get(_TIERS[i], 0) + n
+            out[w] = WorkerMatch(d, by_tier)
+        return out
 
-    def _run(self, keys: Sequence[int], chain: list[int], slot: int) -> None:
-        """Extend `chain` over the run of `keys` past it held in `slot`, touching each block:
-        in steps of `_STEP` keys, each looked up, masked and searched in C (a long
-        conversation's prompt walks thousands of blocks here)."""
-        get, touch, held = self._blocks.get, self._blocks.move_to_end, slot.__and__
-        start = len(chain)
-        while start < len(keys):
-            part = keys[start : start + _STEP]
+    def _run(self, keys: Sequence[int], chain: list[int], shift: int) -> tuple[int, list[int]]:
+        """Where the slot's run over `keys` ends, past `chain` (the blocks walked already), and
+        its blocks past `chain` per fastest tier index. Remembered runs are skipped (whole, or
+        up to where the chain leaves them); the rest goes in steps of `_STEP` keys, each looked
+        up, masked and searched in C. A run walked from a remembered one on is remembered."""
+        runs = self._runs[shift]
+        counts = [0] * len(_TIERS)
+        pos, first, before = len(chain), -1, counts
+        for q in range(len(chain) - 1 if runs else -1, -1, -1):  # a run starting inside `chain`
+            skip = self._skip(keys, q, shift)
+            if skip is not None and q + skip[0] > pos:
+                walked = self._tally(chain[q:], shift)
+                counts = [a - b for a, b in zip(skip[1], walked, strict=True)]
+                pos, first, before = q + skip[0], q, [-b for b in walked]
+                break
+        get, held = self._blocks.get, (_NIBBLE << shift).__and__
+        starts = runs.__contains__
+        while pos < len(keys):
+            skip = self._skip(keys, pos, shift) if runs else None
+            if skip is not None:
+                if first < 0:
+                    first, before = pos, list(counts)
+                pos += skip[0]
+                counts = [a + b for a, b in zip(counts, skip[1], strict=True)]
+                continue
+            part = keys[pos : pos + _STEP]
+            if runs:  # stop where a remembered run starts
+                try:
+                    part = part[: list(map(starts, part[1:])).index(True) + 1]
+                except ValueError:
+                    pass
             holders = list(map(get, part, repeat(0, len(part))))
             try:
                 end = list(map(held, holders)).index(0)
             except ValueError:
                 end = len(part)
-            chain += holders[:end]
-            deque(map(touch, part[:end]), maxlen=0)
+            counts = [a + b for a, b in zip(counts, self._tally(holders[:end], shift), strict=True)]
+            pos += end
             if end < len(part):
-                return
-            start += end
+                break
+        if first >= 0 and pos - first > runs.get(keys[first], (None, 0))[1]:
+            total = [a - b for a, b in zip(counts, before, strict=True)]
+            self._remember(shift, keys, first, pos, total)
+        return pos, counts
+
+    def _skip(self, keys: Sequence[int], pos: int, shift: int) -> tuple[int, Sequence[int]] | None:
+        """Blocks and their count per fastest tier index of the slot's remembered run starting
+        at keys[pos], as far as the chain follows it (the run's tiers being one, else whole),
+        if no entry of that part changed since it was known held (None otherwise)."""
+        runs = self._runs[shift]
+        run = runs.get(keys[pos])
+        if run is None:
+            return None
+        marks, length, stamp, counts = run
+        back = 0
+        for mark in marks:
+            end = pos + length - back
+            if end <= len(keys) and keys[end - 1] == mark:
+                break
+            back = back * 2 or 1
+        else:
+            return None
+        if back and max(counts) != length:  # tiers mixed: only the whole run has known counts
+            return None
+        now = self._changes(shift)
+        if stamp != now:
+            changed = self._log[shift][stamp - self._base[shift] :]
+            span = keys[pos:end]
+            if not (
+                set(span).isdisjoint(changed)
+                if len(changed) > len(span)
+                else set(changed).isdisjoint(span)
+            ):
+                if not back:
+                    del runs[keys[pos]]
+                return None
+            if not back:  # checked whole: later checks start from now
+                runs[keys[pos]] = (marks, length, now, counts)
+        if not back:
+            return length, counts
+        return end - pos, [n and end - pos for n in counts]
+
+    @staticmethod
+    def _tally(holders: Sequence[int], shift: int) -> list[int]:
+        """Blocks per fastest tier index of the slot, over `holders` (all held by it)."""
+        counts = [0] * len(_TIERS)
+        for h, n in Counter(holders).items():  # few distinct values: count in C
+            counts[_fastest(h >> shift & _NIBBLE)] += n
+        return counts
 
     @staticmethod
     def _by_tier(chain: list[int], shift: int, depth: int) -> dict[Tier, int]:
         """Blocks per fastest tier holding them, over the worker's matched run."""
-        by_tier: dict[Tier, int] = {}
-        for holders, n in Counter(chain[:depth]).items():  # few distinct values: count in C
-            tier = _TIERS[_fastest(holders >> shift & _NIBBLE)]
-            by_tier[tier] = by_tier.get(tier, 0) + n
-        return by_tier
+        counts = MemoryStore._tally(chain[:depth], shift)
+        return {_TIERS[i]: n for i, n in enumerate(counts) if n}
 
     async def stats(self) -> IndexStats:
         by_worker: Counter[tuple[str, Tier]] = Counter(
