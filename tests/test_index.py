@@ -553,7 +553,7 @@ def test_a_changed_block_inside_a_remembered_run_is_never_skipped() -> None:
     assert completed(store.match(chain, ["a"]))["a"].blocks == 0
 
 
-def test_remembered_runs_and_change_logs_stay_bounded() -> None:
+def test_remembered_runs_and_change_records_stay_bounded() -> None:
     from router.index import memory
 
     store = MemoryStore(max_entries=10**6)
@@ -564,6 +564,8 @@ def test_remembered_runs_and_change_logs_stay_bounded() -> None:
     assert len(store._runs[shift]) == memory._RUNS  # the least recently used went
     keys = [k for k, _, _ in store.entries()]
     completed(store.move("a", Tier.GPU, Tier.CPU, keys))
-    assert len(store._log[shift]) == len(keys) and store._runs[shift]
-    completed(store.move("a", Tier.CPU, Tier.GPU, keys))  # past the log's bound: all dropped
-    assert len(store._log[shift]) <= memory._LOG and not store._runs[shift]
+    assert len(store._changed_at[shift]) == len(keys) and store._runs[shift]
+    more = chain_keys([0] * (memory._LOG - len(keys) + 1) * BS, BS, root_seed("other"))
+    completed(store.add("a", Tier.GPU, more))
+    completed(store.move("a", Tier.GPU, Tier.CPU, more))  # past the bound: all dropped
+    assert len(store._changed_at[shift]) <= memory._LOG and not store._runs[shift]

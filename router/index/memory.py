@@ -12,12 +12,13 @@ last match, or stored in a few `add` calls since: walking it block by block (a l
 LRU move each) costs the request time in proportion to its history. So each worker's chained
 runs are remembered (`add(chain=True)`: the stored run; `match`: the run walked from a
 remembered one on, merged), by first key, with the worker's change count when they were known
-held. A match meeting a run's first key whose last key is the chain's key at the run's end
-(chained keys: equal keys, equal prefixes) skips the run whole while no block of the worker
-changed since (a removal, move, new tier or eviction: each logged per worker, and the logged
-keys checked against the run's). The walk's LRU moves are deferred to the next call that
-changes or reads the order (every write, `entries`), which then applies them in the order
-taken: the index holds and evicts exactly what per-block moves would have left.
+held, and a few of their last keys (0, 1, 2, 4, ... blocks before the end). A match meeting a
+run's first key skips the run up to the last of those keys the chain shares (chained keys:
+equal keys, equal prefixes), unless one of its blocks changed for that worker since (removed,
+moved, a new tier, evicted: each change recorded per worker; when any was, the skip first
+looks the run's keys up among them, one pass in C). The walk's LRU moves are deferred to the
+next call that changes or reads the order (every write, `entries`), which applies them in the
+order taken: the index holds and evicts exactly what per-block moves would have left.
 
 No method suspends: synchronous code (the trace replayer, tests, benches) drives the async
 contract with `completed`.
@@ -50,7 +51,7 @@ _MIN_RUN = 4
 _RUNS = 4096
 """Runs remembered per worker, least recently used dropped first."""
 _LOG = 1 << 16
-"""Changed keys logged per worker; past that its log and runs are dropped."""
+"""Changed keys kept per worker (`MemoryStore._changed_at`); past that its runs are dropped."""
 _DEFERRED = 1 << 18
 """Keys whose LRU move may wait for the next write."""
 
@@ -104,10 +105,11 @@ class MemoryStore(IndexStore):
         self._held: Counter[tuple[str, int]] = Counter()
         self._runs: dict[int, dict[int, _Run]] = {}
         """Slot offset -> first key -> the worker's remembered run from it (oldest used first)."""
-        self._log: dict[int, array[int]] = {}
-        """Slot offset -> keys whose entry changed since `_base` (removed, moved, new tier)."""
-        self._base: dict[int, int] = {}
-        """Slot offset -> changes before its log's first: the log ends at change `_changes`."""
+        self._changed_at: dict[int, dict[int, int]] = {}
+        """Slot offset -> key -> the number of the slot's last change to that key's entry
+        (removed, moved, new tier, evicted), since its runs were last all dropped."""
+        self._count: dict[int, int] = {}
+        """Slot offset -> changes so far (a run's validity stamp)."""
         self._deferred: list[Sequence[int]] = []
         """Matched runs whose LRU moves wait, in match order (`_flush`)."""
         self._deferred_keys = 0
@@ -118,24 +120,19 @@ class MemoryStore(IndexStore):
         if shift is None:
             shift = self._shift[worker] = _SLOT * len(self._workers)
             self._workers.append(worker)
-            self._runs[shift], self._log[shift], self._base[shift] = {}, array("Q"), 0
+            self._runs[shift], self._changed_at[shift], self._count[shift] = {}, {}, 0
         return shift
-
-    def _changes(self, shift: int) -> int:
-        """How many of the slot's entries changed so far (a run's validity stamp)."""
-        return self._base[shift] + len(self._log[shift])
 
     def _changed(self, shift: int, key: int) -> None:
         """The slot's entry for `key` lost or changed a tier: runs holding it are stale."""
-        log = self._log[shift]
-        log.append(key)
-        if len(log) > _LOG:
+        changed_at = self._changed_at[shift]
+        self._count[shift] += 1
+        changed_at[key] = self._count[shift]
+        if len(changed_at) > _LOG:
             self._forget_runs(shift)
 
     def _forget_runs(self, shift: int) -> None:
-        log = self._log[shift]
-        self._base[shift] += len(log)
-        del log[:]
+        self._changed_at[shift].clear()
         self._runs[shift].clear()
 
     def _remember(
@@ -148,7 +145,7 @@ class MemoryStore(IndexStore):
             back = back * 2 or 1
         runs = self._runs[shift]
         runs.pop(keys[start], None)
-        runs[keys[start]] = (marks, end - start, self._changes(shift), tuple(counts))
+        runs[keys[start]] = (marks, end - start, self._count[shift], tuple(counts))
         if len(runs) > _RUNS:
             del runs[next(iter(runs))]
 
@@ -397,15 +394,10 @@ class MemoryStore(IndexStore):
             return None
         if back and max(counts) != length:  # tiers mixed: only the whole run has known counts
             return None
-        now = self._changes(shift)
-        if stamp != now:
-            changed = self._log[shift][stamp - self._base[shift] :]
-            span = keys[pos:end]
-            if not (
-                set(span).isdisjoint(changed)
-                if len(changed) > len(span)
-                else set(changed).isdisjoint(span)
-            ):
+        now = self._count[shift]
+        if stamp != now:  # a membership pass over the run's keys, in C
+            changed_at = self._changed_at[shift].get
+            if max(map(changed_at, keys[pos:end], repeat(0, end - pos))) > stamp:
                 if not back:
                     del runs[keys[pos]]
                 return None
