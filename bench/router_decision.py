@@ -3,12 +3,14 @@ tokenization, for 8 workers over an index of 1 M (block, worker) entries.
 
 The index (`PrefixIndex` over a `MemoryStore`) is filled through `apply` with chained
 `BlockStored` events (16-token blocks, the GPU default and the hardest case for the key walk);
-each measured prompt shares a cached prefix (half its blocks) with one worker, so `match` walks
-deep chains; the decision is awaited in an event loop, as in the router. "+ tokenization"
-is the router's own request path up to its choice (`Proxy.prepare` + `Proxy.place`, tokenizer
-thread included): render the chat template and encode with the model's tokenizer (default: the
-newest tiny model built by scripts/tiny_model.py) through the chunk cache
-(router/token_cache.py), as far as the placement needs (router/placement.py `choose_early`).
+each measured prompt shares a cached prefix (half its blocks) with one worker, stored as an
+engine stores a prefill (one event per 2,048-token step, each the child of the one before), so
+`match` follows deep chains; the decision is awaited in an event loop, as in the router.
+"+ tokenization" is the router's own request path up to its choice (`Proxy.prepare` +
+`Proxy.place`, tokenizer thread included): render the chat template and encode with the
+model's tokenizer (default: the newest tiny model built by scripts/tiny_model.py) through the
+chunk cache (router/token_cache.py), as far as the placement needs (router/placement.py
+`choose_early`).
 "warm" is a conversation's next turn (a new 512-token user message after a history the router
 tokenized and placed for the previous turn, held by one worker); "cold" is a conversation the
 router has never seen. "whole" adds encoding the rest of the prompt, which the router does while the
@@ -30,6 +32,7 @@ import random
 import statistics
 import time
 from array import array
+from collections.abc import Sequence
 from pathlib import Path
 
 import _one_pool
@@ -47,6 +50,8 @@ BS = 16
 WORKERS = 8
 MODEL = "bench"
 CACHE = Path.home() / ".cache" / "warply" / "models"
+STEP = 2048
+"""Prompt tokens an engine prefills per scheduler step: one `BlockStored` each."""
 
 
 def _config() -> RouterConfig:
@@ -70,6 +75,17 @@ async def _fill(index: PrefixIndex, entries: int, rng: random.Random) -> None:
             hashes = list(range(next_hash, next_hash + 64))
             next_hash += 64
             await index.apply(f"w{rng.randrange(WORKERS)}", [BlockStored(hashes, None, tokens, BS)])
+
+
+def _prefill(tokens: Sequence[int], first_hash: int) -> list[BlockStored]:
+    """The events of an engine storing `tokens`' full blocks, one prefill step each."""
+    events, parent = [], None
+    for start in range(0, len(tokens) // BS * BS, STEP):
+        part = tokens[start : min(start + STEP, len(tokens) // BS * BS)]
+        hashes = list(range(first_hash + start // BS, first_hash + (start + len(part)) // BS))
+        events.append(BlockStored(hashes, parent, part, BS))
+        parent = hashes[-1]
+    return events
 
 
 def _q(samples: list[float]) -> str:
@@ -127,9 +143,7 @@ async def _tokenized(proxy: Proxy, tok: RouterTokenizer, index: PrefixIndex,
             prep = await proxy.prepare(dict(before), "chat")  # the earlier turn, as routed
             await proxy.place(prep, set())
             seen = list(prep.prompt.tokens if prep.rest is None else (await prep.rest).tokens)
-            await index.apply(f"w{i % WORKERS}", [BlockStored(
-                list(range(2 * 10**9 + i * 10**5, 2 * 10**9 + i * 10**5 + len(seen) // BS)),
-                None, seen[: len(seen) // BS * BS], BS)])
+            await index.apply(f"w{i % WORKERS}", _prefill(seen, 2 * 10**9 + i * 10**5))
             for kind, b in (("warm", body), ("cold", _conversation(tok, rng, n_tokens,
                                                                    n_tokens // 2)[1])):
                 chosen, whole = await _timed(proxy, b)
@@ -168,9 +182,7 @@ async def _run(args: argparse.Namespace) -> None:
         for i in range(args.samples):
             tokens = array("I", [rng.randrange(8000) for _ in range(n_tokens)])
             held = n_tokens // 2 // BS * BS  # half the prompt cached on one worker
-            await index.apply(f"w{i % WORKERS}", [BlockStored(
-                list(range(10**9 + i * 10**5, 10**9 + i * 10**5 + held // BS)), None,
-                tokens[:held], BS)])
+            await index.apply(f"w{i % WORKERS}", _prefill(tokens[:held], 10**9 + i * 10**5))
             prompts.append(tokens)
         bare = []
         for tokens in prompts:
