@@ -569,3 +569,30 @@ def test_remembered_runs_and_change_records_stay_bounded() -> None:
     completed(store.add("a", Tier.GPU, more))
     completed(store.move("a", Tier.GPU, Tier.CPU, more))  # past the bound: all dropped
     assert len(store._changed_at[shift]) <= memory._LOG and not store._runs[shift]
+
+
+def test_workers_coming_and_going_under_new_names_reuse_slots() -> None:
+    """Workers dropped holding nothing give their slot to the next new one: after 500 names,
+    the store keeps as many slots as were ever live at once, and the holders ints stay narrow;
+    the live workers' matches are unchanged throughout."""
+    idx = _Index()
+    rng = random.Random(7)
+    live: dict[str, list[int]] = {}
+    stay = [rng.randrange(1000) for _ in range(BS * 3)]
+    idx.apply("stay", [_stored(stay, 1)])
+    for n in range(500):
+        name = f"pod-{n}"
+        tokens = stay[: BS * rng.randrange(1, 4)] + [rng.randrange(1000) for _ in range(BS * 2)]
+        idx.apply(name, [_stored(tokens, 1000 + 10 * n)])
+        live[name] = tokens
+        if len(live) > 4:
+            gone = rng.choice(sorted(live))
+            idx.drop_worker(gone)
+            del live[gone]
+        assert idx.match(prefix_keys(stay, BS, MODEL, ""), ["stay"])["stay"].blocks == 3
+        for w, tokens in live.items():
+            assert idx.match(prefix_keys(tokens, BS, MODEL, ""), [w])[w].blocks == len(tokens) // BS
+    store = idx.store
+    assert len(store._shift) == len(live) + 1 and len(store._workers) <= 6
+    assert max(h.bit_length() for h in store._blocks.values()) <= 4 * 6
+    assert {w for w, _ in store._held} == set(live) | {"stay"}

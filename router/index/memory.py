@@ -26,6 +26,7 @@ contract with `completed`.
 
 from __future__ import annotations
 
+import heapq
 from array import array
 from collections import Counter, OrderedDict, deque
 from collections.abc import Collection, Coroutine, Iterable, Iterator, Sequence
@@ -95,9 +96,13 @@ class MemoryStore(IndexStore):
         # canonical key -> holders (tier bits per worker slot); order = recency (oldest first).
         self._blocks: OrderedDict[int, int] = OrderedDict()
         self._shift: dict[str, int] = {}
-        """Worker -> bit offset of its slot (4 · slot number), kept for the process's life."""
+        """Worker -> bit offset of its slot (4 · slot number), until it is dropped holding
+        nothing."""
         self._workers: list[str] = []
         """Slot number -> worker."""
+        self._free: list[int] = []
+        """Offsets of dropped workers' slots (a heap): the next new worker takes the lowest, so
+        workers coming and going under new names never widen the holders ints."""
         self._entries = 0
         self._evictions = 0
         # (worker, index of the fastest tier holding the block) -> entries, kept as entries change
@@ -118,8 +123,13 @@ class MemoryStore(IndexStore):
         """The worker's slot offset, given the next free slot on first sight."""
         shift = self._shift.get(worker)
         if shift is None:
-            shift = self._shift[worker] = _SLOT * len(self._workers)
-            self._workers.append(worker)
+            if self._free:
+                shift = heapq.heappop(self._free)
+                self._workers[shift // _SLOT] = worker
+            else:
+                shift = _SLOT * len(self._workers)
+                self._workers.append(worker)
+            self._shift[worker] = shift
             self._runs[shift], self._changed_at[shift], self._count[shift] = {}, {}, 0
         return shift
 
@@ -262,6 +272,12 @@ class MemoryStore(IndexStore):
             if old:
                 self._set(key, holders, shift, old, 0)
         self._forget_runs(shift)
+        counts = [(worker, tier) for tier in range(len(_TIERS))]
+        if not any(self._held[c] for c in counts):  # no block holds its slot's bits any more
+            for c in counts:
+                self._held.pop(c, None)
+            del self._shift[worker]
+            heapq.heappush(self._free, shift)
 
     def _enforce_cap(self) -> None:
         while self._entries > self.max_entries:
