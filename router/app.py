@@ -72,7 +72,7 @@ class Router:
         self.placement = Placement(
             config, self.index, self.workers, health=self.health, ledger=self.ledger
         )
-        tokenizer = tokenizer or RouterTokenizer(config.tokenizer)
+        tokenizer = tokenizer or RouterTokenizer(config.tokenizer, config.tokenizer_cache_mib << 20)
         self._probes = Probes.build(tokenizer, config.model) if config.index.parity_check else None
         self.metrics = RouterMetrics(config, self.workers, tokenizer.cache.stats)
         self.metrics.on_request.append(self.health.observe)

@@ -275,6 +275,10 @@ class RouterConfig(_Strict):
     name one in `model`, and its prefixes are keyed apart from the base model's."""
     tokenizer: Path
     """Folder with the engine's tokenizer.json + tokenizer_config.json (the model folder)."""
+    tokenizer_cache_mib: int = Field(32, gt=0)
+    """Budget of the tokenizer's chunk cache (`router.token_cache`), least recently used chunks
+    dropped first; remembered whole prompts get half as much again. Several minutes of a busy
+    router's new prompt text, or ~30 conversations of 128k tokens each."""
     host: str = "127.0.0.1"
     port: int = Field(8000, ge=0, le=65535)
     pools: list[PoolConfig] = Field(min_length=1)

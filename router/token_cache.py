@@ -58,6 +58,8 @@ class ChunkStats:
     hits: int = 0
     misses: int = 0
     bytes: int = 0
+    texts_bytes: int = 0
+    """Remembered whole texts (`_Seen`), on their own budget beside `bytes`."""
 
 
 def _entry_bytes(chunk: str, ids: array[int]) -> int:
@@ -144,7 +146,6 @@ class ChunkCache:
         """(length, hash of a text's first `length` characters) -> the latest such text."""
         self._level_sizes = [min_level_chars << 2 * i for i in range(8)]
         self._next_ident = 1
-        self.seen_bytes = 0
         self.max_seen_bytes = max_bytes // 2
         self._new_chars = self._new_tokens = 0
         """Text encoded so far and its tokens: the ratio estimates the length of a rest."""
@@ -173,8 +174,12 @@ class ChunkCache:
         self._cache.clear()
         self._seen.clear()
         self._levels.clear()
-        self.seen_bytes = 0
         self.stats = ChunkStats()
+
+    @property
+    def seen_bytes(self) -> int:
+        """Bytes of the remembered texts (at most `max_seen_bytes`)."""
+        return self.stats.texts_bytes
 
     @property
     def mode(self) -> str:
@@ -293,13 +298,13 @@ class ChunkCache:
                 if not old.levels:
                     self._forget(old)
         self._seen[seen.lineage.ident] = seen
-        self.seen_bytes += seen.nbytes
+        self.stats.texts_bytes += seen.nbytes
         while self.seen_bytes > self.max_seen_bytes:
             self._forget(next(iter(self._seen.values())))
 
     def _forget(self, seen: _Seen) -> None:
         del self._seen[seen.lineage.ident]
-        self.seen_bytes -= seen.nbytes
+        self.stats.texts_bytes -= seen.nbytes
         for key in seen.levels:
             if self._levels.get(key) is seen:
                 del self._levels[key]

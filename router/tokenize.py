@@ -145,7 +145,7 @@ def _message_content(content: Any) -> Any:
 class RouterTokenizer:
     """The engine's tokenizer and chat template, loaded from a model folder."""
 
-    def __init__(self, folder: Path, cache_bytes: int = 64 << 20) -> None:
+    def __init__(self, folder: Path, cache_bytes: int = 32 << 20) -> None:
         self.folder = Path(folder)
         try:
             self._tok = Tokenizer.from_file(str(self.folder / "tokenizer.json"))

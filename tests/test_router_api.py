@@ -17,6 +17,7 @@ import aiohttp
 import msgspec
 import pytest
 from aiohttp import web
+from prometheus_client.parser import text_string_to_metric_families
 from tokenizers import Tokenizer, models, pre_tokenizers, processors, trainers
 
 from router.app import Router
@@ -209,7 +210,7 @@ async def running(
             **overrides,
         }
     )
-    router = Router(config, RouterTokenizer(tokenizer_dir))
+    router = Router(config, RouterTokenizer(tokenizer_dir, config.tokenizer_cache_mib << 20))
     router_runner, base = await _serve(router.app)
     session = aiohttp.ClientSession()
 
@@ -553,6 +554,40 @@ def test_metrics_and_alert(tokenizer_dir: Path) -> None:
 
     _run(scenario())
     assert fired and fired[0][1] == 0.5
+
+
+def test_tokenizer_cache_keeps_its_configured_budget(tokenizer_dir: Path) -> None:
+    """Many distinct long prompts through a 1 MiB tokenizer cache: chunks stay within 1 MiB,
+    remembered prompts within half of it, both filled and both on /metrics."""
+
+    async def scenario() -> None:
+        engine = FakeEngine("a", max_model_len=100_000)
+        async with running(tokenizer_dir, [engine], tokenizer_cache_mib=1) as (
+            router,
+            call,
+            _s,
+            _b,
+        ):
+            rng = random.Random(3)
+            words = ["cache", "prefix", "block", "token", "router", "engine", "tenant"]
+            cache = router.proxy._tokenizer.cache
+            for n in range(60):
+                lines = (" ".join(rng.choices(words, k=12)) for _ in range(300))
+                prompt = f"Document {n}.\n" + "\n".join(lines)
+                assert (await call("POST", "/v1/completions", {"prompt": prompt}))[0] == 200
+                assert cache.stats.bytes <= 1 << 20 and cache.seen_bytes <= 1 << 19
+            assert cache.stats.bytes > 3 << 18 and cache.seen_bytes > 1 << 18, "filled"
+            text = (await call("GET", "/metrics"))[1]
+            gauges = {
+                s.name: s.value
+                for family in text_string_to_metric_families(text)
+                for s in family.samples
+                if s.name.startswith("warply_router_tokenizer_")
+            }
+            assert gauges["warply_router_tokenizer_cache_bytes"] == cache.stats.bytes
+            assert gauges["warply_router_tokenizer_texts_bytes"] == cache.seen_bytes
+
+    _run(scenario())
 
 
 _ALERTS: list[tuple[float, float]] = []

@@ -63,6 +63,7 @@ def test_yaml_and_toml_load(tmp_path: Path) -> None:
         (("tcp://127.0.0.1:5557", "tcp://127.0.0.1:99999"), "port 99999 out of range"),
         (("model: tiny", "model: tiny\nlora_adapters: [tiny]"), "the base model's name"),
         (("model: tiny", "model: tiny\nlora_adapters: ['']"), "adapter name '' must be non-empty"),
+        (("model: tiny", "model: tiny\ntokenizer_cache_mib: 0"), "tokenizer_cache_mib"),
     ],
 )
 def test_bad_fields_are_named(tmp_path: Path, edit: tuple[str, str], field: str) -> None:

@@ -215,7 +215,14 @@ class Series:
             registry=r,
         )
         self.tok_bytes = Gauge(
-            "warply_router_tokenizer_cache_bytes", "Bytes held by the tokenizer cache", registry=r
+            "warply_router_tokenizer_cache_bytes",
+            "Bytes held by the tokenizer's chunk cache (at most tokenizer_cache_mib)",
+            registry=r,
+        )
+        self.tok_texts_bytes = Gauge(
+            "warply_router_tokenizer_texts_bytes",
+            "Bytes of whole prompts the tokenizer remembers (at most half of tokenizer_cache_mib)",
+            registry=r,
         )
         self.strategy_state = Gauge(
             "warply_strategy_state",
@@ -366,6 +373,7 @@ class Series:
             self.tok_chunks.labels("hit").set(tok.hits)
             self.tok_chunks.labels("miss").set(tok.misses)
             self.tok_bytes.set(tok.bytes)
+            self.tok_texts_bytes.set(tok.texts_bytes)
         engine, predicted = alert.window.engine(), alert.window.predicted()
         if engine is not None:
             self.hit_ratio.labels("engine").set(engine)
