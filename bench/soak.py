@@ -11,7 +11,10 @@ Every request streams (`stream_options.include_usage`).
 Reported (stdout, and `--json`): requests sent / completed, errors by kind (HTTP status, error
 event in the stream, stream without [DONE], fewer tokens than asked, timeout, connection), the
 router's RSS (its process group) every `--rss-interval` seconds with the slope of a linear fit
-after `--warmup` (bytes per minute), router CPU, client TTFT, the simulator's own TTFT (from
+after `--warmup` (bytes per minute), also of RSS less the tokenizer cache (chunks and remembered
+prompts, from /metrics) and of RSS from when the chunk cache is full (`--tokenizer-cache-mib`:
+the router's bounded structures fill at the rate of new prompt text; once full, a slope is
+growth they do not explain), router CPU, client TTFT, the simulator's own TTFT (from
 its usage chunk) and the router-added latency per request (client TTFT minus the simulator's;
 an upper bound: it also holds both loopback hops and any lag of the simulator's event loop
 before its handler runs), streams in flight, hit rates, and the router's /metrics request count
@@ -44,6 +47,7 @@ import aiohttp
 import numpy as np
 from prometheus_client.parser import text_string_to_metric_families
 
+from router.config import RouterConfig
 from warply.launch import EngineProcess, RouterServer, SimWorkers, free_port
 
 CACHE = Path(os.environ.get("WARPLY_CACHE", Path.home() / ".cache" / "warply")) / "models"
@@ -217,7 +221,7 @@ async def _sample(
     router: EngineProcess,
     interval: float,
     stop: asyncio.Event,
-    out: list[tuple[float, int, float, float]],
+    out: list[Sample],
     tally: Tally,
     flights: list[tuple[float, int]],
 ) -> None:
@@ -228,8 +232,8 @@ async def _sample(
         flights.append((now, tally.in_flight))
         if now >= next_rss:
             rss, cpu = _group_stats(router.pid)
-            tok = (await _metrics(session, router.url)).get(_TOK_BYTES, 0.0)
-            out.append((now, rss, cpu, tok))
+            m = await _metrics(session, router.url)
+            out.append((now, rss, cpu, m.get(_TOK_BYTES, 0.0), m.get(_TOK_TEXTS, 0.0)))
             next_rss = now + interval
         due = time.monotonic() + 1.0
         try:
@@ -238,12 +242,19 @@ async def _sample(
             tally.loop_lag_ms.append((time.monotonic() - due) * 1000)
 
 
+Sample = tuple[float, int, float, float, float]
+"""Seconds since the start, router RSS bytes, router CPU seconds, tokenizer chunk cache bytes,
+its remembered texts' bytes."""
 _TOK_BYTES = "warply_router_tokenizer_cache_bytes"
+_TOK_TEXTS = "warply_router_tokenizer_texts_bytes"
+_FULL = 0.95
+"""The chunk cache counts as full from this fraction of its budget on."""
 _SUMMED = (
     "warply_router_overhead_seconds_sum",
     "warply_router_overhead_seconds_count",
     "warply_index_entries",
     _TOK_BYTES,
+    _TOK_TEXTS,
 )
 
 
@@ -279,7 +290,7 @@ async def _drive(
         for k in range(args.systems)
     ]
     tally = Tally()
-    samples: list[tuple[float, int, float, float]] = []
+    samples: list[Sample] = []
     flights: list[tuple[float, int]] = []
     stop = asyncio.Event()
     url = router.url + "/v1/chat/completions"
@@ -320,7 +331,7 @@ async def _drive(
 
 
 async def _progress(
-    tally: Tally, samples: list[tuple[float, int, float, float]], t0: float
+    tally: Tally, samples: list[Sample], t0: float
 ) -> None:
     while True:
         await asyncio.sleep(30)
@@ -332,10 +343,25 @@ async def _progress(
         )
 
 
+def _slopes(samples: list[Sample], after: float) -> tuple[float, float]:
+    """Bytes per minute of a least-squares line through the RSS samples from `after` seconds
+    on, and through RSS less the tokenizer cache (chunks and texts); NaN with under 3."""
+    fit = np.array([x for x in samples if x[0] >= after], dtype=float).reshape(-1, 5)
+    if len(fit) < 3:
+        return float("nan"), float("nan")
+    t, rss = fit[:, 0], fit[:, 1]
+    rest = rss - fit[:, 3] - fit[:, 4]
+    return float(np.polyfit(t, rss, 1)[0]) * 60, float(np.polyfit(t, rest, 1)[0]) * 60
+
+
+def _round(x: float | None) -> int | None:
+    return None if x is None or x != x else round(x)
+
+
 def _report(
     args: argparse.Namespace,
     tally: Tally,
-    samples: list[tuple[float, int, float, float]],
+    samples: list[Sample],
     flights: list[tuple[float, int]],
     before: dict[str, float],
     after: dict[str, float],
@@ -344,11 +370,10 @@ def _report(
     cancelled: int,
     load_before: tuple[float, ...],
 ) -> dict[str, Any]:
-    warm = np.array([x for x in samples if x[0] >= args.warmup], dtype=float).reshape(-1, 4)
-    slope = rest_slope = float("nan")
-    if len(warm) >= 3:
-        slope = float(np.polyfit(warm[:, 0], warm[:, 1], 1)[0]) * 60
-        rest_slope = float(np.polyfit(warm[:, 0], warm[:, 1] - warm[:, 3], 1)[0]) * 60
+    cap = args.tokenizer_cache_mib << 20
+    full_at = next((x[0] for x in samples if x[3] >= _FULL * cap), None)
+    slope, rest_slope = _slopes(samples, args.warmup)
+    full_slope = _slopes(samples, max(args.warmup, full_at))[0] if full_at is not None else None
     routed = after.get("requests", 0) - before.get("requests", 0)
     overhead_n = after.get("warply_router_overhead_seconds_count", 0) - before.get(
         "warply_router_overhead_seconds_count", 0
@@ -385,10 +410,14 @@ def _report(
             "max": round(max(rss) / 2**20, 1) if rss else None,
             "samples": len(rss),
         },
-        "router_rss_slope_bytes_per_min": round(slope),
-        "router_rss_less_tokenizer_cache_slope_bytes_per_min": round(rest_slope),
+        "router_rss_slope_bytes_per_min": _round(slope),
+        "router_rss_less_tokenizer_cache_slope_bytes_per_min": _round(rest_slope),
+        "router_tokenizer_cache_full_at_s": full_at,
+        "router_rss_slope_after_full_bytes_per_min": _round(full_slope),
         "router_index_entries": after.get("warply_index_entries"),
         "router_tokenizer_cache_mib": round(after.get(_TOK_BYTES, 0) / 2**20, 1),
+        "router_tokenizer_texts_mib": round(after.get(_TOK_TEXTS, 0) / 2**20, 1),
+        "router_tokenizer_cache_cap_mib": args.tokenizer_cache_mib,
         "router_cpu_cores": round(cpu / span, 2) if span == span and span > 0 else None,
         "router_overhead_mean_ms": round(overhead_s / overhead_n * 1000, 3) if overhead_n else None,
         "ttft_ms": {"p50": _pct(tally.ttft_ms, 50), "p99": _pct(tally.ttft_ms, 99)},
@@ -444,6 +473,7 @@ def _start(args: argparse.Namespace, workdir: Path, sims: list[SimWorkers]) -> E
     }
     if args.strategy:
         config["strategy"] = {"name": args.strategy}
+    config["tokenizer_cache_mib"] = args.tokenizer_cache_mib
     return RouterServer(config, workdir)
 
 
@@ -473,11 +503,22 @@ def _print(report: dict[str, Any]) -> None:
         f"{r['router_cpu_cores']}, simulators {r['simulators_cpu_cores']}, clients "
         f"{r['clients_cpu_cores']}"
     )
+    full = r["router_tokenizer_cache_full_at_s"]
+    print(
+        f"  tokenizer chunk cache full ({_FULL:.0%} of {r['router_tokenizer_cache_cap_mib']} MiB) "
+        + (
+            f"at {full:.0f} s; RSS slope after that and the warm-up "
+            f"{r['router_rss_slope_after_full_bytes_per_min']} B/min"
+            if full is not None
+            else "never in this run"
+        )
+    )
     for key in ("ttft_ms", "sim_ttft_ms", "router_added_ms", "client_loop_lag_ms"):
         print(f"  {key}: p50 {r[key]['p50']:.2f} p99 {r[key]['p99']:.2f}")
     print(
         f"  router index entries {r['router_index_entries']}, tokenizer cache "
-        f"{r['router_tokenizer_cache_mib']} MiB (both bounded; at the end)"
+        f"{r['router_tokenizer_cache_mib']} MiB of chunks + {r['router_tokenizer_texts_mib']} "
+        "MiB of remembered prompts (all bounded; at the end)"
     )
     print(
         f"  router overhead (its own histogram) mean {r['router_overhead_mean_ms']} ms; "
@@ -523,6 +564,13 @@ def main() -> int:
         "index, fill during the warm-up)",
     )
     ap.add_argument("--strategy", help="router strategy (default: the router's)")
+    ap.add_argument(
+        "--tokenizer-cache-mib",
+        type=int,
+        default=RouterConfig.model_fields["tokenizer_cache_mib"].default,
+        help="the router's tokenizer_cache_mib (default: the router's); the report fits the RSS "
+        "slope again from when the chunk cache is full",
+    )
     ap.add_argument("--turns", type=_pair(int), default=(2, 8), help="turns per conversation")
     ap.add_argument(
         "--think", type=_pair(float), default=(1.0, 4.0), help="seconds between turns, LO,HI"
@@ -544,6 +592,8 @@ def main() -> int:
         )
     if min(args.duration, args.clients, args.workers, args.sim_processes) <= 0:
         ap.error("--duration, --clients, --workers and --sim-processes must be positive")
+    if args.tokenizer_cache_mib <= 0:
+        ap.error("--tokenizer-cache-mib must be positive")
     if args.sim_processes > args.workers:
         ap.error("--sim-processes must not exceed --workers")
     args.warmup = args.duration / 5 if args.warmup is None else args.warmup
