@@ -163,6 +163,7 @@ class Router:
         await self.workers.check(
             self.proxy.session, self.config.health_timeout_s, self.config.unhealthy_after
         )
+        self._down.intersection_update(self.workers)  # workers that left meanwhile
         for w in list(self.workers.values()):
             if w.refused and w.name not in self._down:
                 self._down.add(w.name)

@@ -105,6 +105,7 @@ class Membership:
                 await self._index.drop_worker(name)
             except StoreUnavailable as exc:  # its entries stay until the store's own cap
                 self._index.outage.failed("drop_worker", exc)
+            self._index.left(name)
             self._workers.remove(name)
             self._placement.forget(name)
             self._metrics.left(name)

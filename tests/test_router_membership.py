@@ -99,6 +99,8 @@ def test_a_leaving_worker_finishes_its_requests_then_is_gone(tokenizer_dir: Path
         async with running(tokenizer_dir, engines) as (router, call, session, base):
             await router.index.apply("a", [BlockStored([1, 2], None, TOKENS, BS)])
             assert await _held(router, "a", TOKENS) == 2
+            await router.index.forget("a", prefix_keys(TOKENS, BS, "m", "")[1:])  # a correction
+            assert await _held(router, "a", TOKENS) == 1
             await call("POST", "/warply/workers/b", {"enabled": False})
             req = {"prompt": "the cache", "stream": True}
             async with session.post(base + "/v1/completions", json=req) as r:
@@ -126,6 +128,7 @@ def test_a_leaving_worker_finishes_its_requests_then_is_gone(tokenizer_dir: Path
             assert set(stats["workers"]) == {"b"}
             _, text = await call("GET", "/metrics")
             assert 'worker="a"' not in text and 'warply_worker_healthy{worker="b"}' in text
+            assert "a" not in (await router.index.stats()).corrected
             status, body = await call("DELETE", "/warply/workers/a")
             assert status == 404 and _is_error(body, "worker_not_found")
 
@@ -177,5 +180,29 @@ def test_join_and_leave_need_the_token_and_valid_entries(tokenizer_dir: Path) ->
             status, body = await call("DELETE", "/warply/workers/b?wait=true", **auth)
             assert status == 200 and body == {"name": "b", "in_flight": 0, "removed": True}
             assert list(router.workers) == ["a"]
+
+    _run(scenario())
+
+
+def _gone(router: Router, name: str) -> Callable[[], bool]:
+    return lambda: name not in router.workers
+
+
+def test_workers_that_left_leave_nothing_behind(tokenizer_dir: Path) -> None:  # noqa: F811
+    """Workers joining and leaving under new names, some refusing connections when they go:
+    the router's per-worker state holds only the workers it has."""
+
+    async def scenario() -> None:
+        async with running(tokenizer_dir, [FakeEngine("a")]) as (router, call, _s, _b):
+            for n in range(6):
+                name = f"gone-{n}"  # nothing listens there: refused at the health check
+                body = {"name": name, "url": f"http://{HOST}:{free_port()}"}
+                assert (await call("POST", "/warply/pools/p/workers", body))[0] == 201
+                await router.check_health()
+                assert (await call("DELETE", f"/warply/workers/{name}"))[0] == 202
+                await _until(_gone(router, name))
+            await router.check_health()
+            assert router._down == set() and set(router.workers) == {"a"}
+            assert set(router.health._workers) == {"a"}
 
     _run(scenario())

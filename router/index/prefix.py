@@ -35,6 +35,11 @@ class PrefixIndex:
         """Forget everything a worker holds (stream gap it could not recover, or worker gone)."""
         await self.ingest.drop_worker(worker)
 
+    def left(self, worker: str) -> None:
+        """`worker` left the router for good: its correction count goes too (`drop_worker`
+        keeps it: a resync is not a departure)."""
+        self._corrected.pop(worker, None)
+
     async def forget(self, worker: str, keys: Sequence[int]) -> None:
         """Drop `keys` from `worker` on every tier: its engine reported them not cached although
         the index held them (an eviction whose event is late or was lost). Counted per worker."""
