@@ -94,6 +94,9 @@ class Tally:
     predicted_tokens: int = 0
     loop_lag_ms: list[float] = field(default_factory=list)
     """How late the clients' own event loop woke for a 1 s timer (their share of CPU)."""
+    metrics_failures: int = 0
+    """RSS samples whose /metrics read failed or took over `--rss-interval` (the tokenizer
+    cache's bytes carried over from the sample before)."""
 
 
 @dataclass
@@ -232,8 +235,13 @@ async def _sample(
         flights.append((now, tally.in_flight))
         if now >= next_rss:
             rss, cpu = _group_stats(router.pid)
-            m = await _metrics(session, router.url)
-            out.append((now, rss, cpu, m.get(_TOK_BYTES, 0.0), m.get(_TOK_TEXTS, 0.0)))
+            chunks, texts = out[-1][3:] if out else (0.0, 0.0)
+            try:  # a starved router may be slow to answer: the RSS sample stands regardless
+                m = await asyncio.wait_for(_metrics(session, router.url), interval)
+                chunks, texts = m.get(_TOK_BYTES, 0.0), m.get(_TOK_TEXTS, 0.0)
+            except (TimeoutError, aiohttp.ClientError):
+                tally.metrics_failures += 1
+            out.append((now, rss, cpu, chunks, texts))
             next_rss = now + interval
         due = time.monotonic() + 1.0
         try:
@@ -409,6 +417,7 @@ def _report(
             "end": round(rss[-1] / 2**20, 1) if rss else None,
             "max": round(max(rss) / 2**20, 1) if rss else None,
             "samples": len(rss),
+            "metrics_failures": tally.metrics_failures,
         },
         "router_rss_slope_bytes_per_min": _round(slope),
         "router_rss_less_tokenizer_cache_slope_bytes_per_min": _round(rest_slope),
@@ -497,7 +506,8 @@ def _print(report: dict[str, Any]) -> None:
     rss = r["router_rss_mib"]
     print(
         f"  router RSS MiB start {rss['start']} end {rss['end']} max {rss['max']} "
-        f"({rss['samples']} samples); slope after warm-up "
+        f"({rss['samples']} samples, {rss['metrics_failures']} without /metrics); slope after "
+        "warm-up "
         f"{r['router_rss_slope_bytes_per_min']} B/min (less the tokenizer cache "
         f"{r['router_rss_less_tokenizer_cache_slope_bytes_per_min']}); CPU cores: router "
         f"{r['router_cpu_cores']}, simulators {r['simulators_cpu_cores']}, clients "
