@@ -78,6 +78,16 @@ def _pair(kind: type) -> Any:
     return parse
 
 
+def _knobs(text: str) -> dict[str, Any]:
+    try:
+        knobs = json.loads(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"not JSON: {exc}") from None
+    if not isinstance(knobs, dict):
+        raise argparse.ArgumentTypeError("want a JSON object")
+    return knobs
+
+
 @dataclass
 class Tally:
     """What the clients saw (bounded: one float per completed request in each list)."""
@@ -480,8 +490,8 @@ def _start(args: argparse.Namespace, workdir: Path, sims: list[SimWorkers]) -> E
         "port": port,
         "pools": [{"name": "sim", "block_size": args.block_size, "workers": workers}],
     }
-    if args.strategy:
-        config["strategy"] = {"name": args.strategy}
+    if args.strategy or args.knobs:
+        config["strategy"] = {"name": args.strategy or "adaptive", "knobs": args.knobs or {}}
     config["tokenizer_cache_mib"] = args.tokenizer_cache_mib
     return RouterServer(config, workdir)
 
@@ -574,6 +584,11 @@ def main() -> int:
         "index, fill during the warm-up)",
     )
     ap.add_argument("--strategy", help="router strategy (default: the router's)")
+    ap.add_argument(
+        "--knobs",
+        type=_knobs,
+        help="its knobs as a JSON object, e.g. '{\"memory\": 8192}' (adaptive: prefixes kept)",
+    )
     ap.add_argument(
         "--tokenizer-cache-mib",
         type=int,
