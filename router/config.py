@@ -9,7 +9,7 @@ from __future__ import annotations
 import os
 import tomllib
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import yaml  # type: ignore[import-untyped]
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
@@ -183,10 +183,26 @@ class TierPolicyConfig(_Strict):
     knobs: dict[str, Any] = Field(default_factory=dict)
 
 
+class PinBudgetConfig(_Strict):
+    """Bytes each namespace (`cache_key`) may hold pinned, on every tier and worker together;
+    the tier runner refuses a pin of any policy that would exceed it (docs/tiering.md)."""
+
+    default_bytes: int | None = Field(None, ge=0)
+    """The budget of namespaces not in `namespaces` (None: no budget; 0: no pins)."""
+    namespaces: dict[str, Annotated[int, Field(ge=0)] | None] = Field(default_factory=dict)
+    """Namespace → its own budget in bytes (None: no budget for it, whatever the default)."""
+
+    def limit(self, namespace: str) -> int | None:
+        """`namespace`'s budget in bytes (None: unlimited)."""
+        return self.namespaces.get(namespace, self.default_bytes)
+
+
 class TieringConfig(_Strict):
     """The tier policy the router runs, and how often (docs/tiering.md)."""
 
     policy: TierPolicyConfig = TierPolicyConfig()
+    pin_budget: PinBudgetConfig = PinBudgetConfig()
+    """Pinned bytes per namespace, all tiers and workers together (default: unlimited)."""
     interval_s: float = Field(5.0, gt=0)
     """Seconds between policy rounds."""
     directive_timeout_s: float = Field(2.0, gt=0)

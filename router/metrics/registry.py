@@ -297,8 +297,21 @@ class Series:
         self.tiering_directives = PromCounter(
             "warply_tiering_directives",
             "Tier-policy directives by kind and outcome (applied, rejected, timeout, error, "
-            "no_control, dropped)",
+            "no_control, dropped, refused)",
             ["kind", "outcome"],
+            registry=r,
+        )
+        self.tiering_pins_refused = PromCounter(
+            "warply_tiering_pins_refused",
+            "Pins of tier policies refused by the runner, not sent, per namespace and reason "
+            "(over_budget: past tiering.pin_budget; unknown_bytes: size not known under a budget)",
+            ["namespace", "reason"],
+            registry=r,
+        )
+        self.tiering_pinned_bytes = Gauge(
+            "warply_tiering_pinned_bytes",
+            "Bytes the tier runner's applied pins hold per namespace and tier, all workers",
+            ["namespace", "tier"],
             registry=r,
         )
 

@@ -3,7 +3,8 @@ prefetch, offload, evict, per-namespace quota) that the router sends to the engi
 
 `state` (the snapshot and the prefix tracker), `base` (the contract, `Action`), `builtin`
 (lru_by_tier, hot_prefix_pin, tenant_quota, rag_warm), `registry` (built-in, the
-`warply.tier_policies` entry point, `module:Class`), `runner` (the router's periodic task).
+`warply.tier_policies` entry point, `module:Class`), `runner` (the router's periodic task),
+`budget` (the pins it holds and the per-namespace pin budget).
 """
 
 from router.tiering.base import Action, Knobs, TierPolicy, next_tier, tier_above

@@ -5,6 +5,8 @@ Each round: snapshot (tracked prefixes → index matches, worker bytes and load)
 at most `max_directives` directives, sent concurrently, each awaited for its ack. Outcomes are
 counted per kind (Prometheus `warply_tiering_directives_total`, `cache_stats().tiering`); a
 policy that raises is logged and counted, and the round ends there. Routing never waits on it.
+A pin of any policy that would take its namespace past `tiering.pin_budget` (bytes pinned on
+every tier and worker, `router.tiering.budget`) is refused before it is sent.
 
 The clock and the delivery are parameters: the router uses wall time and the plugins' control
 sockets; the replay (`replay.sim`) runs the same rounds in simulated time and delivers to its
@@ -31,6 +33,7 @@ from router.metrics.registry import Series
 from router.metrics.stats import block_bytes, tier_bytes
 from router.placement import Decision
 from router.tiering.base import Action, TierPolicy
+from router.tiering.budget import PinKey, PinLedger
 from router.tiering.registry import make_policy
 from router.tiering.state import PrefixId, PrefixState, PrefixTracker, TierState, WorkerState
 from router.workers import Workers
@@ -69,7 +72,9 @@ class TierRunner:
         self._clock = clock
         self._deliver = deliver if deliver is not None else self._over_zmq
         self._ids = itertools.count(1)
-        self._pinned: set[PrefixId] = set()
+        self._pins = PinLedger(config.pin_budget)
+        self._gauged: set[tuple[str, Tier]] = set()
+        """(namespace, tier) pairs the pinned-bytes gauge has shown."""
         self._copies: dict[PrefixId, set[Tier]] = {}
         self._outcomes: Counter[tuple[str, str]] = Counter()
         self._rounds = 0
@@ -110,6 +115,7 @@ class TierRunner:
     async def snapshot(self) -> TierState:
         """What the policy sees now. Matching walks each tracked chain in the index (an index
         with an LRU bound counts that as a use, as it does for placement)."""
+        self._pins.expire(self._clock())
         stats = await self._index.stats()
         per_worker: dict[str, dict[Tier, int]] = {}
         for (worker, tier), n in stats.entries_by_worker_tier.items():
@@ -133,7 +139,8 @@ class TierRunner:
                 continue
             match = (await self._index.match(tracked.keys, [name]))[name]
             if not match.blocks and not self._index.outage.down:
-                self._pinned.discard(pid)  # gone from the engine (evicted, restarted): no pin
+                self._pins.release(pid)  # gone from the engine (evicted, restarted): no pin
+            pinned = self._pins.tiers(pid)
             prefixes.append(
                 PrefixState(
                     namespace,
@@ -145,8 +152,9 @@ class TierRunner:
                     tracked.last_use,
                     dict(match.by_tier),
                     seen.block_bytes,
-                    pid in self._pinned,
+                    bool(pinned),
                     frozenset(self._copies.get(pid, ())),
+                    pinned,
                 )
             )
         return TierState(self._clock(), prefixes, workers)
@@ -157,6 +165,12 @@ class TierRunner:
         state = await self.snapshot()
         if self._index.outage.down:
             return
+        try:
+            await self._decide_and_send(state)
+        finally:
+            self._publish_pins()
+
+    async def _decide_and_send(self, state: TierState) -> None:
         self._rounds += 1
         self._series.tiering_rounds.inc()
         try:
@@ -172,7 +186,32 @@ class TierRunner:
         cap = self.config.max_directives
         for action in actions[cap:]:
             self._count(action.kind, "dropped")
-        await asyncio.gather(*(self._send(a) for a in actions[:cap]))
+        sends = []
+        for action in actions[:cap]:
+            worker = state.workers.get(action.worker)
+            block_bytes = worker.block_bytes if worker is not None else 0
+            if action.kind is DirectiveKind.PIN and not self._admit(action, block_bytes):
+                continue
+            sends.append(self._send(action, block_bytes))
+        await asyncio.gather(*sends)
+
+    def _admit(self, action: Action, block_bytes: int) -> bool:
+        """Reserve a pin's bytes under its namespace's budget, or refuse it (counted, logged)."""
+        nbytes = len(action.keys) * block_bytes if action.keys and block_bytes > 0 else None
+        refusal = self._pins.reserve(_pin_key(action), nbytes)
+        if refusal is None:
+            return True
+        _log.debug(
+            "pin of %d block(s) on %s for namespace %r refused: %s (budget %s bytes)",
+            len(action.keys),
+            action.worker,
+            action.namespace,
+            refusal.value,
+            self.config.pin_budget.limit(action.namespace),
+        )
+        self._count(action.kind, "refused")
+        self._series.child(self._series.tiering_pins_refused, action.namespace, refusal.value).inc()
+        return False
 
     async def _over_zmq(self, worker_name: str, directive: Directive) -> DirectiveAck | None:
         """The router's delivery: the worker's plugin control socket."""
@@ -184,40 +223,70 @@ class TierRunner:
             endpoint, directive, self.config.directive_timeout_s, self._token
         )
 
-    async def _send(self, action: Action) -> None:
+    async def _send(self, action: Action, block_bytes: int) -> None:
+        outcome, ack = await self._outcome(action)
+        if action.kind is DirectiveKind.PIN:
+            self._settle_pin(action, outcome, ack, block_bytes)
+        elif ack is not None:
+            self._mark(action)
+
+    async def _outcome(self, action: Action) -> tuple[str, DirectiveAck | None]:
+        """Deliver `action` and count its outcome; with the ack when applied."""
         directive = action.directive(f"tier-{next(self._ids)}")
+        ack: DirectiveAck | None = None
         try:
             ack = await self._deliver(action.worker, directive)
         except TimeoutError:
-            self._count(action.kind, "timeout")
-            return
+            outcome = "timeout"
         except (zmq.ZMQError, OSError) as exc:
             _log.warning("directive to %s failed: %s", action.worker, exc)
-            self._count(action.kind, "error")
+            outcome = "error"
+        else:
+            if ack is None:
+                outcome = "no_control"
+            elif not ack.applied:
+                self._last_rejection = f"{action.kind.value} on {action.worker}: {ack.reason}"
+                outcome = "rejected"
+            else:
+                outcome = "applied"
+        self._count(action.kind, outcome)
+        return outcome, ack if outcome == "applied" else None
+
+    def _settle_pin(
+        self, action: Action, outcome: str, ack: DirectiveAck | None, block_bytes: int
+    ) -> None:
+        """Turn a pin's reservation into the bytes it holds (the blocks its ack reports, at
+        most one per key), or release it. A pin with no answer in time may still be applied
+        by the plugin, so it keeps its whole charge (and reads as pinned) until released."""
+        if ack is None and outcome != "timeout":
+            self._pins.settle(_pin_key(action), None, None)
             return
-        if ack is None:
-            self._count(action.kind, "no_control")
-            return
-        if not ack.applied:
-            self._last_rejection = f"{action.kind.value} on {action.worker}: {ack.reason}"
-            self._count(action.kind, "rejected")
-            return
-        self._count(action.kind, "applied")
-        self._mark(action)
+        blocks = ack.blocks if ack is not None and ack.blocks > 0 else len(action.keys)
+        if action.keys:
+            blocks = min(blocks, len(action.keys))
+        until = self._clock() + action.ttl_s if action.ttl_s > 0 else None
+        self._pins.settle(_pin_key(action), blocks * block_bytes, until)
 
     def _mark(self, action: Action) -> None:
-        """Remember what an applied directive changed, for the next snapshots."""
-        pid = action.prefix
-        if pid is None:
-            return
-        if action.kind is DirectiveKind.PIN:
-            self._pinned.add(pid)
-        elif action.kind is DirectiveKind.UNPIN:
-            self._pinned.discard(pid)
-        elif action.kind is DirectiveKind.OFFLOAD and action.tier is not None:
-            self._copies.setdefault(pid, set()).add(action.tier)
+        """Remember what an applied directive (not a pin: `_settle_pin`) changed, for the next
+        snapshots."""
+        pid, tier = _pin_key(action)
+        if action.kind is DirectiveKind.UNPIN:
+            self._pins.release(pid, tier)
         elif action.kind is DirectiveKind.EVICT:
-            self._pinned.discard(pid)
+            self._pins.release(pid, tier)
+        elif action.kind is DirectiveKind.OFFLOAD and action.tier is not None:
+            if action.prefix is not None:
+                self._copies.setdefault(action.prefix, set()).add(action.tier)
+
+    def _publish_pins(self) -> None:
+        """Set the pinned-bytes gauge per (namespace, tier); pairs with no pins left read 0."""
+        now = self._pins.pinned_bytes()
+        for namespace, tier in self._gauged - now.keys():
+            self._series.tiering_pinned_bytes.labels(namespace, tier.value).set(0)
+        for (namespace, tier), nbytes in now.items():
+            self._series.tiering_pinned_bytes.labels(namespace, tier.value).set(nbytes)
+        self._gauged |= now.keys()
 
     def _count(self, kind: DirectiveKind, outcome: str) -> None:
         self._outcomes[(kind.value, outcome)] += 1
@@ -229,6 +298,9 @@ class TierRunner:
         directives: dict[str, dict[str, int]] = {}
         for (kind, outcome), n in sorted(self._outcomes.items()):
             directives.setdefault(kind, {})[outcome] = n
+        pinned: Counter[str] = Counter()
+        for (namespace, _), nbytes in self._pins.pinned_bytes().items():
+            pinned[namespace] += nbytes
         return TieringStats(
             policy=self.policy.name,
             rounds=self._rounds,
@@ -237,5 +309,13 @@ class TierRunner:
             directives=directives,
             last_rejection=self._last_rejection,
             tracked_prefixes=len(self.tracker),
-            pinned_prefixes=len(self._pinned),
+            pinned_prefixes=len(self._pins),
+            pinned_bytes=dict(pinned),
         )
+
+
+def _pin_key(action: Action) -> PinKey:
+    """The prefix and tier a pin, unpin or evict is about; an action built without a tracked
+    prefix is named by its namespace, first key and worker, and no tier means the device."""
+    pid = action.prefix or (action.namespace, action.keys[0] if action.keys else 0, action.worker)
+    return pid, action.tier or Tier.GPU

@@ -47,6 +47,8 @@ class PrefixState:
     copies: frozenset[Tier] = frozenset()
     """Tiers an applied offload of the runner's copied it to (the index counts a block under
     its fastest tier only, so a slower copy is known from the acks)."""
+    pinned_on: frozenset[Tier] = frozenset()
+    """Tiers an applied pin of the runner's holds it on (`pinned`: any)."""
 
     @property
     def id(self) -> PrefixId:

@@ -231,11 +231,13 @@ class TieringStats(msgspec.Struct):
     directives: dict[str, dict[str, int]] = msgspec.field(default_factory=dict)
     """Kind → outcome → count; outcomes: applied, rejected (the plugin's ack said no), timeout,
     error (unreachable), no_control (worker has no control endpoint), dropped (over the
-    per-round cap)."""
+    per-round cap), refused (a pin over its namespace's `tiering.pin_budget`, not sent)."""
     last_rejection: str = ""
     """The reason of the latest rejection, as the plugin gave it."""
     tracked_prefixes: int = 0
     pinned_prefixes: int = 0
+    pinned_bytes: dict[str, int] = msgspec.field(default_factory=dict)
+    """Namespace → bytes its applied pins hold, every tier and worker (`tiering.pin_budget`)."""
 
 
 class CacheStats(msgspec.Struct):
