@@ -10,7 +10,9 @@ Use with SGLang 0.5.23:
 constructs it as `cls(storage_config, extra_config)`. Each stored or deleted page is reported
 on this worker's Warply stream as `BlockStored` / `BlockRemoved` on tier `ssd` (files) or
 `object_store` (S3) when the page's tokens are known from the device tier's events
-(`sglang_hook.events.PageBook`); `bytes_held` counts the payload bytes the store holds.
+(`sglang_hook.events.PageBook`, which also maps a salted page's storage key to its event page,
+so a tenant's pages are reported in its namespace); `bytes_held` counts the payload bytes the
+store holds.
 """
 
 from __future__ import annotations
@@ -111,7 +113,8 @@ def _make_store(extra: dict[str, Any]) -> _Store:
 
 
 def _page_id(key: str) -> int:
-    """The device-tier event id of the page an L3 key names (SGLang: sha256 hex, then suffixes)."""
+    """The id of an L3 key's page hash (SGLang: sha256 hex, then suffixes): the page's event id
+    when unsalted; `PageBook.page_id` maps a salted one."""
     return engine_block_id(hash_str_to_int64(key))
 
 
@@ -190,7 +193,9 @@ class WarplyL3Storage(HiCacheStorage):  # type: ignore[misc]
             with self._lock:
                 if self._sizes.pop(key, None) is not None:
                     gone.append(_page_id(key))
-        self._report([BlockRemoved(gone, self.tier)] if gone else [])
+        pub = publisher.active()
+        if pub is not None and gone:
+            pub.report([BlockRemoved([pub.page_book.page_id(g) for g in gone], self.tier)])
 
     def clear(self) -> None:
         with self._lock:
@@ -204,6 +209,7 @@ class WarplyL3Storage(HiCacheStorage):  # type: ignore[misc]
         pub = publisher.active()
         if pub is None or not page_ids:
             return
+        page_ids = [pub.page_book.page_id(p) for p in page_ids]
         events: list[Event] = []
         start = 0
         while start < len(page_ids):
@@ -214,9 +220,3 @@ class WarplyL3Storage(HiCacheStorage):  # type: ignore[misc]
             events.append(stored)
             start += len(stored.block_hashes)
         pub.report(events)
-
-    @staticmethod
-    def _report(events: list[Event]) -> None:
-        pub = publisher.active()
-        if pub is not None and events:
-            pub.report(events)

@@ -14,6 +14,7 @@ import subprocess
 import sys
 import time
 import urllib.request
+from array import array
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -22,7 +23,8 @@ import pytest
 import torch
 from sglang.srt.mem_cache.base_prefix_cache import EvictParams
 from sglang.srt.mem_cache.hicache_storage import HiCacheStorageConfig
-from sglang.srt.mem_cache.utils import get_hash_str
+from sglang.srt.mem_cache.radix_cache import RadixKey
+from sglang.srt.mem_cache.utils import get_hash_str, get_storage_hash_str
 from test_hook_export import (
     DOC,
     MODEL,
@@ -36,6 +38,7 @@ from test_hook_export import (
 )
 
 from router.index import MemoryStore, PrefixIndex, completed
+from sglang_hook import storage
 from warply.protocol import BlockRemoved, BlockStored, Tier, prefix_keys
 
 PAGE = 16
@@ -197,5 +200,49 @@ def test_l3_stores_reach_the_index_as_their_tier(store: dict[str, Any], collecto
         removed = pump(kv, sub, index, "w0")
         assert any(isinstance(e, BlockRemoved) and e.tier is tier for e in removed)
         assert completed(index.match(prefix_keys(DOC, PAGE, MODEL)))["w0"].blocks == 0
+    finally:
+        kv.kv_event_publisher.shutdown()
+
+
+def test_salted_l3_pages_reach_the_index_in_their_namespace(
+    tmp_path: Path,
+    collectors: Any,  # noqa: F811
+) -> None:
+    """A tenant's pages: HiCache keys them in L3 by a storage chain seeded with the salt's
+    namespace seed, its events by another; the page book maps one to the other, so they are
+    reported in the tenant's namespace and never match another tenant's (or no tenant's)
+    prompt."""
+    cache, alloc = build_cache(PAGE, "rust", 2048)
+    sub, router = collectors["w0"]
+    kv = scheduler_publisher(cache, router, "w0")
+    handshake(kv, sub)
+    index = PrefixIndex(MODEL, MemoryStore())
+    try:
+        insert(cache, alloc, DOC, salt="tenant-a")
+        device = [e for e in pump(kv, sub, index, "w0") if isinstance(e, BlockStored)]
+        n = len(DOC) // PAGE * PAGE
+        # The keys HiCache 0.5.23 gives these pages in L3 (its own storage-key function).
+        keys = get_storage_hash_str(
+            RadixKey(array("q", DOC[:n]), cache_salt="tenant-a"), None, page_size=PAGE
+        )
+        assert isinstance(keys, list) and len(keys) == n // PAGE
+        event_ids = {h for e in device for h in e.block_hashes}
+        assert not event_ids & {storage._page_id(k) for k in keys}  # the chains differ
+        backend = _backend({"store": "file", "path": str(tmp_path / "l3")})
+        backend.batch_set(keys, [torch.zeros(PAGE, 8) for _ in keys])
+        stored = [e for e in pump(kv, sub, index, "w0") if isinstance(e, BlockStored)]
+        assert [e.tier for e in stored] == [Tier.SSD]
+        assert stored[0].namespace == "tenant-a" and set(stored[0].block_hashes) == event_ids
+        cache.evict(EvictParams(num_tokens=10_000))
+        pump(kv, sub, index, "w0")
+        mine = prefix_keys(DOC, PAGE, MODEL, "tenant-a")
+        match = completed(index.match(mine))["w0"]
+        assert match.blocks == len(keys) and match.by_tier == {Tier.SSD: len(keys)}
+        for other in ("tenant-b", ""):
+            assert completed(index.match(prefix_keys(DOC, PAGE, MODEL, other)))["w0"].blocks == 0
+        backend.delete(keys)
+        removed = pump(kv, sub, index, "w0")
+        assert any(isinstance(e, BlockRemoved) and e.tier is Tier.SSD for e in removed)
+        assert completed(index.match(mine))["w0"].blocks == 0
     finally:
         kv.kv_event_publisher.shutdown()
