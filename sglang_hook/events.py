@@ -74,7 +74,8 @@ def _storage_seed(salt: str) -> str | None:
     """The seed of a salted storage chain (no `extra_key`: not a LoRA adapter's)."""
     from sglang.srt.mem_cache.utils import storage_namespace_seed
 
-    return storage_namespace_seed(None, salt)
+    seed: str | None = storage_namespace_seed(None, salt)
+    return seed
 
 
 def _medium(medium: Any) -> Any:
