@@ -13,9 +13,11 @@ exits with status 2.
 from __future__ import annotations
 
 import argparse
+import ctypes
 import gc
 import json
 import logging
+import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -42,6 +44,20 @@ def _worker_flag(spec: str, n: int) -> dict[str, Any]:
             )
         worker[key] = value.lower() in ("1", "true", "yes") if key == "bind" else value
     return worker
+
+
+def _fixed_mmap_threshold() -> None:
+    """Give glibc's malloc a fixed mmap threshold of 128 KiB (what `MALLOC_MMAP_THRESHOLD_=131072`
+    does), unless the environment sets one: with glibc's dynamic threshold, large buffers freed
+    once (bodies, token lists) raise it and later ones stay in the main arena, whose RSS then
+    creeps up under steady load (docs/reliability.md, "Where the memory goes")."""
+    if "MALLOC_MMAP_THRESHOLD_" in os.environ:
+        return
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+    except OSError:  # not glibc: nothing to set
+        return
+    libc.mallopt(-3, 128 * 1024)  # -3: M_MMAP_THRESHOLD (malloc.h)
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -134,6 +150,7 @@ def main(argv: list[str] | None = None) -> int:
     # youngest generation was collected every other request (~25 µs of CPU per request, and a
     # full collection every ~100), at 10,000 every ~30 requests, for a few MiB more garbage.
     gc.set_threshold(10_000, 10, 10)
+    _fixed_mmap_threshold()
     web.run_app(
         router.app,
         host=config.host,
