@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import json
 import logging
-import threading
 import time
 import urllib.error
 import urllib.parse
@@ -31,6 +30,7 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
+from vllm_connector.backend_poll import BackendError, PolledBackend
 from warply.protocol import Tier
 
 _log = logging.getLogger(__name__)
@@ -45,17 +45,16 @@ _PAGE = 5000
 """LMCache's largest `/cache/objects` page."""
 
 
-class LMCacheError(RuntimeError):
+class LMCacheError(BackendError):
     """The server answered with an error, or could not be reached."""
 
 
-class LMCacheServer:
+class LMCacheServer(PolledBackend):
     """HTTP client of one LMCache MP server; `start()` begins polling `/status`."""
 
     def __init__(self, url: str, poll_interval_s: float) -> None:
+        super().__init__("LMCache /status", poll_interval_s, _TIMEOUT_S)
         self.url = url.rstrip("/")
-        self._interval = poll_interval_s
-        self._bytes: dict[Tier, int] | None = None
         self._layout: tuple[int, str] | None = None
         self._hasher: Any = None
         """LMCache's TokenHasher for the server's chunk size and hash algorithm (built once)."""
@@ -68,21 +67,6 @@ class LMCacheServer:
         self._store_bytes: int | None = None
         self._store_read_at = float("-inf")
         self._store_error = ""
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._poll, name="warply-lmcache", daemon=True)
-
-    def start(self) -> None:
-        self._thread.start()
-
-    def close(self) -> None:
-        self._stop.set()
-        if self._thread.is_alive():
-            self._thread.join(_TIMEOUT_S)
-
-    @property
-    def tier_bytes(self) -> dict[Tier, int] | None:
-        """The server's bytes per tier at the last poll (None: not read yet)."""
-        return self._bytes
 
     def status(self) -> dict[str, Any]:
         """`GET /status` (raises `LMCacheError`)."""
@@ -277,16 +261,8 @@ class LMCacheServer:
             for k in keys
         ]
 
-    def _poll(self) -> None:
-        failures = 0
-        while not self._stop.wait(self._interval):
-            try:
-                self.status()
-                failures = 0
-            except LMCacheError as exc:
-                failures += 1
-                if failures == 1:
-                    _log.warning("Warply: LMCache /status unreadable: %s", exc)
+    def _read(self) -> None:
+        self.status()
 
     def _request(self, method: str, path: str, body: Any = None) -> Any:
         data = None if body is None else json.dumps(body).encode()

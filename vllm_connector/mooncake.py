@@ -22,8 +22,6 @@ offload.
 from __future__ import annotations
 
 import dataclasses
-import logging
-import threading
 import urllib.error
 import urllib.request
 from collections.abc import Callable, Sequence
@@ -33,9 +31,9 @@ from typing import Any
 from vllm.distributed.mooncake_store import MooncakeStoreConfig, setup_mooncake_store
 from vllm.utils.network_utils import get_ip
 
+from vllm_connector.backend_poll import BackendError, PolledBackend
 from warply.protocol import Tier
 
-_log = logging.getLogger(__name__)
 _TIMEOUT_S = 5.0
 _ALLOCATED = "master_allocated_bytes"
 _CLIENT_BUFFER_BYTES = 64 << 20
@@ -44,7 +42,7 @@ _OK, _NOT_FOUND, _HAS_LEASE = 0, -704, -706
 """Mooncake error codes (mooncake-store `types.h`): OBJECT_NOT_FOUND, OBJECT_HAS_LEASE."""
 
 
-class MooncakeError(RuntimeError):
+class MooncakeError(BackendError):
     """The master answered with an error, or could not be reached."""
 
 
@@ -59,34 +57,21 @@ class Removal:
     failed: int
 
 
-class MooncakeStore:
+class MooncakeStore(PolledBackend):
     """One Mooncake master: its HTTP admin port (`url`) and, for directives, a store client made
     by `connect()` (an object with the `mooncake.store.MooncakeDistributedStore` API)."""
 
     def __init__(self, url: str, poll_interval_s: float, connect: Callable[[], Any]) -> None:
+        super().__init__("Mooncake master /metrics", poll_interval_s, _TIMEOUT_S)
         self.url = url.rstrip("/")
-        self._interval = poll_interval_s
         self._connect = connect
         self._client: Any = None
-        self._bytes: dict[Tier, int] | None = None
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._poll, name="warply-mooncake", daemon=True)
-
-    def start(self) -> None:
-        self._thread.start()
 
     def close(self) -> None:
-        self._stop.set()
-        if self._thread.is_alive():
-            self._thread.join(_TIMEOUT_S)
+        super().close()
         if self._client is not None:
             self._client.close()
             self._client = None
-
-    @property
-    def tier_bytes(self) -> dict[Tier, int] | None:
-        """The store's bytes at the last poll, as the cpu tier's (None: not read yet)."""
-        return self._bytes
 
     def allocated_bytes(self) -> int:
         """`master_allocated_bytes` from `GET /metrics` (raises `MooncakeError`)."""
@@ -147,16 +132,8 @@ class MooncakeStore:
                 raise MooncakeError(f"store client: {exc}") from None
         return self._client
 
-    def _poll(self) -> None:
-        failures = 0
-        while not self._stop.wait(self._interval):
-            try:
-                self.allocated_bytes()
-                failures = 0
-            except MooncakeError as exc:
-                failures += 1
-                if failures == 1:
-                    _log.warning("Warply: Mooncake master /metrics unreadable: %s", exc)
+    def _read(self) -> None:
+        self.allocated_bytes()  # the store's bytes, as the cpu tier's
 
     def _get(self, path: str) -> str:
         try:
