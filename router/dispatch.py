@@ -483,40 +483,43 @@ class Dispatcher:
         buf = b""
         status = 200
         try:
-            async for chunk in up.chunks():
-                buf += chunk
-                if b"\n\n" not in buf:
-                    continue
-                *events, buf = buf.split(b"\n\n")
+            try:
+                async for chunk in up.chunks():
+                    buf += chunk
+                    if b"\n\n" not in buf:
+                        continue
+                    *events, buf = buf.split(b"\n\n")
+                    if not started.is_set():
+                        started.set()
+                        account.first_event()
+                        await resp.prepare(request)
+                    out = []
+                    for event in events:
+                        if b'"usage"' in event and event.startswith(b"data: {"):
+                            parsed = _chunk(event[6:])
+                            if parsed is not None and parsed.usage is not None:
+                                usage = parsed.usage
+                                if not parsed.choices and not wants_usage:
+                                    continue
+                        elif event.startswith(b"data: {"):
+                            account.generated(1)
+                        out.append(event)
+                    if out:  # the events of one upstream read in one write
+                        await resp.write(b"\n\n".join(out) + b"\n\n")
                 if not started.is_set():
                     started.set()
-                    account.first_event()
                     await resp.prepare(request)
-                out = []
-                for event in events:
-                    if b'"usage"' in event and event.startswith(b"data: {"):
-                        parsed = _chunk(event[6:])
-                        if parsed is not None and parsed.usage is not None:
-                            usage = parsed.usage
-                            if not parsed.choices and not wants_usage:
-                                continue
-                    elif event.startswith(b"data: {"):
-                        account.generated(1)
-                    out.append(event)
-                if out:  # the events of one upstream read in one write
-                    await resp.write(b"\n\n".join(out) + b"\n\n")
-            if not started.is_set():
-                started.set()
-                await resp.prepare(request)
-            if buf.strip():
-                await resp.write(buf)
-        except (UpstreamError, TimeoutError) as exc:
-            if not resp.prepared:
-                raise  # nothing sent yet: an HTTP error (or a retry)
-            timed_out = isinstance(exc, TimeoutError)
-            status = 504 if timed_out else 502
-            what = "timed out" if timed_out else f"failed: {exc}"
-            await resp.write(_error_event(status, f"upstream {decision.worker.name} {what}"))
-        await resp.write_eof()
+                if buf.strip():
+                    await resp.write(buf)
+            except (UpstreamError, TimeoutError) as exc:
+                if not resp.prepared:
+                    raise  # nothing sent yet: an HTTP error (or a retry)
+                timed_out = isinstance(exc, TimeoutError)
+                status = 504 if timed_out else 502
+                what = "timed out" if timed_out else f"failed: {exc}"
+                await resp.write(_error_event(status, f"upstream {decision.worker.name} {what}"))
+            await resp.write_eof()
+        except ConnectionResetError:  # aiohttp: a write to a client that closed mid-stream
+            status = 499  # leaving `up` unread closes its connection: the engine aborts
         account.usage(usage)
         return Answer(resp, status)

@@ -4,7 +4,9 @@ auth, metrics, cancellation. Real-engine behaviour is tested in tests/vllm/test_
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
+import logging
 import random
 import socket
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
@@ -17,6 +19,7 @@ import aiohttp
 import msgspec
 import pytest
 from aiohttp import web
+from aiohttp.client_exceptions import ClientConnectionResetError
 from prometheus_client.parser import text_string_to_metric_families
 from tokenizers import Tokenizer, models, pre_tokenizers, processors, trainers
 
@@ -500,6 +503,42 @@ def test_client_disconnect_cancels_upstream(tokenizer_dir: Path) -> None:
             assert router.workers["a"].load.in_flight_tokens == 0
 
     _run(scenario())
+
+
+def test_a_client_gone_mid_stream_is_a_499_not_a_router_error(
+    tokenizer_dir: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A write to a client whose connection is already closing raises aiohttp's
+    ClientConnectionResetError (seen under load, before the handler is cancelled): the request
+    counts as 499 (client gone), with no 500 and no traceback in the router's log."""
+    write = web.StreamResponse.write
+
+    async def closing(self: web.StreamResponse, data: bytes) -> None:
+        if "X-Warply-Worker" in self.headers:  # the router's answer, not the fake engine's
+            raise ClientConnectionResetError("Cannot write to closing transport")
+        await write(self, data)
+
+    monkeypatch.setattr(web.StreamResponse, "write", closing)
+
+    async def scenario() -> None:
+        async with running(tokenizer_dir, [FakeEngine("a")]) as (router, call, session, base):
+            req = {"prompt": "the cache", "stream": True}
+            with contextlib.suppress(aiohttp.ClientError):
+                async with session.post(base + "/v1/completions", json=req) as r:
+                    await r.read()
+            for _ in range(50):
+                if router.workers["a"].load.in_flight == 0:
+                    break
+                await asyncio.sleep(0.05)
+            assert router.workers["a"].load.in_flight == 0
+            _, text = await call("GET", "/metrics")
+            counted = [line for line in text.splitlines()
+                       if line.startswith("warply_router_requests_total{")]  # fmt: skip
+            assert len(counted) == 1 and 'status="499"' in counted[0], counted
+
+    with caplog.at_level(logging.ERROR, logger="router"):
+        _run(scenario())
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR], caplog.text
 
 
 def test_auth_on_admin_endpoints_only(tokenizer_dir: Path) -> None:
