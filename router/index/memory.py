@@ -51,8 +51,10 @@ _MIN_RUN = 4
 """Blocks a stored run needs to be remembered (shorter ones cost a walk no more than a skip)."""
 _RUNS = 4096
 """Runs remembered per worker, least recently used dropped first."""
-_LOG = 1 << 16
-"""Changed keys kept per worker (`MemoryStore._changed_at`); past that its runs are dropped."""
+_LOG = 1 << 12
+"""Changed keys kept per worker (`MemoryStore._changed_at`); past that its runs are dropped
+(dropping is always safe: the walk goes block by block). ~110 bytes per key: at 1 << 16, 32
+churning workers held ~210 MiB of change records beside a 65k-entry index."""
 _DEFERRED = 1 << 18
 """Keys whose LRU move may wait for the next write."""
 
