@@ -99,7 +99,8 @@ class EngineProcess:
         self.cmd = list(cmd)
         self.url = url
         self.log_path = log_path
-        self._env = dict(os.environ, **(env or {}))
+        # unbuffered: the last lines of a process that is killed are the ones worth reading
+        self._env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
         self._log: IO[bytes] | None = None
         self.proc: subprocess.Popen[bytes] | None = None
         self.started_at = 0.0
