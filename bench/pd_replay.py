@@ -4,14 +4,15 @@ On the conversation trace (512-token trace blocks, reference engines): N aggrega
 each strategy, then P prefill + D decode workers (the router's P/D placement with
 `pd.local_prefill_by: cost`, each strategy choosing decode and prefill workers), the naive
 baseline (the same decode placement, prefill workers in turn: the prefill pool's strategy is
-round_robin), the fixed threshold alone (`local_prefill_by: threshold`) and an ideal decode
-engine that drops the KV it pulled once a request ends (no duplicates). Prints, per row,
+round_robin), the fixed threshold alone (`local_prefill_by: threshold`), an ideal decode
+engine that drops the KV it pulled once a request ends (no duplicates), and the cost rule with
+`pd.prefill_answers` (a prefill worker may answer a whole request). Prints, per row,
 reuse (what the router reports to clients), TTFT mean / p50 / p99, bytes moved P→D and remote /
-local counts; the ratios P/D ÷ aggregated for reuse (target ≥ 0.90) and mean TTFT (target
-≤ 1.10); `pd.local_prefill_tokens` (the floor) swept with the first strategy; then the pooled
-LRU references (`replay.references`): N and P workers' capacity, and one LRU per role with a
-share of the conversations handed off, decode keeping the KV it pulled (as engines do) or not
-(no duplicates). Numbers only: nothing is asserted.
+local / on-prefill counts; the ratios P/D ÷ aggregated for reuse (target ≥ 0.90) and mean TTFT
+(target ≤ 1.10); `pd.local_prefill_tokens` (the floor) swept with the first strategy; then
+the pooled LRU references (`replay.references`): N and P workers' capacity, and one LRU per
+role with a share of the conversations handed off, decode keeping the KV it pulled (as engines
+do) or not (no duplicates). Numbers only: nothing is asserted.
 
     .venvs/core/bin/python bench/pd_replay.py [--limit 3000] [--jobs 1] [--json out.json]
 """
@@ -37,17 +38,19 @@ from router.config import PdConfig
 
 TRACE = Path(__file__).resolve().parents[1] / "../shared/traces/mooncake/conversation_trace.jsonl"
 _SHARED: dict[str, Any] = {}
-_FIELDS = ("reuse", "ttft_mean_ms", "ttft_p50_ms", "ttft_p99_ms", "itl_mean_ms", "remote", "local")
+_FIELDS = ("reuse", "ttft_mean_ms", "ttft_p50_ms", "ttft_p99_ms", "itl_mean_ms", "remote", "local",
+           "on_prefill")  # fmt: skip
 
 
 Job = tuple[str, str | None, Deployment, str]
 """Strategy, the prefill pool's own strategy, the deployment, and a variant: "" (the cost
-rule), `threshold` (`pd.local_prefill_by: threshold`, the router's default) or `ideal`
-(`PdSettings.drop_pulled`)."""
+rule), `threshold` (`pd.local_prefill_by: threshold`, the router's default), `ideal`
+(`PdSettings.drop_pulled`) or `answers` (the cost rule with `pd.prefill_answers`)."""
 _VARIANTS: dict[str, dict[str, Any]] = {
     "": {"local_prefill_by": "cost"},
     "threshold": {"local_prefill_by": "threshold"},
     "ideal": {"drop_pulled": True},
+    "answers": {"local_prefill_by": "cost", "prefill_answers": True},
 }
 
 
@@ -79,7 +82,8 @@ def _line(row: dict[str, Any]) -> str:
         f"{row['ttft_mean_ms']:6.1f} / p50 {row['ttft_p50_ms']:6.1f} / "
         f"p99 {row['ttft_p99_ms']:7.1f} ms  ITL {row['itl_mean_ms']:5.2f}  "
         f"P→D {row['bytes_moved'] / 1e12:6.2f} TB  "
-        f"remote {row['remote']:5d} local {row['local']:5d}  ({row['cpu_s']:.0f} s CPU)"
+        f"remote {row['remote']:5d} local {row['local']:5d} on-prefill {row['on_prefill']:5d}  "
+        f"({row['cpu_s']:.0f} s CPU)"
     )
 
 
@@ -135,6 +139,7 @@ def main() -> int:
         *((s, "round_robin", pd, "") for s in specs),
         *((s, None, pd, "threshold") for s in specs),
         *((s, None, pd, "ideal") for s in specs),
+        *((s, None, pd, "answers") for s in specs),
         *((specs[0], None, d, "") for d in others),
     ]
     print(f"{len(trace)} requests; {len(jobs)} replays (--jobs {args.jobs})", flush=True)
@@ -148,13 +153,16 @@ def main() -> int:
             print(_line(rows[-1]), flush=True)
     n = len(specs)
     aggregated, disagg, naive = rows[:n], rows[n : 2 * n], rows[2 * n : 3 * n]
-    fixed, ideal, swept = rows[3 * n : 4 * n], rows[4 * n : 5 * n], rows[5 * n :]
+    fixed, ideal = rows[3 * n : 4 * n], rows[4 * n : 5 * n]
+    answers, swept = rows[5 * n : 6 * n], rows[6 * n :]
     print("\n== P/D against aggregated (targets: reuse ratio ≥ 0.90, TTFT ratio ≤ 1.10) ==")
-    for agg, pdr, rr, th, no_dup in zip(aggregated, disagg, naive, fixed, ideal, strict=True):
-        for row in (agg, pdr, rr, th, no_dup):
+    for agg, pdr, rr, th, no_dup, ans in zip(
+        aggregated, disagg, naive, fixed, ideal, answers, strict=True
+    ):
+        for row in (agg, pdr, rr, th, no_dup, ans):
             print(_line(row))
         named = (("P/D", pdr), ("round-robin prefill", rr), ("threshold alone", th),
-                 ("ideal: no duplicates", no_dup))  # fmt: skip
+                 ("ideal: no duplicates", no_dup), ("prefill answers", ans))  # fmt: skip
         for name, row in named:
             print(
                 f"  {name:20s} reuse ratio {row['reuse'] / agg['reuse']:.3f}  "

@@ -76,6 +76,7 @@ def summarize(result: ReplayResult, pooled_lru: float | None = None) -> dict[str
         "evictions": sum(e.stats.evictions for e in result.engines.values()),
         "remote": modes["remote"],
         "local": modes["local"],
+        "on_prefill": modes["on_prefill"],
         "remote_share": modes["remote"] / len(result.served) if pd else None,
         "bytes_moved": moved if pd else None,
         "bytes_moved_gb": moved / 1e9 if pd else None,

@@ -194,8 +194,9 @@ class _Fleet:
                 self.engines[name] = SimEngine(name, trace.tokens, cfg, cost)
                 self.workers[name].set_health(True)
             self._heads.append(self.engines[f"{pool.name}0"])
-        self._prefill = [e for e in self.engines.values() if self.workers[e.name].role == "prefill"]
-        self.answering = [e for e in self.engines.values() if e not in self._prefill]
+        self.prefill = [e for e in self.engines.values() if self.workers[e.name].role == "prefill"]
+        """Prefill engines (with `pd.prefill_answers` they also answer some requests whole)."""
+        self.answering = [e for e in self.engines.values() if e not in self.prefill]
         """Engines that answer clients (aggregated and decode workers)."""
         self.index = PrefixIndex(trace.model, store or MemoryStore())
         self.drive = drive
@@ -240,7 +241,7 @@ class _Fleet:
 
     def advance(self, horizon: float) -> None:
         """Run everything that starts before `horizon`; the index sees the engines' events."""
-        for e in self._prefill:
+        for e in self.prefill:
             e.advance(horizon)
         self.transfers.run(horizon)
         for e in self.answering:
@@ -353,7 +354,11 @@ def simulate_pools(
     fleet.close()
     if progress and step:
         progress(step)
-    finished = sorted((r for e in fleet.answering for r in e.stats.finished), key=lambda r: r.index)
+    answered = [r for e in fleet.answering for r in e.stats.finished]
+    answered += [  # requests a prefill worker answered whole (`pd.prefill_answers`), not legs
+        r for e in fleet.prefill for r in e.stats.finished if served[r.index].mode == "on_prefill"
+    ]
+    finished = sorted(answered, key=lambda r: r.index)
     return ReplayResult(
         label,
         sum(p.workers for p in pools),

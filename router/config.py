@@ -112,6 +112,12 @@ class PoolConfig(_Strict):
         `bootstrap_room`: `Scheduler._handle_generate_request`, managers/scheduler.py)."""
         return self.role != "decode" or self.kv_handoff == "vllm"
 
+    @property
+    def decodes(self) -> bool:
+        """Its workers can decode a request themselves: all but SGLang prefill servers (0.5.23's
+        `--disaggregation-mode prefill` only prefills and sends the KV to its decode peer)."""
+        return self.role != "prefill" or self.kv_handoff == "vllm"
+
     @model_validator(mode="after")
     def _handoff_fields(self) -> PoolConfig:
         if self.role == "both" and self.kv_handoff != "vllm":
@@ -168,6 +174,26 @@ class PdConfig(_Strict):
     token: 0.17 for 128 KiB per token over 400 Gb/s against ~66 k prefilled tokens/s)."""
     handoff_tokens: int = Field(0, ge=0)
     """`cost`: the hand-off's fixed overhead in token-equivalents (second hop, transfer set-up)."""
+    prefill_answers: bool = False
+    """`cost` only, vLLM pools only: a prefill worker may answer a whole request itself (prefill
+    and decode; a vLLM kv_producer serves a request without `kv_transfer_params` as an
+    aggregated engine does) when its predicted time to first token, its running decodes counted
+    by `decode_weight`, is below both the local prefill's and the hand-off's (docs/router.md).
+    Off by default: it gives up the decode pool's isolation from prefill passes."""
+    decode_weight: float = Field(0.0025, ge=0)
+    """`prefill_answers`: token-equivalents per KV token a worker decodes over (its in-flight
+    prompt and generated tokens), the time its running decodes add to a pass: decode ms per KV
+    token ÷ prefill ms per token (0.0025 for the replay's reference model: 54 ms per 1 M KV
+    tokens against 48.5 prefill tokens per ms)."""
+
+    @model_validator(mode="after")
+    def _answers_by_cost(self) -> PdConfig:
+        if self.prefill_answers and self.local_prefill_by != "cost":
+            raise ValueError(
+                "pd.prefill_answers compares predicted times to first token: it needs "
+                "pd.local_prefill_by: cost (it is 'threshold')"
+            )
+        return self
     prefill_timeout_s: float = Field(60.0, gt=0)
     """Longest wait for a prefill worker's answer; past it the decode worker prefills locally."""
     lost_after_s: float = Field(10.0, ge=0)
@@ -383,6 +409,12 @@ class RouterConfig(_Strict):
             raise ValueError(
                 f"pools: prefill and decode pools must share one kv_handoff ({pools}); "
                 "an engine's decode workers take KV only from its own kind of prefill worker"
+            )
+        mute = [repr(p.name) for p in self.pools if not p.decodes]
+        if self.pd.prefill_answers and mute:
+            raise ValueError(
+                f"pd.prefill_answers: prefill pool(s) {', '.join(mute)} have kv_handoff 'sglang', "
+                "whose prefill servers cannot decode a request; turn prefill_answers off"
             )
         return self
 

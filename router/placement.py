@@ -60,9 +60,10 @@ from router.workers import Pool, Worker, Workers
 from warply.protocol import chain_keys, prefix_keys, root_seed
 from warply.protocol.api import Role, StrategyState
 
-Mode = Literal["aggregated", "remote", "local"]
+Mode = Literal["aggregated", "remote", "local", "on_prefill"]
 """How a request is served: by a `both` worker alone; prefilled on a prefill worker and decoded
-on a decode worker; or prefilled and decoded on a decode worker."""
+on a decode worker; prefilled and decoded on a decode worker; or prefilled and decoded on a
+prefill worker (`pd.prefill_answers`)."""
 
 CHAIN_KEYS = 1 << 20
 """Keys kept of recent prompts' chains (~40 MiB), for their next turns to extend."""
@@ -98,7 +99,8 @@ class Decision:
     def mode(self) -> Mode:
         if self.prefill is not None:
             return "remote"
-        return "local" if self.worker.role == "decode" else "aggregated"
+        role = self.worker.role
+        return "local" if role == "decode" else "on_prefill" if role == "prefill" else "aggregated"
 
     @property
     def prefill_tokens(self) -> int:
@@ -142,6 +144,25 @@ def local_cheaper(decode: Decision, prefill: Decision, pd: PdConfig) -> bool:
         + pd.transfer_weight * decode.missing_tokens + pd.handoff_tokens
     )  # fmt: skip
     return local <= remote
+
+
+def prefill_cheaper(decode: Decision, prefill: Decision, pd: PdConfig) -> bool:
+    """`pd.prefill_answers`: the prefill worker's predicted time to first token if it answers
+    the whole request is below both the local prefill's and the hand-off's (`local_cheaper`'s
+    terms), each worker's running decodes counted where the request would decode:
+
+        on_prefill = queued(prefill) + missing(prefill) + decode_weight · kv(prefill)
+        local  + decode_weight · kv(decode),   remote + decode_weight · kv(decode)
+
+    kv(w): the KV tokens w decodes over (its in-flight prompt and generated tokens). Ties keep
+    the decode pool's modes."""
+    w = pd.decode_weight
+    own = prefill.worker.load.pending_prefill_tokens + prefill.missing_tokens
+    answer = own + w * prefill.worker.load.in_flight_tokens
+    decoding = w * decode.worker.load.in_flight_tokens
+    local = decode.worker.load.pending_prefill_tokens + decode.missing_tokens
+    remote = own + pd.transfer_weight * decode.missing_tokens + pd.handoff_tokens
+    return answer < min(local, remote) + decoding
 
 
 @dataclass(frozen=True, slots=True)
@@ -372,6 +393,10 @@ class Placement:
                 # the prefill pool's pick previewed (no state changes) unless it goes remote
                 shown = {} if previews is None else previews
                 leg = await self._best(self._prefill, *args[:-1], shown)
+                if leg is not None and self._answers(leg) and prefill_cheaper(best, leg, self.pd):
+                    whole = await self._best(self._prefill, *args)
+                    if whole is not None:
+                        return whole
                 if leg is not None and local_cheaper(best, leg, self.pd):
                     return best.local("cheaper_local")
             leg = await self._best(self._prefill, *args)
@@ -380,6 +405,11 @@ class Placement:
         if leg is None:
             return best.local("no_prefill_worker")
         return dataclasses.replace(best, prefill=leg)
+
+    def _answers(self, leg: Decision) -> bool:
+        """`leg`'s prefill worker may answer the whole request (`pd.prefill_answers`, and its
+        pool's engines can decode: `PoolConfig.decodes`)."""
+        return self.pd.prefill_answers and leg.worker.pool.decodes
 
     async def _best(
         self,

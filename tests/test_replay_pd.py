@@ -44,6 +44,7 @@ def _pd(
     bandwidth_gbps: float = 1.0,
     local_by: Literal["threshold", "cost"] = "threshold",
     drop_pulled: bool = False,
+    prefill_answers: bool = False,
 ) -> ReplayResult:
     pools = [
         SimPool("p", "prefill", prefill_workers, prefill or PrefixAffinity()),
@@ -53,6 +54,7 @@ def _pd(
         local_prefill_tokens=threshold,
         local_prefill_by=local_by,
         drop_pulled=drop_pulled,
+        prefill_answers=prefill_answers,
         bandwidth_gbps=bandwidth_gbps,
         kv_bytes_per_token=_KV,
     )
@@ -278,3 +280,36 @@ def test_the_no_duplicate_ideal_evicts_pulled_blocks_first() -> None:
     pulled = set(trace.keys[1])
     assert set(list(ideal.engines["d0"].lru)[: len(pulled)]) == pulled
     assert set(list(kept.engines["d0"].lru)[-len(pulled) :]) == pulled  # released last
+
+
+def test_a_prefill_worker_answers_whole_while_decode_is_busy_and_keeps_the_conversation() -> None:
+    """`pd.prefill_answers`: with the decode worker decoding a long answer, a new conversation
+    is answered whole by the idle prefill worker (nothing moves P→D), and its next turn goes
+    back there, reusing the history that worker's cache kept."""
+    reqs = [TraceRequest(0.0, 8 * _BLOCK, 2000, tuple(range(1, 9))),  # decodes for seconds
+            TraceRequest(100.0, 4 * _BLOCK, 4, tuple(range(101, 105))),
+            TraceRequest(3000.0, 6 * _BLOCK, 4, tuple(range(101, 107)))]  # fmt: skip
+    trace = ExpandedTrace(reqs, _BLOCK, 64)
+    on = _pd(trace, threshold=0, decode_workers=1, local_by="cost", prefill_answers=True)
+    modes = [(on.served[i].mode, on.served[i].worker) for i in range(3)]
+    assert modes == [("local", "d0"), ("on_prefill", "p0"), ("on_prefill", "p0")]
+    assert sum(s.bytes_moved for s in on.served.values()) == 0
+    req = {r.index: r for r in on.requests}
+    assert sorted(req) == [0, 1, 2] and req[2].generated == 4
+    assert (req[1].cached_tokens, req[2].cached_tokens) == (0, 4 * _BLOCK)
+    assert req[2].first_token > req[2].arrival == 3000.0
+    off = _pd(trace, threshold=0, decode_workers=1, local_by="cost")  # all on the decode worker
+    assert [(off.served[i].mode, off.served[i].worker) for i in range(3)] == [("local", "d0")] * 3
+
+
+def test_prefill_answers_flag_needs_the_cost_rule(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    args = ["replay", str(_trace_file(tmp_path)), "--quiet", "-s", "adaptive", "--pd", "1,2"]
+    assert main([*args, "--pd-prefill-answers", "--pd-local-by", "threshold"]) == 2
+    assert "it needs pd.local_prefill_by: cost" in capsys.readouterr().err
+    out = tmp_path / "r.json"
+    on = ["--pd-prefill-answers", "--pd-local-by", "cost", "--json", str(out)]
+    assert main([*args, *on]) == 0
+    (row,) = json.loads(out.read_text())["results"]
+    assert row["remote"] + row["local"] + row["on_prefill"] == row["requests"]

@@ -200,6 +200,31 @@ def test_kv_handoff_is_validated(
         load_config(path)
 
 
+@pytest.mark.parametrize(
+    ("prefill", "decode", "pd", "error"),
+    [
+        ("kv_handoff=sglang,bootstrap_port=9000", "kv_handoff=sglang",
+         {"local_prefill_by": "cost", "prefill_answers": True},
+         r"pd.prefill_answers: prefill pool\(s\) 'p0' have kv_handoff 'sglang', whose prefill "
+         "servers cannot decode"),
+        ("", "", {"prefill_answers": True},
+         "pd.prefill_answers compares predicted times to first token: it needs "
+         "pd.local_prefill_by: cost"),
+        ("", "", {"local_prefill_by": "cost", "decode_weight": -1},
+         "pd.decode_weight: Input should be greater than or equal to 0"),
+    ],
+)  # fmt: skip
+def test_prefill_answers_is_validated(
+    tmp_path: Path, prefill: str, decode: str, pd: dict[str, Any], error: str
+) -> None:
+    """A prefill worker may answer whole only by the cost rule, and never on SGLang pools."""
+    path = _write(tmp_path, json.dumps({**_handoff_config(prefill, decode), "pd": pd}))
+    with pytest.raises(ConfigError, match=error):
+        load_config(path)
+    ok = {**_handoff_config("", ""), "pd": {"local_prefill_by": "cost", "prefill_answers": True}}
+    assert RouterConfig.model_validate(ok).pd.prefill_answers
+
+
 def test_sglang_pools_load() -> None:
     cfg = RouterConfig.model_validate(
         _handoff_config("kv_handoff=sglang,bootstrap_port=9000", "kv_handoff=sglang", "")
@@ -208,6 +233,7 @@ def test_sglang_pools_load() -> None:
     assert (prefill.kv_handoff, decode.kv_handoff, both.kv_handoff) == ("sglang",) * 2 + ("vllm",)
     assert prefill.workers[0].bootstrap_port == 9000
     assert (prefill.local_prefill, decode.local_prefill, both.local_prefill) == (True, False, True)
+    assert (prefill.decodes, decode.decodes, both.decodes) == (False, True, True)
 
 
 def test_index_section_and_the_moved_cap(tmp_path: Path) -> None:
