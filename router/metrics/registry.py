@@ -115,7 +115,8 @@ class Series:
         self.decisions = PromCounter(
             "warply_router_pd_decisions",
             "Requests by how they were served (mode aggregated, remote = handed off, local = "
-            "the decode worker prefilled) and why a decode worker prefilled locally",
+            "the decode worker prefilled, on_prefill = a prefill worker answered whole) and why "
+            "a decode worker prefilled locally",
             ["mode", "reason"],
             registry=r,
         )

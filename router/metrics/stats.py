@@ -186,7 +186,8 @@ class Stats:
         w.handoff_held_tokens += held
 
     def decided(self, mode: str, reason: str, failure: str) -> None:
-        """How a request was served: aggregated, handed off, or prefilled on decode (why)."""
+        """How a request was served: aggregated, handed off, prefilled on decode (why), or
+        answered whole by a prefill worker."""
         self.decisions[f"{mode}:{reason}" if mode == "local" else mode] += 1
         if failure:
             self.prefill_failures[failure] += 1
