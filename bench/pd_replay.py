@@ -45,11 +45,12 @@ _FIELDS = ("reuse", "ttft_mean_ms", "ttft_p50_ms", "ttft_p99_ms", "itl_mean_ms",
 Job = tuple[str, str | None, Deployment, str]
 """Strategy, the prefill pool's own strategy, the deployment, and a variant: "" (the cost
 rule), `threshold` (`pd.local_prefill_by: threshold`, the router's default), `ideal`
-(`PdSettings.drop_pulled`) or `answers` (the cost rule with `pd.prefill_answers`)."""
+(the cost rule with `PdSettings.drop_pulled`) or `answers` (the cost rule with
+`pd.prefill_answers`)."""
 _VARIANTS: dict[str, dict[str, Any]] = {
     "": {"local_prefill_by": "cost"},
     "threshold": {"local_prefill_by": "threshold"},
-    "ideal": {"drop_pulled": True},
+    "ideal": {"local_prefill_by": "cost", "drop_pulled": True},
     "answers": {"local_prefill_by": "cost", "prefill_answers": True},
 }
 

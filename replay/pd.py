@@ -10,6 +10,10 @@ lacks crosses its link: the prompt minus the full leading blocks the decode engi
 link. At t_d the request joins the decode engine with the whole prompt's KV (`SimRequest.pulled`:
 the blocks become cached there, so a conversation's next turn on that worker moves fewer), and
 decodes. TTFT = t_p − arrival + transfer + the decode engine's first step.
+
+With `prefill_answers` (the router's `on_prefill` mode), a prefill engine may run a whole
+request, as an aggregated engine does: its prefill and decode passes, its cache keeping the
+prompt; nothing moves P→D.
 """
 
 from __future__ import annotations
