@@ -13,6 +13,8 @@ path spins a core: times are noise on 2 cores):
     PrefixHit events) and the decode engine pulls fewer NIXL bytes than for the first turn;
   * a short follow-up is prefilled on the decode engine (below `pd.local_prefill_tokens`):
     nothing reaches the prefill engine, nothing crosses NIXL;
+  * with `pd.prefill_answers` (a second router), a request is answered whole by the prefill
+    engine while the decode engine is busy, with the same greedy output;
   * a prefill engine that stops answering with a prefill in flight, or dies with KV not yet
     pulled: every request ends well within its bound with the reference answer (the decode
     engine prefills locally).
@@ -278,6 +280,55 @@ def test_short_follow_up_is_prefilled_on_decode(pd: dict[str, Any]) -> None:
     assert decode.metric(NIXL_BYTES) == bytes0, "nothing crossed NIXL"
     decisions = _stats(url)["pd"]["decisions"]
     assert decisions.get("local:below_threshold", 0) >= 1 and decisions["remote"] >= 2
+
+
+def test_a_request_the_cost_rule_gives_the_prefill_worker_is_answered_there(
+    pd: dict[str, Any], tiny_model: str, server_logs: Path
+) -> None:
+    """`pd.prefill_answers`, through a second router on the same engines (the cost rule, no
+    cache events: neither worker holds anything for it): while the decode engine streams a long
+    answer, the next request is answered whole by the prefill engine (a kv_producer serving a
+    request without kv_transfer_params as plain vLLM), with the aggregated engine's greedy
+    output; nothing crosses NIXL."""
+    prefill, decode = pd["p"], pd["d"]
+    pools = [{"name": name, "role": role, "block_size": BLOCK,
+              "workers": [{"name": name[0], "url": pd[name[0]].url}]}
+             for name, role in (("prefill", "prefill"), ("decode", "decode"))]  # fmt: skip
+    config = {
+        "model": "tiny", "tokenizer": tiny_model, "port": free_port(), "health_interval_s": 0.5,
+        "health_timeout_s": 5, "request_timeout_s": REQUEST_TIMEOUT_S, "pools": pools,
+        "pd": {"local_prefill_tokens": 0, "local_prefill_by": "cost", "prefill_answers": True},
+    }  # fmt: skip
+    router = RouterServer(config, server_logs, name="pd-router-answers",
+                          env={"PYTHONPATH": str(ROOT)})  # fmt: skip
+    streamed: dict[str, tuple[int, Any, Any]] = {}
+    try:
+        router.start().wait_healthy(120)
+        url = router.url
+        _wait(lambda: _get(url + "/health")[1].get("healthy_workers") == 2, 20)
+        long = {"model": "tiny", "messages": [{"role": "user", "content": _text(300, 40)}],
+                "max_tokens": 400, "ignore_eos": True, "temperature": 0,
+                "stream": True}  # fmt: skip
+        thread = threading.Thread(
+            target=lambda: streamed.update(s=_post(url + "/v1/chat/completions", long))
+        )
+        thread.start()
+        _wait(lambda: _in_flight(url).get("d", 0) == 1, 30)  # decode is decoding it
+        requests0 = prefill.metric("vllm:request_success_total")
+        bytes0 = decode.metric(NIXL_BYTES)
+        messages = [{"role": "user", "content": f"Answer this: {_text(301, 30)}?"}]
+        out, headers = _chat(url, messages)
+        assert (headers["X-Warply-Mode"], headers["X-Warply-Worker"]) == ("on_prefill", "p")
+        assert out["choices"][0]["message"]["content"] == _reference(decode, messages)
+        thread.join(REQUEST_TIMEOUT_S)
+        status, _, stream_headers = streamed["s"]
+        assert status == 200 and stream_headers["X-Warply-Mode"] == "local:cheaper_local"
+        time.sleep(1.5)  # the engines' 1 s stats loop
+        assert prefill.metric("vllm:request_success_total") >= requests0 + 1
+        assert decode.metric(NIXL_BYTES) == bytes0, "nothing crossed NIXL"
+        assert _stats(url)["pd"]["decisions"].get("on_prefill") == 1
+    finally:
+        router.stop()
 
 
 def _workers(url: str) -> dict[str, dict[str, Any]]:
