@@ -22,28 +22,22 @@ from pathlib import Path
 
 import pytest
 import redis
-from lmcache_stack import (
+from lmcache_stack import CHUNKED, Stack, evict_l1, rag_warm_round
+from tier_stack import (
     BLOCK,
-    CHUNKED,
     EXTERNAL,
-    MODEL,
     WORKER,
-    Stack,
-    evict_l1,
+    block_keys,
     prompt,
-    rag_warm_round,
     router_bytes,
-    snapshot_shows,
+    running,
+    tier_runner,
     until,
 )
 from vllm_helpers import HOST, free_port
 
-from router.config import PoolConfig, TieringConfig, WorkerConfig
-from router.index import MemoryStore, PrefixIndex
-from router.metrics.registry import Series
-from router.tiering import Action, TierPolicy, TierRunner, TierState
-from router.workers import Workers
-from warply.protocol import DirectiveKind, Tier, chain_keys, root_seed
+from router.tiering import Action, TierPolicy, TierState
+from warply.protocol import DirectiveKind, Tier
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -79,10 +73,9 @@ def tiers(
         object_store_url=f"redis://{HOST}:{port}",
     )  # fmt: skip
     try:
-        stack.start()
-        yield _Tiers(stack, ssd, port)
+        with running(stack):
+            yield _Tiers(stack, ssd, port)
     finally:
-        stack.close()
         redis.terminate()
         redis.wait(10)
 
@@ -94,12 +87,12 @@ def test_directives_move_a_prefix_down_the_tiers_and_bytes_follow(tiers: _Tiers)
     assert sources[EXTERNAL] == 0
     until("the prefix's chunks on disk", lambda: _folder_bytes(tiers.ssd) > 0)
     on_disk = _folder_bytes(tiers.ssd)
-    snapshot_shows(stack, Tier.SSD, on_disk)
-    assert router_bytes(stack.state.snapshot(), MODEL, Tier.SSD) == on_disk
+    stack.reported(Tier.SSD, on_disk)
+    assert router_bytes(stack.state.snapshot(), Tier.SSD) == on_disk
     until("the prefix's chunks in redis", lambda: len(tiers.in_redis()) == CHUNKED // BLOCK)
     in_redis = sum(tiers.in_redis().values())
-    snapshot_shows(stack, Tier.OBJECT_STORE, in_redis)
-    assert router_bytes(stack.state.snapshot(), MODEL, Tier.OBJECT_STORE) == in_redis
+    stack.reported(Tier.OBJECT_STORE, in_redis)
+    assert router_bytes(stack.state.snapshot(), Tier.OBJECT_STORE) == in_redis
 
     l1_before = stack.l1_used()
     assert evict_l1(stack, p) == CHUNKED // BLOCK
@@ -107,8 +100,8 @@ def test_directives_move_a_prefix_down_the_tiers_and_bytes_follow(tiers: _Tiers)
     assert ack.applied and ack.blocks == CHUNKED // BLOCK, ack.reason
     assert stack.l1_used() < l1_before
     assert _folder_bytes(tiers.ssd) < on_disk
-    snapshot_shows(stack, Tier.SSD, _folder_bytes(tiers.ssd))
-    assert router_bytes(stack.state.snapshot(), MODEL, Tier.SSD) == _folder_bytes(tiers.ssd)
+    stack.reported(Tier.SSD, _folder_bytes(tiers.ssd))
+    assert router_bytes(stack.state.snapshot(), Tier.SSD) == _folder_bytes(tiers.ssd)
 
     stack.evict_from_device(300)
     again, sources = stack.ask(p)  # L1 and disk dropped it: it comes from redis
@@ -173,13 +166,9 @@ def test_a_policy_run_by_the_router_moves_bytes_by_canonical_keys(tiers: _Tiers)
     stack.ask(p)
     until("the prefix's chunks on disk", lambda: _folder_bytes(tiers.ssd) > 0)
     on_disk = _folder_bytes(tiers.ssd)
-    workers = Workers([PoolConfig(name="p", block_size=BLOCK, workers=[
-        WorkerConfig(name=WORKER, url="http://x", control=stack.control)])])  # fmt: skip
-    runner = TierRunner(
-        TieringConfig(), PrefixIndex(MODEL, MemoryStore()), workers, Series(), _OffTheDisk()
-    )
+    runner = tier_runner(stack, _OffTheDisk())
     # The tracked prefix: the conversation after the prompt's first chunk (a mid-chain head).
-    keys = chain_keys(p[:CHUNKED], BLOCK, root_seed(MODEL))
+    keys = block_keys(p)
     runner.tracker.record("", keys[:1], WORKER, 0, time.time())
     runner.tracker.record("", keys, WORKER, 0, time.time())
     asyncio.run(runner.round())

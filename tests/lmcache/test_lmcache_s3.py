@@ -26,21 +26,8 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from lmcache_stack import (
-    BLOCK,
-    CHUNKED,
-    EXTERNAL,
-    MODEL,
-    ROOT,
-    Stack,
-    evict_l1,
-    overlay_env,
-    prompt,
-    rag_warm_round,
-    router_bytes,
-    snapshot_shows,
-    until,
-)
+from lmcache_stack import CHUNKED, ROOT, Stack, evict_l1, overlay_env, rag_warm_round
+from tier_stack import BLOCK, EXTERNAL, prompt, router_bytes, running, until
 from vllm_helpers import HOST, free_port
 
 from warply.protocol import DirectiveKind, Tier
@@ -102,11 +89,8 @@ def s3(
             ssd_path=str(ssd), l4="object_store", object_store_url=f"s3://{BUCKET}",
             object_store_endpoint=endpoint,
         )  # fmt: skip
-        try:
-            stack.start()
+        with running(stack):
             yield _S3(stack, ssd, _Bucket(endpoint))
-        finally:
-            stack.close()
     finally:
         moto.terminate()
         moto.wait(10)
@@ -127,8 +111,8 @@ def test_a_prefix_off_the_engine_l1_and_disk_loads_from_the_bucket(s3: _S3) -> N
     assert sources[EXTERNAL] == 0
     until("the prefix's chunks in the bucket", lambda: len(bucket.objects()) >= CHUNKED // BLOCK)
     stored = bucket.bytes()
-    snapshot_shows(stack, Tier.OBJECT_STORE, stored)
-    assert router_bytes(stack.state.snapshot(), MODEL, Tier.OBJECT_STORE) == stored
+    stack.reported(Tier.OBJECT_STORE, stored)
+    assert router_bytes(stack.state.snapshot(), Tier.OBJECT_STORE) == stored
 
     evict_l1(stack, p)
     assert stack.direct(DirectiveKind.EVICT, p, Tier.SSD).applied
@@ -141,7 +125,7 @@ def test_a_prefix_off_the_engine_l1_and_disk_loads_from_the_bucket(s3: _S3) -> N
     assert ack.applied and ack.blocks == CHUNKED // BLOCK, ack.reason
     left = bucket.objects()
     assert len(held) - len(left) == CHUNKED // BLOCK and left.keys() < held.keys()
-    snapshot_shows(stack, Tier.OBJECT_STORE, sum(left.values()))
+    stack.reported(Tier.OBJECT_STORE, sum(left.values()))
     # No copy left in the bucket: an offload there is not confirmed (LMCache has no push).
     ack = stack.direct(DirectiveKind.OFFLOAD, p, Tier.OBJECT_STORE)
     assert not ack.applied and "2 of 2 whole chunk(s) are not on" in ack.reason, ack.reason

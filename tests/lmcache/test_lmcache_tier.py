@@ -11,45 +11,23 @@ LMCache's HTTP API makes that prefix recompute while an untouched one still load
 
 from __future__ import annotations
 
-import time
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import pytest
-from lmcache_stack import BLOCK, EXTERNAL, PROMPT_LEN, WORKER, Stack, prompt
-from vllm_helpers import complete, send_directive
+from lmcache_stack import Stack
+from tier_stack import BLOCK, EXTERNAL, PROMPT_LEN, prompt, router_bytes, running
+from vllm_helpers import send_directive
 
-from router.config import PoolConfig, WorkerConfig
-from router.index import MemoryStore, PrefixIndex, completed
-from router.metrics.stats import bytes_by_pool_tier, index_view
-from router.workers import Workers
-from warply.protocol import (
-    Directive,
-    DirectiveKind,
-    LoadSnapshot,
-    Tier,
-)
+from warply.protocol import Directive, DirectiveKind, Tier
 
 pytestmark = pytest.mark.timeout(300)
-
-MODEL_NAME = "tiny"
 
 
 @pytest.fixture(scope="module")
 def stack(tiny_model: str, server_logs: Path) -> Iterator[Stack]:
-    s = Stack(tiny_model, server_logs)
-    try:
-        s.start()
+    with running(Stack(tiny_model, server_logs)) as s:
         yield s
-    finally:
-        s.close()
-
-
-def _index(events: list[Any]) -> PrefixIndex:
-    index = PrefixIndex(MODEL_NAME, MemoryStore())
-    completed(index.apply(WORKER, events))
-    return index
 
 
 def test_evicted_prefix_is_served_from_lmcache_and_indexed_on_cpu(stack: Stack) -> None:
@@ -65,23 +43,8 @@ def test_evicted_prefix_is_served_from_lmcache_and_indexed_on_cpu(stack: Stack) 
     # Bytes read back from LMCache (its /status), carried by the plugin's load snapshots.
     used = stack.l1_used()
     assert used > 0
-    # Snapshots go out at engine steps; a short prompt (no whole chunk: LMCache stores nothing)
-    # makes one after the plugin's next /status poll.
-    time.sleep(1.5)
-    complete(stack.server, prompt(9)[:16], max_tokens=1)
-
-    def reported(events: list[Any]) -> bool:
-        last = [e for e in events if isinstance(e, LoadSnapshot)][-1:]
-        return bool(last) and (last[0].backend_bytes or {}).get(Tier.CPU) == used
-
-    events = stack.state.wait_for(reported, 10)
-    workers = Workers(
-        [PoolConfig(name="p", block_size=BLOCK, workers=[WorkerConfig(name=WORKER, url="http://x")])]
-    )
-    workers.engine_load(WORKER, [e for e in events if isinstance(e, LoadSnapshot)][-1])
-    stats = completed(_index(events).stats())
-    view = index_view(stats, bytes_by_pool_tier(stats, workers), workers)
-    assert view.bytes_by_tier["cpu"] == used
+    events = stack.reported(Tier.CPU, used)
+    assert router_bytes(events, Tier.CPU) == used
 
 
 def test_evict_through_lmcache_makes_the_prefix_recompute(stack: Stack) -> None:

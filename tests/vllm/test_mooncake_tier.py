@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import random
 import time
 import urllib.request
 from collections import Counter
@@ -26,26 +25,31 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import HOST, Collector, complete, engine, free_port, send_directive, start_all
+from conftest import HOST, STARTUP_TIMEOUT_S, Collector, engine, free_port, send_directive
 from prometheus_client.parser import text_string_to_metric_families
+from tier_stack import (
+    BLOCK,
+    EXTERNAL,
+    PROMPT_LEN,
+    WORKER,
+    TierStack,
+    block_keys,
+    engine_options,
+    prompt,
+    router_bytes,
+    running,
+    tier_runner,
+)
 
-from router.config import PoolConfig, TieringConfig, WorkerConfig
-from router.index import MemoryStore, PrefixIndex, completed
-from router.metrics.registry import Series
-from router.metrics.stats import bytes_by_pool_tier, index_view
-from router.tiering import Action, TierPolicy, TierRunner, TierState
-from router.workers import Workers
-from warply.launch import EngineProcess, VllmServer
+from router.tiering import Action, TierPolicy, TierState
+from warply.launch import EngineProcess
 from warply.protocol import (
     BlockRemoved,
     BlockStored,
     Directive,
     DirectiveAck,
     DirectiveKind,
-    LoadSnapshot,
     Tier,
-    chain_keys,
-    root_seed,
 )
 from warply.spec import KVTier, render_vllm
 
@@ -56,29 +60,20 @@ store_module = pytest.importorskip(
 
 pytestmark = pytest.mark.timeout(600)
 
-BLOCK = 256
-PROMPT_LEN = 600
-"""Two whole blocks (the connector stores whole blocks only) and a partial one."""
 STORED = PROMPT_LEN // BLOCK
-WORKER = "w"
-MODEL = "tiny"
-EXTERNAL = "external_unspecified"
-"""The source vLLM 0.32 reports for tokens MooncakeStoreConnector loaded."""
+"""Whole blocks of a prompt (the connector stores whole blocks only)."""
 LEASE_S = 10.0
 """The master's lease on an object a client looked up or read (`-default_kv_lease_ttl`, 10 s).
 Shorter ones expire between vLLM's lookup and its load on a loaded machine (LEASE_EXPIRED)."""
 
 
-def prompt(seed: int) -> list[int]:
-    rng = random.Random(seed)
-    return [rng.randrange(6, 8192) for _ in range(PROMPT_LEN)]
-
-
-class Stack:
+class Stack(TierStack):
     """The master and the engine (render_vllm's argv and store file), the plugin's sockets."""
 
+    state: Collector
+
     def __init__(self, model: str, logs: Path) -> None:
-        self.state = Collector()
+        state = Collector()
         self.looked_up: dict[int, float] = {}
         """Per prompt (its first token): when vLLM last looked its blocks up (took leases)."""
         self.control = f"tcp://{HOST}:{free_port()}"
@@ -86,37 +81,24 @@ class Stack:
             device="cpu", backend="mooncake", l2="cpu", l2_size_gb=0.25,
             mooncake_master=f"{HOST}:{free_port()}", mooncake_metrics_port=free_port(),
         )  # fmt: skip
-        rendered = render_vllm(tier, {"events_endpoint": self.state.endpoint,
+        rendered = render_vllm(tier, {"events_endpoint": state.endpoint,
                                       "control_endpoint": self.control,
                                       "snapshot_interval_s": 0.5, "worker": WORKER})  # fmt: skip
         assert rendered.mooncake_master is not None and rendered.mooncake_config is not None
         self.master_url = f"http://{HOST}:{tier.mooncake_metrics_port}"
         binary = Path(str(store_module.__file__)).parent / "mooncake_master"
-        self.master = EngineProcess(
+        master = EngineProcess(
             [str(binary), *rendered.mooncake_master[1:]],
             url=self.master_url,
             log_path=logs / "mooncake-master.log",
         )
         store_file = logs / "mooncake.json"
         store_file.write_text(json.dumps(rendered.mooncake_config))
-        self.server: VllmServer = engine(
-            model,
-            logs / "vllm-mooncake.log",
-            block_size=BLOCK,
-            kv_transfer=rendered.kv_transfer_config,
-            extra_args=["--max-model-len", "1024", "--num-gpu-blocks-override", "6"],
-            env={"MOONCAKE_CONFIG_PATH": str(store_file)},
-        )
-
-    def start(self) -> None:
-        self.master.start()
-        self.master.wait_healthy(60, path="/health")
-        start_all([self.server])
-
-    def close(self) -> None:
-        self.server.stop()
-        self.master.stop()
-        self.state.close()
+        server = engine(
+            model, logs / "vllm-mooncake.log", env={"MOONCAKE_CONFIG_PATH": str(store_file)},
+            **engine_options(rendered.kv_transfer_config),
+        )  # fmt: skip
+        super().__init__(state, master, (60, "/health"), server, STARTUP_TIMEOUT_S)
 
     def master_metrics(self) -> dict[str, float]:
         with urllib.request.urlopen(self.master_url + "/metrics", timeout=10) as resp:
@@ -128,79 +110,32 @@ class Stack:
             if s.name.startswith("master_") and not s.labels
         }
 
-    def cached_by_source(self) -> Counter[str]:
-        with urllib.request.urlopen(self.server.url + "/metrics", timeout=10) as resp:
-            text = resp.read().decode()
-        out: Counter[str] = Counter()
-        for family in text_string_to_metric_families(text):
-            for sample in family.samples:
-                if sample.name == "vllm:prompt_tokens_cached_by_source_total":
-                    out[sample.labels["source"]] += int(sample.value)
-        return out
-
     def ask(self, tokens: list[int], cache_salt: str | None = None) -> tuple[str, Counter[str]]:
-        """Greedy answer and the prompt tokens cached per source for this request."""
-        before = self.cached_by_source()
-        reply = complete(self.server, tokens, max_tokens=8, cache_salt=cache_salt)
+        """`TierStack.ask`, remembering when the prompt's blocks were looked up."""
+        answer = super().ask(tokens, cache_salt)
         self.looked_up[tokens[0]] = time.monotonic()
-        return str(reply["choices"][0]["text"]), self.cached_by_source() - before
-
-    def evict_from_device(self, seed: int) -> None:
-        """Three other prompts: their blocks take the whole device cache."""
-        for i in range(3):
-            complete(self.server, prompt(seed + i), max_tokens=8)
+        return answer
 
     def leases_out(self, tokens: list[int]) -> None:
         """Wait until the leases of the prompt's last lookup have run out (the master keeps a
         leased object: an evict would count it as kept)."""
         time.sleep(max(0.0, self.looked_up.get(tokens[0], 0.0) + LEASE_S + 1 - time.monotonic()))
 
-    def direct(self, kind: DirectiveKind, tokens: list[int]) -> DirectiveAck:
-        """One cpu-tier directive on the prompt, once its leases have run out."""
+    def direct(
+        self, kind: DirectiveKind, tokens: list[int], tier: Tier = Tier.CPU, namespace: str = ""
+    ) -> DirectiveAck:
+        """`TierStack.direct` (cpu tier by default), once the prompt's leases have run out."""
         self.leases_out(tokens)
-        d = Directive(f"{kind.value}-{tokens[0]}", kind, token_ids=tokens, tier=Tier.CPU)
-        return send_directive(self.control, d)
+        return super().direct(kind, tokens, tier, namespace)
 
     def soft_pins(self) -> float:
         return self.master_metrics()["master_soft_pin_key_count"]
 
-    def reported(self, expected: int) -> list[Any]:
-        """The collected events once the plugin's last load snapshot carries `expected` bytes
-        on the cpu tier (snapshots go out at engine steps: a short prompt makes one)."""
-
-        def carries(events: list[Any]) -> bool:
-            last = [e for e in events if isinstance(e, LoadSnapshot)][-1:]
-            return bool(last) and (last[0].backend_bytes or {}).get(Tier.CPU) == expected
-
-        deadline = time.monotonic() + 30
-        while time.monotonic() < deadline:
-            complete(self.server, prompt(9)[:16], max_tokens=1)
-            if carries(self.state.snapshot()):
-                return self.state.snapshot()
-            time.sleep(0.6)
-        raise AssertionError(f"no load snapshot with {expected} cpu-tier bytes")
-
 
 @pytest.fixture(scope="module")
 def stack(tiny_model: str, server_logs: Path) -> Iterator[Stack]:
-    s = Stack(tiny_model, server_logs)
-    try:
-        s.start()
+    with running(Stack(tiny_model, server_logs)) as s:
         yield s
-    finally:
-        s.close()
-
-
-def _router_cpu_bytes(events: list[Any]) -> int:
-    """What the router's `bytes_by_tier["cpu"]` reads from these events."""
-    index = PrefixIndex(MODEL, MemoryStore())
-    completed(index.apply(WORKER, events))
-    workers = Workers(
-        [PoolConfig(name="p", block_size=BLOCK, workers=[WorkerConfig(name=WORKER, url="http://x")])]
-    )
-    workers.engine_load(WORKER, [e for e in events if isinstance(e, LoadSnapshot)][-1])
-    stats = completed(index.stats())
-    return index_view(stats, bytes_by_pool_tier(stats, workers), workers).bytes_by_tier["cpu"]
 
 
 def _cpu_blocks(events: list[Any], kind: type[BlockStored] | type[BlockRemoved]) -> list[int]:
@@ -231,7 +166,7 @@ def test_evict_directive_moves_a_prefix_out_of_the_store_and_bytes_follow(stack:
     keys, used = before["master_key_count"], before["master_allocated_bytes"]
     assert keys >= 5 * STORED and used > 0
     per_object = used / keys
-    assert _router_cpu_bytes(stack.reported(int(used))) == used
+    assert router_bytes(stack.reported(Tier.CPU, int(used)), Tier.CPU) == used
 
     # The connector reports its stores as cpu-tier events: the index holds the store's blocks.
     stored = _cpu_blocks(stack.state.snapshot(), BlockStored)
@@ -246,7 +181,7 @@ def test_evict_directive_moves_a_prefix_out_of_the_store_and_bytes_follow(stack:
     assert after["master_key_count"] == keys - STORED
     assert after["master_allocated_bytes"] == used - STORED * per_object
     left = int(used - STORED * per_object)
-    assert _router_cpu_bytes(stack.reported(left)) == left
+    assert router_bytes(stack.reported(Tier.CPU, left), Tier.CPU) == left
 
     gone = send_directive(
         stack.control,
@@ -321,13 +256,9 @@ def test_a_policy_run_by_the_router_removes_objects_by_canonical_keys(stack: Sta
     tokens = prompt(4)
     stack.ask(tokens)
     before = stack.master_metrics()["master_key_count"]
-    workers = Workers([PoolConfig(name="p", block_size=BLOCK, workers=[
-        WorkerConfig(name=WORKER, url="http://x", control=stack.control)])])  # fmt: skip
-    runner = TierRunner(
-        TieringConfig(), PrefixIndex(MODEL, MemoryStore()), workers, Series(), _OutOfTheStore()
-    )
+    runner = tier_runner(stack, _OutOfTheStore())
     # Two tracked prefixes: the first block, and the block after it (a mid-chain head).
-    keys = chain_keys(tokens[: STORED * BLOCK], BLOCK, root_seed(MODEL))
+    keys = block_keys(tokens)
     runner.tracker.record("", keys[:1], WORKER, 0, time.time())
     runner.tracker.record("", keys, WORKER, 0, time.time())
     stack.leases_out(tokens)
