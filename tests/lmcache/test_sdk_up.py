@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 from lmcache_stack import overlay_env
+from processes import alive
 
 import warply as wp
 from warply.lifecycle import group_members
@@ -93,7 +94,7 @@ def test_design_example_up_chat_stats_down(tiny_model: str, tmp_path: Path) -> N
         assert all(w.cached_tokens == 0 for p in stranger.pools for w in p.workers), stranger
     finally:
         engine.down()
-    left = sorted(p for p in pids if Path(f"/proc/{p}").exists() and _alive(p))
+    left = sorted(p for p in pids if Path(f"/proc/{p}").exists() and alive(p))
     assert left == [], f"processes left after down(): {left}"
     assert not (tmp_path / "run" / "state.json").exists()
 
@@ -108,11 +109,3 @@ def _settled(engine: wp.DisaggEngine) -> wp.CacheStatsView:
         if (tiers.get("gpu") and tiers.get("cpu")) or time.monotonic() > deadline:
             return stats
         time.sleep(0.5)
-
-
-def _alive(pid: int) -> bool:
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except OSError:
-        return False
-    return state != "Z"

@@ -17,6 +17,7 @@ import urllib.request
 from pathlib import Path
 
 import pytest
+from processes import alive
 
 import warply as wp
 from warply.lifecycle import group_members
@@ -24,14 +25,6 @@ from warply.lifecycle import group_members
 pytestmark = pytest.mark.timeout(600)
 
 VLLM = str(Path(sys.executable).parent / "vllm")
-
-
-def _alive(pid: int) -> bool:
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except OSError:
-        return False
-    return state != "Z"
 
 
 def test_a_broken_engine_argument_fails_fast_and_leaves_nothing(
@@ -50,7 +43,7 @@ def test_a_broken_engine_argument_fails_fast_and_leaves_nothing(
     started = {line.split()[1]: int(line.rsplit("pid ", 1)[1].rstrip(")"))
                for line in lines if line.startswith("started ")}  # fmt: skip
     assert set(started) == {"router", "engine-0"}
-    assert [p for p in started.values() if _alive(p) or group_members(p)] == []
+    assert [p for p in started.values() if alive(p) or group_members(p)] == []
     with pytest.raises(RuntimeError, match="not up"):
         spec.client()
 
@@ -72,7 +65,7 @@ def test_cli_up_leaves_it_running_and_down_stops_it(tiny_model: str, tmp_path: P
     pids = {p["name"]: p["pid"] for p in state["processes"]}
     try:
         assert set(pids) == {"router", "engine-0"}
-        assert all(_alive(pid) for pid in pids.values())  # `warply up` has exited
+        assert all(alive(pid) for pid in pids.values())  # `warply up` has exited
         url = up.stdout.split("router:", 1)[1].split()[0]
         body = json.dumps({"model": "warply", "prompt": "hello", "max_tokens": 2}).encode()
         req = urllib.request.Request(url + "/completions", data=body,
@@ -86,7 +79,7 @@ def test_cli_up_leaves_it_running_and_down_stops_it(tiny_model: str, tmp_path: P
     finally:
         if (run / "state.json").exists():
             _warply("down", "--run-dir", str(run))
-    assert [p for p in members if _alive(p)] == []
+    assert [p for p in members if alive(p)] == []
     again = _warply("down", "--run-dir", str(run))
     assert again.returncode == 1 and "no running deployment" in again.stderr
     bad = tmp_path / "bad.yaml"
