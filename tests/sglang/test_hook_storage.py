@@ -16,6 +16,7 @@ import time
 import urllib.request
 from array import array
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -174,13 +175,23 @@ def test_pages_round_trip_and_bytes_match(store: dict[str, Any]) -> None:
     assert backend.bytes_held == 0 == _held_on_store(store)
 
 
-def test_l3_stores_reach_the_index_as_their_tier(store: dict[str, Any], collectors: Any) -> None:  # noqa: F811
+@contextmanager
+def _w0(subs: Any) -> Iterator[tuple[Any, Any, Any, Any, PrefixIndex]]:
+    """Worker w0: a radix cache (and its allocator), its scheduler publisher with a live stream
+    to w0's SUB socket in `subs` (the `collectors` fixture), and the router's index of it; the
+    publisher shut down after."""
     cache, alloc = build_cache(PAGE, "rust", 2048)
-    sub, router = collectors["w0"]
+    sub, router = subs["w0"]
     kv = scheduler_publisher(cache, router, "w0")
     handshake(kv, sub)
-    index = PrefixIndex(MODEL, MemoryStore())
     try:
+        yield cache, alloc, kv, sub, PrefixIndex(MODEL, MemoryStore())
+    finally:
+        kv.kv_event_publisher.shutdown()
+
+
+def test_l3_stores_reach_the_index_as_their_tier(store: dict[str, Any], collectors: Any) -> None:  # noqa: F811
+    with _w0(collectors) as (cache, alloc, kv, sub, index):
         insert(cache, alloc, DOC)
         pump(kv, sub, index, "w0")  # device stores feed the page book
         backend = _backend(store)
@@ -200,8 +211,6 @@ def test_l3_stores_reach_the_index_as_their_tier(store: dict[str, Any], collecto
         removed = pump(kv, sub, index, "w0")
         assert any(isinstance(e, BlockRemoved) and e.tier is tier for e in removed)
         assert completed(index.match(prefix_keys(DOC, PAGE, MODEL)))["w0"].blocks == 0
-    finally:
-        kv.kv_event_publisher.shutdown()
 
 
 def test_salted_l3_pages_reach_the_index_in_their_namespace(
@@ -212,12 +221,7 @@ def test_salted_l3_pages_reach_the_index_in_their_namespace(
     namespace seed, its events by another; the page book maps one to the other, so they are
     reported in the tenant's namespace and never match another tenant's (or no tenant's)
     prompt."""
-    cache, alloc = build_cache(PAGE, "rust", 2048)
-    sub, router = collectors["w0"]
-    kv = scheduler_publisher(cache, router, "w0")
-    handshake(kv, sub)
-    index = PrefixIndex(MODEL, MemoryStore())
-    try:
+    with _w0(collectors) as (cache, alloc, kv, sub, index):
         insert(cache, alloc, DOC, salt="tenant-a")
         device = [e for e in pump(kv, sub, index, "w0") if isinstance(e, BlockStored)]
         n = len(DOC) // PAGE * PAGE
@@ -244,5 +248,3 @@ def test_salted_l3_pages_reach_the_index_in_their_namespace(
         removed = pump(kv, sub, index, "w0")
         assert any(isinstance(e, BlockRemoved) and e.tier is Tier.SSD for e in removed)
         assert completed(index.match(mine))["w0"].blocks == 0
-    finally:
-        kv.kv_event_publisher.shutdown()
