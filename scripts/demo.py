@@ -27,14 +27,7 @@ from typing import Any
 
 import aiohttp
 
-from warply.launch import (
-    EngineProcess,
-    KvEvents,
-    RouterServer,
-    VllmServer,
-    free_port,
-    http_json,
-)
+from warply.launch import KvEvents, RouterServer, VllmServer, free_port, http_json, kv_event_engines
 
 ROOT = Path(__file__).resolve().parents[1]
 TRACE = ROOT / "scripts" / "data" / "mooncake_conversations.jsonl"
@@ -152,45 +145,35 @@ async def replay(
 
 def engine_pair(
     vllm: str, model: str, workdir: Path, extra_args: Sequence[str] = ()
-) -> list[tuple[VllmServer, int, int]]:
-    """Two vLLM CPU engines (cores 0 and 1) with KV-event streams: (engine, pub, replay) each.
+) -> list[tuple[VllmServer, KvEvents]]:
+    """Two vLLM CPU engines (cores 0 and 1) with KV-event streams.
 
     `extra_args` go last on each `vllm serve` line (a repeated flag overrides the default)."""
-    engines = []
-    for i in range(2):
-        events = KvEvents()
-        engine = VllmServer(
-            vllm, model, log_path=workdir / f"vllm-{i}.log", served_name=MODEL_NAME,
-            cpu_core=i, env={"VLLM_SERVER_DEV_MODE": "1"},
-            args=["--block-size", str(BLOCK_SIZE), "--max-model-len", "4096",
-                  "--enable-prefix-caching", "--enable-prompt-tokens-details", "--seed", "0",
-                  *extra_args],
-            kv_events_config=events.engine_config(),
-        )
-        engines.append((engine, events.pub, events.replay))
-    return engines
+    args = ["--block-size", str(BLOCK_SIZE), "--max-model-len", "4096", "--enable-prefix-caching",
+            "--enable-prompt-tokens-details", "--seed", "0", *extra_args]  # fmt: skip
+    return kv_event_engines(vllm, model, workdir, served_name=MODEL_NAME, args=args,
+                            env={"VLLM_SERVER_DEV_MODE": "1"})  # fmt: skip
 
 
-def router_process(strategy: str, engines: list[tuple[EngineProcess, int, int]], model: str,
-            workdir: Path) -> EngineProcess:
-    port = free_port()
-    workers = [KvEvents(pub, replay).worker(f"engine-{i}", e.url)
-               for i, (e, pub, replay) in enumerate(engines)]  # fmt: skip
+def router_process(
+    strategy: str, engines: list[tuple[VllmServer, KvEvents]], model: str, workdir: Path
+) -> RouterServer:
+    workers = [events.worker(f"engine-{i}", e.url) for i, (e, events) in enumerate(engines)]
     config = {
-        "model": MODEL_NAME, "tokenizer": model, "port": port, "auth_token": TOKEN,
+        "model": MODEL_NAME, "tokenizer": model, "port": free_port(), "auth_token": TOKEN,
         "strategy": {"name": strategy, "knobs": KNOBS.get(strategy, {})},
         "pools": [{"name": "cpu", "block_size": BLOCK_SIZE, "workers": workers}],
-    }
+    }  # fmt: skip
     return RouterServer(config, workdir, name=f"router-{strategy}")
 
 
-def reset_caches(engines: list[tuple[EngineProcess, int, int]]) -> None:
+def reset_caches(engines: list[tuple[VllmServer, KvEvents]]) -> None:
     """Empty both engines' prefix caches (VLLM_SERVER_DEV_MODE), so each run starts cold.
 
     vLLM 0.32 publishes the reset's AllBlocksCleared event only from its next scheduler step, so
     each engine then serves one sub-block request (nothing cached): a router subscribing next
     sees the caches empty instead of the previous run's blocks."""
-    for engine, _, _ in engines:
+    for engine, _ in engines:
         status, body = http_json("POST", engine.url + "/reset_prefix_cache")
         if status != 200:
             raise RuntimeError(f"reset_prefix_cache on {engine.url}: {status} {body}")
@@ -208,15 +191,15 @@ async def _run(args: argparse.Namespace, workdir: Path) -> int:
     engines = engine_pair(args.vllm, args.model, workdir)
     results: dict[str, dict[str, Any]] = {}
     try:
-        for engine, _, _ in engines:
+        for engine, _ in engines:
             engine.start()
             _log(f"starting vLLM (pid {engine.pid}, log {engine.log_path})")
-        for engine, _, _ in engines:
+        for engine, _ in engines:
             _log(f"vLLM {engine.url} healthy after {engine.wait_healthy():.0f}s")
         # vLLM's first prefills of each length run slower (CPU kernels warming up): one untimed
         # pass straight to the engines, so the first strategy measured does not pay for it.
         _log("warm-up pass straight to the engines (not measured) ...")
-        urls = [engine.url for engine, _, _ in engines]
+        urls = [engine.url for engine, _ in engines]
         await replay(lambda item: urls[item["conversation"] % len(urls)], items, args.in_flight)
         for strategy in args.strategy or STRATEGIES:
             reset_caches(engines)
@@ -231,7 +214,7 @@ async def _run(args: argparse.Namespace, workdir: Path) -> int:
                 stats["wall_s"] = wall
                 results[strategy] = stats
     finally:
-        for engine, _, _ in engines:
+        for engine, _ in engines:
             engine.stop()
     _print(results)
     return 0

@@ -1,10 +1,12 @@
 """warply/launch.py without an engine: `VllmServer` reads an engine's counters from its Prometheus
 text (here prometheus_client's own exporter on 127.0.0.1, the library vLLM serves /metrics with,
 over a registry holding vLLM's metric names); `KvEvents` gives the engine and the router the
-same stream. Against real engines: tests/vllm/, tests/lmcache/."""
+same stream, and `kv_event_engines` one stream per engine. Against real engines: tests/vllm/,
+tests/lmcache/."""
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -12,7 +14,7 @@ import pytest
 from prometheus_client import CollectorRegistry, Counter, start_http_server
 
 from router.config import WorkerConfig
-from warply.launch import HOST, KvEvents, VllmServer, free_port
+from warply.launch import HOST, KvEvents, VllmServer, free_port, kv_event_engines
 
 
 @pytest.fixture
@@ -56,3 +58,14 @@ def test_the_router_subscribes_where_the_engine_publishes_its_kv_events() -> Non
     )  # fmt: skip
     assert worker.topic == engine["topic"] and engine["publisher"] == "zmq"
     assert events.pub != events.replay != KvEvents().pub
+
+
+def test_kv_event_engines_each_publish_on_their_own_ports_and_core(tmp_path: Path) -> None:
+    pairs = kv_event_engines("vllm", "m", tmp_path, count=3, args=["--seed", "0"])
+    assert [e.log_path for e, _ in pairs] == [tmp_path / f"vllm-{i}.log" for i in range(3)]
+    assert [e._env["VLLM_CPU_OMP_THREADS_BIND"] for e, _ in pairs] == ["0", "1", "2"]
+    for engine, events in pairs:
+        flag = engine.cmd.index("--kv-events-config")
+        assert json.loads(engine.cmd[flag + 1]) == events.engine_config()
+        assert "--seed" in engine.cmd
+    assert len({p for _, ev in pairs for p in (ev.pub, ev.replay)}) == 6

@@ -288,6 +288,30 @@ class VllmServer(EngineProcess):
         return self.metrics(name)[name]
 
 
+def kv_event_engines(
+    vllm_bin: str | Path,
+    model: str | Path,
+    log_dir: Path,
+    *,
+    count: int = 2,
+    served_name: str = "tiny",
+    args: Sequence[str] = (),
+    env: Mapping[str, str] | None = None,
+) -> list[tuple[VllmServer, KvEvents]]:
+    """`count` vLLM CPU engines (not started), engine i on core i with its log at
+    `log_dir/vllm-i.log`, each publishing its stock KV-event stream on its own `KvEvents`
+    ports (their `worker()` entries are the router's workers)."""
+    engines = []
+    for i in range(count):
+        events = KvEvents()
+        engine = VllmServer(
+            vllm_bin, model, log_path=log_dir / f"vllm-{i}.log", served_name=served_name,
+            args=args, kv_events_config=events.engine_config(), cpu_core=i, env=env,
+        )  # fmt: skip
+        engines.append((engine, events))
+    return engines
+
+
 class RouterServer(EngineProcess):
     """`python -m router` (this interpreter) on `config`, which `start()` writes to
     `<workdir>/<name>.yaml`; its log is `<name>.log` beside it."""

@@ -20,14 +20,7 @@ from typing import Any
 import pytest
 
 from router.tokenize import RouterTokenizer
-from warply.launch import (
-    EngineProcess,
-    KvEvents,
-    RouterServer,
-    VllmServer,
-    free_port,
-    http_json,
-)
+from warply.launch import RouterServer, free_port, http_json, kv_event_engines
 
 ROOT = Path(__file__).resolve().parents[2]
 BLOCK = 32
@@ -49,20 +42,13 @@ def model_dir() -> str:
 def stack(model_dir: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
     """Two engines (cores 0 and 1) and the router as a subprocess; all stopped by PID."""
     logs = tmp_path_factory.mktemp("router-it")
-    engines: list[EngineProcess] = []
-    workers = []
-    for i in range(2):
-        events = KvEvents()
-        engines.append(
-            VllmServer(
-                VLLM_BIN, model_dir, log_path=logs / f"vllm{i}.log", served_name="tiny",
-                cpu_core=i,
-                args=["--block-size", str(BLOCK), "--max-model-len", "2048", "--max-num-seqs", "4",
-                      "--enable-prefix-caching", "--enable-prompt-tokens-details", "--seed", "0"],
-                kv_events_config=events.engine_config(),
-            )
-        )
-        workers.append(events.worker(f"w{i}", engines[-1].url))
+    pairs = kv_event_engines(
+        VLLM_BIN, model_dir, logs,
+        args=["--block-size", str(BLOCK), "--max-model-len", "2048", "--max-num-seqs", "4",
+              "--enable-prefix-caching", "--enable-prompt-tokens-details", "--seed", "0"],
+    )  # fmt: skip
+    engines = [engine for engine, _ in pairs]
+    workers = [events.worker(f"w{i}", engine.url) for i, (engine, events) in enumerate(pairs)]
     port = free_port()
     config = {
         "model": "tiny",
