@@ -138,12 +138,18 @@ def local_cheaper(decode: Decision, prefill: Decision, pd: PdConfig) -> bool:
         remote = queued(prefill) + missing(prefill) + transfer_weight · missing(decode)
                  + handoff_tokens
     """
+    local, remote = _first_token_costs(decode, prefill, pd)
+    return local <= remote
+
+
+def _first_token_costs(decode: Decision, prefill: Decision, pd: PdConfig) -> tuple[float, float]:
+    """`local_cheaper`'s (local, remote), in prefill tokens."""
     local = decode.worker.load.pending_prefill_tokens + decode.missing_tokens
     remote = (
         prefill.worker.load.pending_prefill_tokens + prefill.missing_tokens
         + pd.transfer_weight * decode.missing_tokens + pd.handoff_tokens
     )  # fmt: skip
-    return local <= remote
+    return local, remote
 
 
 def prefill_cheaper(decode: Decision, prefill: Decision, pd: PdConfig) -> bool:
@@ -160,9 +166,7 @@ def prefill_cheaper(decode: Decision, prefill: Decision, pd: PdConfig) -> bool:
     own = prefill.worker.load.pending_prefill_tokens + prefill.missing_tokens
     answer = own + w * prefill.worker.load.in_flight_tokens
     decoding = w * decode.worker.load.in_flight_tokens
-    local = decode.worker.load.pending_prefill_tokens + decode.missing_tokens
-    remote = own + pd.transfer_weight * decode.missing_tokens + pd.handoff_tokens
-    return answer < min(local, remote) + decoding
+    return answer < min(_first_token_costs(decode, prefill, pd)) + decoding
 
 
 @dataclass(frozen=True, slots=True)
