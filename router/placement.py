@@ -26,7 +26,9 @@ each pool's strategy previews its pick with the scores behind it (`Strategy.prev
 A prompt that repeats one placed before (a conversation's next turn: `Lineage` from the chunk
 cache) extends that prompt's key chain instead of hashing its history again; chains are kept
 per (prompt, block size, namespace), at most `CHAIN_KEYS` keys in all, least recently used
-dropped first.
+dropped first. An early placement hashes only the prompt's leading part; once the rest is
+tokenized (off the request's path), `whole` extends the kept chain to the whole prompt, so the
+next turn hashes only its own new blocks.
 
 The candidates' loads come from a `LoadLedger` (`router.load`): this router's own bookings, plus
 other replicas' when they share them, read concurrently with the index match.
@@ -259,10 +261,9 @@ class Placement:
     ) -> list[int]:
         """The prompt's key chain: the earlier prompt's chain extended over the tokens past
         what they share, when it is still kept; else hashed from the start."""
-        chains = self._chains
         base = None
         if lineage is not None and lineage.base:
-            base = chains.get((lineage.base, block_size, namespace))
+            base = self._chains.get((lineage.base, block_size, namespace))
         if base is None:
             keys = prefix_keys(tokens, block_size, self.model, namespace)
         else:
@@ -270,13 +271,30 @@ class Placement:
             seed = base[n - 1] if n else root_seed(self.model, namespace)
             keys = base[:n] + chain_keys(tokens[n * block_size :], block_size, seed)
         if lineage is not None:
-            slot = (lineage.ident, block_size, namespace)
-            old = chains.pop(slot, None)
-            self._chain_keys += len(keys) - (len(old) if old is not None else 0)
-            chains[slot] = keys
-            while self._chain_keys > CHAIN_KEYS:
-                self._chain_keys -= len(chains.popitem(last=False)[1])
+            self._keep((lineage.ident, block_size, namespace), keys)
         return keys
+
+    def whole(self, tokens: Sequence[int], namespace: str, lineage: Lineage | None) -> None:
+        """An early-placed prompt's whole `tokens`: the chains kept for its leading part are
+        extended over them (a new list: decisions hold the old one)."""
+        if lineage is None:
+            return
+        for block_size in {pool.block_size for pool in (*self._answer, *self._prefill)}:
+            slot = (lineage.ident, block_size, namespace)
+            keys = self._chains.get(slot)
+            if keys is None or len(keys) >= len(tokens) // block_size:
+                continue
+            seed = keys[-1] if keys else root_seed(self.model, namespace)
+            self._keep(slot, keys + chain_keys(tokens[len(keys) * block_size :], block_size, seed))
+
+    def _keep(self, slot: tuple[int, int, str], keys: list[int]) -> None:
+        """Keep `keys` as the chain of `slot`, the least recently kept dropped past the cap."""
+        chains = self._chains
+        old = chains.pop(slot, None)
+        self._chain_keys += len(keys) - (len(old) if old is not None else 0)
+        chains[slot] = keys
+        while self._chain_keys > CHAIN_KEYS:
+            self._chain_keys -= len(chains.popitem(last=False)[1])
 
     def forget(self, worker: str) -> None:
         """`worker` left: every strategy drops what it kept for it (`Strategy.forget`)."""

@@ -236,8 +236,7 @@ class Proxy:
                     prompt.lineage,
                 )
                 if decision is not None:
-                    rest = self._tokenize(self._tokenizer.finish, prompt)
-                    prep.rest = asyncio.ensure_future(rest)
+                    prep.rest = asyncio.ensure_future(self._whole(prompt, prep.namespace))
                     return decision
                 prep.prompt = prompt = await self._tokenize(self._tokenizer.finish, prompt)
             return await self._placement.choose(
@@ -245,6 +244,13 @@ class Proxy:
             )
         except NoCandidate as exc:
             raise ApiError(503, str(exc), "no_healthy_worker") from None
+
+    async def _whole(self, prompt: Prompt, namespace: str) -> Prompt:
+        """The rest of an early-placed prompt, tokenized while the request is on its way; the
+        placement's kept key chain is extended over it for the next turn."""
+        whole = await self._tokenize(self._tokenizer.finish, prompt)
+        self._placement.whole(whole.tokens, namespace, whole.lineage)
+        return whole
 
     async def _tokenize(self, fn: Callable[..., _T], *args: Any, small: bool = False) -> _T:
         """`fn(*args)` on the tokenizer thread; on the event loop itself when `small` and the

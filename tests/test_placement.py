@@ -291,6 +291,34 @@ def test_explain_gives_each_pool_the_chain_of_its_block_size() -> None:
     assert seen.pools[0].keys is seen.decision.keys
 
 
+def test_an_early_placed_prompt_made_whole_lets_the_next_turn_hash_only_new_blocks(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """After an early choice from a prompt's leading part, `whole` extends its kept chains: the
+    next turn's chain equals a fresh one, and hashing it covers only the tokens past the first
+    prompt (the decision's own chain is left as it was)."""
+    placement, _, _ = _placement()
+    first, turn = TOKENS + list(range(200, 224)), TOKENS + list(range(200, 236))
+    lineage = Lineage(1, 0, 0)
+    early = completed(placement.choose_early(first[:12], len(first), "", True, (), lineage))
+    assert early is not None and len(early.keys) == 12 // early.worker.pool.block_size
+    placement.whole(first, "", lineage)
+    hashed: list[int] = []
+    real = placement_module.chain_keys
+
+    def counted(tokens: list[int], block_size: int, seed: int) -> list[int]:
+        hashed.append(len(tokens))
+        return real(tokens, block_size, seed)
+
+    monkeypatch.setattr(placement_module, "chain_keys", counted)
+    for bs in (4, 8):
+        assert placement.keys(turn, bs, "", Lineage(2, 1, len(first))) == prefix_keys(
+            turn, bs, MODEL, ""
+        )
+    assert hashed == [len(turn) - len(first)] * 2
+    assert len(early.keys) == 12 // early.worker.pool.block_size
+
+
 def test_a_next_turn_extends_the_earlier_chain_and_equals_a_fresh_one(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
