@@ -9,6 +9,7 @@ from collections import Counter, OrderedDict
 from collections.abc import Collection, Iterable, Sequence
 from typing import Any
 
+import pytest
 from index_contract import check_store_contract
 
 from router.index import (
@@ -427,10 +428,18 @@ def _order(store: MemoryStore) -> list[tuple[int, frozenset[str]]]:
     return [(k, frozenset(ws)) for k, ws in by_key.items()]
 
 
-def test_remembered_runs_match_and_order_like_a_block_walk_under_random_conversations() -> None:
+@pytest.mark.parametrize("log", [None, 16])
+def test_remembered_runs_match_and_order_like_a_block_walk_under_random_conversations(
+    log: int | None, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """Conversations that grow turn by turn, stored in chained runs on three workers, with
     removals, tier moves, new tiers, drops and cap evictions between matches: every match and
-    the LRU order equal a store that walks and moves block by block."""
+    the LRU order equal a store that walks and moves block by block (also with a change log
+    so short that it is trimmed over and over)."""
+    from router.index import memory
+
+    if log is not None:
+        monkeypatch.setattr(memory, "_LOG", log)
     rng = random.Random(5)
     store, plain = MemoryStore(max_entries=2500), _PlainStore(2500)
     workers = ["a", "b", "c"]
@@ -495,6 +504,8 @@ def test_remembered_runs_match_and_order_like_a_block_walk_under_random_conversa
             assert _order(store) == plain.order(), step
     assert _order(store) == plain.order()
     assert skipped > 500  # runs were remembered (and so skipped) through most of the run
+    if log is not None:  # the log was trimmed many times over
+        assert max(map(len, store._changed_at.values())) <= log < max(store._count.values()) // 10
 
 
 class _CountingBlocks(OrderedDict[int, int]):
@@ -569,6 +580,32 @@ def test_remembered_runs_and_change_records_stay_bounded() -> None:
     completed(store.add("a", Tier.GPU, more))
     completed(store.move("a", Tier.GPU, Tier.CPU, more))  # past the bound: all dropped
     assert len(store._changed_at[shift]) <= memory._LOG and not store._runs[shift]
+
+
+def test_a_run_checked_since_the_oldest_kept_change_outlives_the_change_log_trim(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Past the change log's bound its older half goes, and with it only the runs known held
+    before the last change dropped: a run checked since stays, and still sees later changes."""
+    from router.index import memory
+
+    monkeypatch.setattr(memory, "_LOG", 8)
+    store = MemoryStore(max_entries=10**6)
+    run = chain_keys(list(range(20 * BS)), BS, root_seed(MODEL))
+    stale = chain_keys(list(range(100, 120 * BS)), BS, root_seed(MODEL))[:20]
+    other = chain_keys([7] * 9 * BS, BS, root_seed("other"))
+    completed(store.add("a", Tier.GPU, run, chain=True))
+    completed(store.add("a", Tier.GPU, stale, chain=True))
+    completed(store.add("a", Tier.GPU, other))
+    shift = store._shift["a"]
+    completed(store.move("a", Tier.GPU, Tier.CPU, other[:6]))  # changes 1..6
+    assert completed(store.match(run, ["a"]))["a"].blocks == 20  # checked: known held at 6
+    completed(store.move("a", Tier.GPU, Tier.CPU, other[6:]))  # 7..9: the log is trimmed
+    assert len(store._changed_at[shift]) == 4
+    assert run[0] in store._runs[shift] and stale[0] not in store._runs[shift]
+    completed(store.remove("a", None, [run[10]]))
+    assert completed(store.match(run, ["a"]))["a"].blocks == 10
+    assert completed(store.match(stale, ["a"]))["a"].blocks == 20
 
 
 def test_workers_coming_and_going_under_new_names_reuse_slots() -> None:

@@ -30,7 +30,7 @@ import heapq
 from array import array
 from collections import Counter, OrderedDict, deque
 from collections.abc import Collection, Coroutine, Iterable, Iterator, Sequence
-from itertools import repeat
+from itertools import islice, repeat
 from typing import Any, TypeAlias, TypeVar
 
 from router.index.contract import IndexStats, IndexStore, WorkerMatch
@@ -52,9 +52,10 @@ _MIN_RUN = 4
 _RUNS = 4096
 """Runs remembered per worker, least recently used dropped first."""
 _LOG = 1 << 12
-"""Changed keys kept per worker (`MemoryStore._changed_at`); past that its runs are dropped
-(dropping is always safe: the walk goes block by block). ~110 bytes per key: at 1 << 16, 32
-churning workers held ~210 MiB of change records beside a 65k-entry index."""
+"""Changed keys kept per worker (`MemoryStore._changed_at`); past that the older half goes, with
+the runs known held before the last change dropped (they can no longer be checked; dropping a
+run is always safe: the walk goes block by block). ~110 bytes per key: at 1 << 16, 32 churning
+workers held ~210 MiB of change records beside a 65k-entry index."""
 _DEFERRED = 1 << 14
 """Keys whose LRU move may wait for the next write. A flush costs ~0.4 µs a key in a
 million-entry index (measured: 262,144 moves 98 ms, 32,768 moves 17 ms): this bounds the stall
@@ -141,9 +142,23 @@ class MemoryStore(IndexStore):
         """The slot's entry for `key` lost or changed a tier: runs holding it are stale."""
         changed_at = self._changed_at[shift]
         self._count[shift] += 1
+        changed_at.pop(key, None)  # kept in the order of their last change
         changed_at[key] = self._count[shift]
         if len(changed_at) > _LOG:
-            self._forget_runs(shift)
+            self._trim(shift)
+
+    def _trim(self, shift: int) -> None:
+        """Drop the older half of the slot's change records, and the runs known held before the
+        last change dropped: a run's check needs every change since it was known held. Under
+        eviction churn the runs used recently (checked, so re-stamped) stay."""
+        changed_at = self._changed_at[shift]
+        old = list(islice(changed_at, len(changed_at) - _LOG // 2))
+        floor = changed_at[old[-1]]
+        for key in old:
+            del changed_at[key]
+        runs = self._runs[shift]
+        for first in [first for first, run in runs.items() if run[2] < floor]:
+            del runs[first]
 
     def _forget_runs(self, shift: int) -> None:
         self._changed_at[shift].clear()
