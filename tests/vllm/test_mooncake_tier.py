@@ -110,6 +110,18 @@ class Stack(TierStack):
             if s.name.startswith("master_") and not s.labels
         }
 
+    def settled_metrics(self, timeout_s: float = 30.0) -> dict[str, float]:
+        """`master_metrics` once its key count held for a second: the engine puts a request's
+        blocks after answering it, so a count read at once may miss the last put."""
+        deadline = time.monotonic() + timeout_s
+        last = self.master_metrics()
+        while True:
+            time.sleep(1.0)
+            now = self.master_metrics()
+            if now["master_key_count"] == last["master_key_count"] or time.monotonic() > deadline:
+                return now
+            last = now
+
     def ask(self, tokens: list[int], cache_salt: str | None = None) -> tuple[str, Counter[str]]:
         """`TierStack.ask`, remembering when the prompt's blocks were looked up."""
         answer = super().ask(tokens, cache_salt)
@@ -162,7 +174,7 @@ def test_evict_directive_moves_a_prefix_out_of_the_store_and_bytes_follow(stack:
     assert again == first_kept
 
     # Every stored block is one object; the master's bytes reach the router via the plugin.
-    before = stack.master_metrics()
+    before = stack.settled_metrics()
     keys, used = before["master_key_count"], before["master_allocated_bytes"]
     assert keys >= 5 * STORED and used > 0
     per_object = used / keys
@@ -255,7 +267,7 @@ def test_a_policy_run_by_the_router_removes_objects_by_canonical_keys(stack: Sta
     it kept for them as vLLM does and removes exactly those blocks' objects."""
     tokens = prompt(4)
     stack.ask(tokens)
-    before = stack.master_metrics()["master_key_count"]
+    before = stack.settled_metrics()["master_key_count"]
     runner = tier_runner(stack, _OutOfTheStore())
     # Two tracked prefixes: the first block, and the block after it (a mid-chain head).
     keys = block_keys(tokens)
