@@ -268,8 +268,7 @@ class Placement:
             keys = prefix_keys(tokens, block_size, self.model, namespace)
         else:
             n = min(len(base), lineage.shared // block_size) if lineage else 0
-            seed = base[n - 1] if n else root_seed(self.model, namespace)
-            keys = base[:n] + chain_keys(tokens[n * block_size :], block_size, seed)
+            keys = self._extended(base[:n], tokens, block_size, namespace)
         if lineage is not None:
             self._keep((lineage.ident, block_size, namespace), keys)
         return keys
@@ -284,8 +283,15 @@ class Placement:
             keys = self._chains.get(slot)
             if keys is None or len(keys) >= len(tokens) // block_size:
                 continue
-            seed = keys[-1] if keys else root_seed(self.model, namespace)
-            self._keep(slot, keys + chain_keys(tokens[len(keys) * block_size :], block_size, seed))
+            self._keep(slot, self._extended(keys, tokens, block_size, namespace))
+
+    def _extended(
+        self, head: list[int], tokens: Sequence[int], block_size: int, namespace: str
+    ) -> list[int]:
+        """`head`, the chain of `tokens`' first blocks, extended over the rest of them (a new
+        list)."""
+        seed = head[-1] if head else root_seed(self.model, namespace)
+        return head + chain_keys(tokens[len(head) * block_size :], block_size, seed)
 
     def _keep(self, slot: tuple[int, int, str], keys: list[int]) -> None:
         """Keep `keys` as the chain of `slot`, the least recently kept dropped past the cap."""
