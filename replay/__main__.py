@@ -170,7 +170,7 @@ def _deployments(args: argparse.Namespace) -> list[Deployment]:
     """`--workers` (aggregated) or `--pd` with its threshold(s); P/D flags need `--pd`."""
     pd_flags = ("pd_threshold", "pd_bandwidth_gbps", "pd_latency_ms", "kv_bytes_per_token",
                 "pd_prefill_strategy", "pd_local_by", "pd_transfer_weight",
-                "pd_handoff_tokens", "pd_prefill_answers", "pd_decode_weight")  # fmt: skip
+                "pd_handoff_tokens", "pd_prefill_answers")  # fmt: skip
     if args.pd is None:
         used = [f"--{f.replace('_', '-')}" for f in pd_flags if getattr(args, f) is not None]
         if used:
@@ -195,11 +195,10 @@ def _pd_settings(args: argparse.Namespace) -> PdSettings:
         "transfer_weight": args.pd_transfer_weight,
         "handoff_tokens": args.pd_handoff_tokens,
         "prefill_answers": args.pd_prefill_answers,
-        "decode_weight": args.pd_decode_weight,
     }
     try:
         settings = PdSettings(**{k: v for k, v in given.items() if v is not None})
-        settings.router()  # the router's own checks (prefill_answers needs the cost rule)
+        settings.router()  # the router's own checks
         return settings
     except ValidationError as exc:
         raise UsageError(f"bad P/D settings: {exc}") from None
@@ -395,14 +394,8 @@ def parser() -> argparse.ArgumentParser:
         "--pd-prefill-answers",
         action="store_const",
         const=True,
-        help="pd.prefill_answers: a prefill worker may answer a whole request itself when its "
-        "predicted first token beats both decode modes' (needs --pd-local-by cost)",
-    )
-    r.add_argument(
-        "--pd-decode-weight",
-        type=float,
-        help=f"pd.decode_weight (default {PdConfig().decode_weight}): token-equivalents per KV "
-        "token a worker decodes over, for --pd-prefill-answers",
+        help="pd.prefill_answers: a prefill worker may answer a whole request itself (the "
+        "prefill workers join the decode pool's candidates)",
     )
     r.add_argument(
         "--pd-prefill-strategy",

@@ -51,10 +51,8 @@ class PdSettings(BaseModel):
     """Fixed time per transfer (the router's second hop, the transfer's set-up)."""
     kv_bytes_per_token: int = Field(REFERENCE_KV_BYTES_PER_TOKEN, gt=0)
     prefill_answers: bool = False
-    """The router's `pd.prefill_answers` (with `local_prefill_by: cost`): a prefill worker may
-    run a whole request, prefill and decode, its cache keeping the prompt; `decode_weight` the
-    router's (None: its default)."""
-    decode_weight: float | None = Field(None, ge=0)
+    """The router's `pd.prefill_answers`: a prefill worker may run a whole request, prefill and
+    decode, its cache keeping the prompt."""
     drop_pulled: bool = False
     """An ideal, not an engine's behaviour: a decode engine's blocks of a pulled prompt are the
     first it evicts once the request ends (no copy of the prefill pool's KV stays there)."""
@@ -62,7 +60,7 @@ class PdSettings(BaseModel):
     def router(self) -> PdConfig:
         """The router's `pd` settings these replay (its defaults where a field is None)."""
         fields = ("local_prefill_tokens", "local_prefill_by", "transfer_weight", "handoff_tokens",
-                  "prefill_answers", "decode_weight")  # fmt: skip
+                  "prefill_answers")  # fmt: skip
         return PdConfig(**{f: getattr(self, f) for f in fields if getattr(self, f) is not None})
 
     def transfer_ms(self, nbytes: int) -> float:

@@ -175,25 +175,11 @@ class PdConfig(_Strict):
     handoff_tokens: int = Field(0, ge=0)
     """`cost`: the hand-off's fixed overhead in token-equivalents (second hop, transfer set-up)."""
     prefill_answers: bool = False
-    """`cost` only, vLLM pools only: a prefill worker may answer a whole request itself (prefill
-    and decode; a vLLM kv_producer serves a request without `kv_transfer_params` as an
-    aggregated engine does) when its predicted time to first token, its running decodes counted
-    by `decode_weight`, is below both the local prefill's and the hand-off's (docs/router.md).
-    Off by default: it gives up the decode pool's isolation from prefill passes."""
-    decode_weight: float = Field(0.0025, ge=0)
-    """`prefill_answers`: token-equivalents per KV token a worker decodes over (its in-flight
-    prompt and generated tokens), the time its running decodes add to a pass: decode ms per KV
-    token ÷ prefill ms per token (0.0025 for the replay's reference model: 54 ms per 1 M KV
-    tokens against 48.5 prefill tokens per ms)."""
-
-    @model_validator(mode="after")
-    def _answers_by_cost(self) -> PdConfig:
-        if self.prefill_answers and self.local_prefill_by != "cost":
-            raise ValueError(
-                "pd.prefill_answers compares predicted times to first token: it needs "
-                "pd.local_prefill_by: cost (it is 'threshold')"
-            )
-        return self
+    """vLLM pools only: a prefill worker may answer a whole request itself (prefill and decode;
+    a vLLM kv_producer serves a request without `kv_transfer_params` as an aggregated engine
+    does): the prefill workers join the decode pool's candidates, and its strategy chooses among
+    them all where the request runs, as among aggregated workers (docs/router.md). Off by
+    default: it gives up the decode pool's isolation from prefill passes."""
     prefill_timeout_s: float = Field(60.0, gt=0)
     """Longest wait for a prefill worker's answer; past it the decode worker prefills locally."""
     lost_after_s: float = Field(10.0, ge=0)
@@ -415,6 +401,16 @@ class RouterConfig(_Strict):
             raise ValueError(
                 f"pd.prefill_answers: prefill pool(s) {', '.join(mute)} have kv_handoff 'sglang', "
                 "whose prefill servers cannot decode a request; turn prefill_answers off"
+            )
+        sizes = {p.block_size for p in self.pools if p.role == "decode"}
+        apart = [
+            repr(p.name) for p in self.pools if p.role == "prefill" and p.block_size not in sizes
+        ]
+        if self.pd.prefill_answers and apart:
+            raise ValueError(
+                f"pd.prefill_answers: prefill pool(s) {', '.join(apart)} share no block_size "
+                "with a decode pool, so their workers cannot be weighed beside the decode "
+                "workers; give them one block_size or turn prefill_answers off"
             )
         return self
 

@@ -154,23 +154,6 @@ def _first_token_costs(decode: Decision, prefill: Decision, pd: PdConfig) -> tup
     return local, remote
 
 
-def prefill_cheaper(decode: Decision, prefill: Decision, pd: PdConfig) -> bool:
-    """`pd.prefill_answers`: the prefill worker's predicted time to first token if it answers
-    the whole request is below both the local prefill's and the hand-off's (`local_cheaper`'s
-    terms), each worker's running decodes counted where the request would decode:
-
-        on_prefill = queued(prefill) + missing(prefill) + decode_weight · kv(prefill)
-        local  + decode_weight · kv(decode),   remote + decode_weight · kv(decode)
-
-    kv(w): the KV tokens w decodes over (its in-flight prompt and generated tokens). Ties keep
-    the decode pool's modes."""
-    w = pd.decode_weight
-    own = prefill.worker.load.pending_prefill_tokens + prefill.missing_tokens
-    answer = own + w * prefill.worker.load.in_flight_tokens
-    decoding = w * decode.worker.load.in_flight_tokens
-    return answer < min(_first_token_costs(decode, prefill, pd)) + decoding
-
-
 @dataclass(frozen=True, slots=True)
 class PoolTrace:
     """What one pool saw of a request in `Placement.explain`."""
@@ -402,6 +385,8 @@ class Placement:
         answer = self._answer
         if not any(w.available and w.name not in exclude for p in self._prefill for w in p.workers):
             answer = [pool for pool in answer if pool.local_prefill]
+        elif self.pd.prefill_answers:
+            answer = [self._with_prefill(pool) for pool in answer]
         try:
             best = await self._best(answer, *args)
             if best is None:
@@ -421,10 +406,6 @@ class Placement:
                 # the prefill pool's pick previewed (no state changes) unless it goes remote
                 shown = {} if previews is None else previews
                 leg = await self._best(self._prefill, *args[:-1], shown)
-                if leg is not None and self._answers(leg) and prefill_cheaper(best, leg, self.pd):
-                    whole = await self._best(self._prefill, *args)
-                    if whole is not None:
-                        return whole
                 if leg is not None and local_cheaper(best, leg, self.pd):
                     return best.local("cheaper_local")
             leg = await self._best(self._prefill, *args)
@@ -434,10 +415,20 @@ class Placement:
             return best.local("no_prefill_worker")
         return dataclasses.replace(best, prefill=leg)
 
-    def _answers(self, leg: Decision) -> bool:
-        """`leg`'s prefill worker may answer the whole request (`pd.prefill_answers`, and its
-        pool's engines can decode: `PoolConfig.decodes`)."""
-        return self.pd.prefill_answers and leg.worker.pool.decodes
+    def _with_prefill(self, pool: _Pool) -> _Pool:
+        """`pd.prefill_answers`: a decode pool whose candidates include the prefill workers of
+        its block size whose engines can decode (`PoolConfig.decodes`), so its strategy chooses
+        where the request runs whole among them all, as among aggregated workers; the other
+        pools as they are."""
+        if pool.members.role != "decode" or not pool.local_prefill:
+            return pool
+        extra = [
+            w for p in self._prefill
+            if p.block_size == pool.block_size and p.members.config.decodes
+            for w in p.workers
+        ]  # fmt: skip
+        members = Pool(pool.members.config, pool.workers + extra)
+        return dataclasses.replace(pool, members=members)
 
     async def _best(
         self,

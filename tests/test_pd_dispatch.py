@@ -379,20 +379,21 @@ def test_conditional_disaggregation_threshold(tokenizer_dir: Path) -> None:  # n
     _run(scenario())
 
 
-def test_a_prefill_worker_answers_whole_when_the_cost_rule_says(tokenizer_dir: Path) -> None:  # noqa: F811
-    """`pd.prefill_answers`: a prefill worker holding the prompt while the decode worker is busy
-    decoding gets the client's body unchanged (no kv_transfer_params; streamed if asked) and
-    answers it; the mode is `on_prefill` in the header, cache_stats and /metrics."""
+def test_a_prefill_worker_answers_whole_when_the_strategy_picks_it(tokenizer_dir: Path) -> None:  # noqa: F811
+    """`pd.prefill_answers`: a prefill worker holding the prompt is the strategy's pick among
+    the decode and prefill workers; it gets the client's body unchanged (no
+    kv_transfer_params; streamed if asked) and answers it; the mode is `on_prefill` in the
+    header, cache_stats and /metrics. Buried in queued prefill, it loses to the decode worker,
+    which takes the hand-off again."""
 
     async def scenario() -> None:
         p, d = PdEngine("p", cached_tokens=8), PdEngine("d")
         ids = RouterTokenizer(tokenizer_dir).encode(PROMPT, True)
         n = len(ids) // BS * BS
-        pd = {"local_prefill_tokens": 0, "local_prefill_by": "cost", "prefill_answers": True}
+        pd = {"local_prefill_tokens": 0, "prefill_answers": True}
         async with pd_router(tokenizer_dir, [p], [d], pd=pd) as (router, session, base):
             await router.index.apply("p", [BlockStored(list(range(1, n // BS + 1)), None,
                                                        ids[:n], BS)])  # fmt: skip
-            router.workers["d"].load.in_flight_tokens = 10_000  # d decodes; p decodes nothing
             body = {"prompt": PROMPT, "max_tokens": 5, "temperature": 0}
             status, out, headers = await _post(session, base, body)
             assert status == 200 and out["choices"][0]["text"] == "p"
@@ -412,8 +413,7 @@ def test_a_prefill_worker_answers_whole_when_the_cost_rule_says(tokenizer_dir: P
             _, text = await _text(session, base + "/metrics")
             assert 'warply_router_pd_decisions_total{mode="on_prefill",reason=""} 2.0' in text
             assert router.workers["p"].load.in_flight == 0  # its bookings given back
-            router.workers["d"].load.in_flight_tokens = 0  # d idle: the hand-off again
-            router.workers["p"].load.in_flight_tokens = 10_000
+            router.workers["p"].load.pending_prefill_tokens = 100_000
             status, _, headers = await _post(session, base, body)
             assert status == 200 and headers["X-Warply-Mode"] == "remote"
 

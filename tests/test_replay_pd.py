@@ -302,14 +302,13 @@ def test_a_prefill_worker_answers_whole_while_decode_is_busy_and_keeps_the_conve
     assert [(off.served[i].mode, off.served[i].worker) for i in range(3)] == [("local", "d0")] * 3
 
 
-def test_prefill_answers_flag_needs_the_cost_rule(
+def test_the_prefill_answers_flag_needs_a_pd_replay_and_reaches_it(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    args = ["replay", str(_trace_file(tmp_path)), "--quiet", "-s", "adaptive", "--pd", "1,2"]
-    assert main([*args, "--pd-prefill-answers", "--pd-local-by", "threshold"]) == 2
-    assert "it needs pd.local_prefill_by: cost" in capsys.readouterr().err
+    args = ["replay", str(_trace_file(tmp_path)), "--quiet", "-s", "adaptive"]
+    assert main([*args, "--pd-prefill-answers"]) == 2
+    assert "--pd-prefill-answers only apply to a P/D replay" in capsys.readouterr().err
     out = tmp_path / "r.json"
-    on = ["--pd-prefill-answers", "--pd-local-by", "cost", "--json", str(out)]
-    assert main([*args, *on]) == 0
+    assert main([*args, "--pd", "1,2", "--pd-prefill-answers", "--json", str(out)]) == 0
     (row,) = json.loads(out.read_text())["results"]
     assert row["remote"] + row["local"] + row["on_prefill"] == row["requests"]

@@ -207,21 +207,19 @@ def test_kv_handoff_is_validated(
          {"local_prefill_by": "cost", "prefill_answers": True},
          r"pd.prefill_answers: prefill pool\(s\) 'p0' have kv_handoff 'sglang', whose prefill "
          "servers cannot decode"),
-        ("", "", {"prefill_answers": True},
-         "pd.prefill_answers compares predicted times to first token: it needs "
-         "pd.local_prefill_by: cost"),
-        ("", "", {"local_prefill_by": "cost", "decode_weight": -1},
-         "pd.decode_weight: Input should be greater than or equal to 0"),
+        ("block_size=32", "", {"prefill_answers": True},
+         r"pd.prefill_answers: prefill pool\(s\) 'p0' share no block_size with a decode pool"),
     ],
 )  # fmt: skip
 def test_prefill_answers_is_validated(
     tmp_path: Path, prefill: str, decode: str, pd: dict[str, Any], error: str
 ) -> None:
-    """A prefill worker may answer whole only by the cost rule, and never on SGLang pools."""
+    """A prefill worker may answer whole only where it can decode (never on SGLang pools) and
+    be weighed beside the decode workers (one block size)."""
     path = _write(tmp_path, json.dumps({**_handoff_config(prefill, decode), "pd": pd}))
     with pytest.raises(ConfigError, match=error):
         load_config(path)
-    ok = {**_handoff_config("", ""), "pd": {"local_prefill_by": "cost", "prefill_answers": True}}
+    ok = {**_handoff_config("", ""), "pd": {"prefill_answers": True}}
     assert RouterConfig.model_validate(ok).pd.prefill_answers
 
 

@@ -282,14 +282,16 @@ def test_short_follow_up_is_prefilled_on_decode(pd: dict[str, Any]) -> None:
     assert decisions.get("local:below_threshold", 0) >= 1 and decisions["remote"] >= 2
 
 
-def test_a_request_the_cost_rule_gives_the_prefill_worker_is_answered_there(
+def test_a_request_the_strategy_gives_the_prefill_worker_is_answered_there(
     pd: dict[str, Any], tiny_model: str, server_logs: Path
 ) -> None:
-    """`pd.prefill_answers`, through a second router on the same engines (the cost rule, no
-    cache events: neither worker holds anything for it): while the decode engine streams a long
-    answer, the next request is answered whole by the prefill engine (a kv_producer serving a
-    request without kv_transfer_params as plain vLLM), with the aggregated engine's greedy
-    output; nothing crosses NIXL."""
+    """`pd.prefill_answers`, through a second router on the same engines (no cache events:
+    neither worker holds anything for it; the prefill worker is a candidate beside the decode
+    worker): the first request goes to the decode engine, and while it streams a long answer
+    the next request, a new conversation, goes where less work was routed lately: it is
+    answered whole by the prefill engine (a kv_producer serving a request without
+    kv_transfer_params as plain vLLM), with the aggregated engine's greedy output; nothing
+    crosses NIXL."""
     prefill, decode = pd["p"], pd["d"]
     pools = [{"name": name, "role": role, "block_size": BLOCK,
               "workers": [{"name": name[0], "url": pd[name[0]].url}]}
