@@ -190,6 +190,10 @@ def test_a_prefill_worker_answers_whole_when_the_strategy_picks_it() -> None:
     placement, index, workers = _pd_placement(threshold=0, prefill_answers=True)
     _pd_hold(index, "p1", 10, 1)  # p1 misses 24 tokens
     _pd_hold(index, "d1", 4, 100)  # d1 misses 48
+    seen = completed(placement.explain(PD_TOKENS))  # the decode pool's scores name all four
+    assert seen.decision is not None and seen.decision.mode == "on_prefill"
+    (dec,) = [p for p in seen.pools if p.pool == "dec"]
+    assert dec.pick == "p1" and set(dec.scores) == {"d0", "d1", "p0", "p1"}
     d = completed(placement.choose(PD_TOKENS))
     assert (d.mode, d.worker.name, d.prefill, d.local_reason) == ("on_prefill", "p1", None, "")
     assert d.prefill_tokens == 24 and d.reported_cached == 40
