@@ -16,11 +16,14 @@ tokenized and placed for the previous turn, held by one worker); "cold" is a con
 router has never seen. "whole" adds encoding the rest of the prompt, which the router does while the
 request is on its way (the engine's own limit, --max-model-len, lets it; a prompt that may not
 fit is tokenized whole before the choice).
+The process runs with glibc's mmap threshold fixed at 128 KiB, as warply-router sets it (every
+buffer of 128 KiB or more is mapped fresh, page faults included: a 128k-token turn's id arrays
+and rendered text are such buffers); `--dynamic-malloc` keeps glibc's default instead.
 Targets at 8k tokens: p99 <= 1 ms without tokenization, <= 5 ms with; a warm next turn
 p99 <= 3 ms at 32k and 128k tokens (its cost should follow its new tokens, not its history).
 
     .venvs/core/bin/python bench/router_decision.py [--entries 1000000] [--tokenizer DIR] \
-        [--sizes 1024 8192 32768 131072]
+        [--sizes 1024 8192 32768 131072] [--dynamic-malloc]
 """
 
 from __future__ import annotations
@@ -37,6 +40,7 @@ from pathlib import Path
 
 import _one_pool
 
+from router.__main__ import fixed_mmap_threshold
 from router.config import RouterConfig
 from router.index import MemoryStore, PrefixIndex
 from router.metrics import RouterMetrics
@@ -165,7 +169,12 @@ def main() -> None:
     ap.add_argument("--tokenizer", type=Path, default=_newest_tiny())
     ap.add_argument("--sizes", type=int, nargs="+", default=[1024, 8192, 32768, 131072],
                     help="prompt lengths in tokens (40 tokenized samples above 32k)")
-    asyncio.run(_run(ap.parse_args()))
+    ap.add_argument("--dynamic-malloc", action="store_true",
+                    help="keep glibc's dynamic mmap threshold (warply-router fixes it at 128 KiB)")
+    args = ap.parse_args()
+    if not args.dynamic_malloc:
+        fixed_mmap_threshold()  # as warply-router does at start (router/__main__.py)
+    asyncio.run(_run(args))
 
 
 async def _run(args: argparse.Namespace) -> None:

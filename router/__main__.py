@@ -46,7 +46,7 @@ def _worker_flag(spec: str, n: int) -> dict[str, Any]:
     return worker
 
 
-def _fixed_mmap_threshold() -> None:
+def fixed_mmap_threshold() -> None:
     """Give glibc's malloc a fixed mmap threshold of 128 KiB (what `MALLOC_MMAP_THRESHOLD_=131072`
     does), unless the environment sets one: with glibc's dynamic threshold, large buffers freed
     once (bodies, token lists) raise it and later ones stay in the main arena, whose RSS then
@@ -150,7 +150,7 @@ def main(argv: list[str] | None = None) -> int:
     # youngest generation was collected every other request (~25 µs of CPU per request, and a
     # full collection every ~100), at 10,000 every ~30 requests, for a few MiB more garbage.
     gc.set_threshold(10_000, 10, 10)
-    _fixed_mmap_threshold()
+    fixed_mmap_threshold()
     web.run_app(
         router.app,
         host=config.host,
