@@ -11,7 +11,8 @@ their worker the same way (cached prefix, tier-aware), unless fewer than
 `pd.local_prefill_tokens` prompt tokens are missing on the decode worker (conditional
 disaggregation), or (`pd.local_prefill_by: cost`) the decode worker's predicted time to first
 token beats the hand-off's (`local_cheaper`), or no prefill worker is available; then the
-decode worker prefills locally.
+decode worker prefills locally. With `pd.prefill_answers` the prefill workers also stand among
+a decode pool's candidates, and a pick of one runs the whole request there (`on_prefill`).
 SGLang decode workers cannot prefill alone (`PoolConfig.local_prefill`): they always get a
 prefill worker, and compete only while one is available.
 A network index store that cannot answer never stops placement: its workers then count as
@@ -140,18 +141,12 @@ def local_cheaper(decode: Decision, prefill: Decision, pd: PdConfig) -> bool:
         remote = queued(prefill) + missing(prefill) + transfer_weight · missing(decode)
                  + handoff_tokens
     """
-    local, remote = _first_token_costs(decode, prefill, pd)
-    return local <= remote
-
-
-def _first_token_costs(decode: Decision, prefill: Decision, pd: PdConfig) -> tuple[float, float]:
-    """`local_cheaper`'s (local, remote), in prefill tokens."""
     local = decode.worker.load.pending_prefill_tokens + decode.missing_tokens
     remote = (
         prefill.worker.load.pending_prefill_tokens + prefill.missing_tokens
         + pd.transfer_weight * decode.missing_tokens + pd.handoff_tokens
     )  # fmt: skip
-    return local, remote
+    return local <= remote
 
 
 @dataclass(frozen=True, slots=True)
@@ -417,16 +412,12 @@ class Placement:
 
     def _with_prefill(self, pool: _Pool) -> _Pool:
         """`pd.prefill_answers`: a decode pool whose candidates include the prefill workers of
-        its block size whose engines can decode (`PoolConfig.decodes`), so its strategy chooses
-        where the request runs whole among them all, as among aggregated workers; the other
-        pools as they are."""
-        if pool.members.role != "decode" or not pool.local_prefill:
+        its block size, so its strategy chooses where the request runs whole among them all, as
+        among aggregated workers; the other pools as they are. (The config allows the setting
+        only on vLLM pools, whose prefill workers decode and decode workers prefill.)"""
+        if pool.members.role != "decode":
             return pool
-        extra = [
-            w for p in self._prefill
-            if p.block_size == pool.block_size and p.members.config.decodes
-            for w in p.workers
-        ]  # fmt: skip
+        extra = [w for p in self._prefill if p.block_size == pool.block_size for w in p.workers]
         members = Pool(pool.members.config, pool.workers + extra)
         return dataclasses.replace(pool, members=members)
 
