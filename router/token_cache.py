@@ -18,7 +18,7 @@ bounded in bytes. Two kinds of cut, each enabled only when the tokenizer allows 
 
 Both are checked once at load time against whole-text encodes of a probe; a tokenizer that
 disagrees gets the plain whole-text encode. Misses are encoded with `encode_batch_fast`, which
-releases the GIL and spreads a batch over cores. `begin` / `encode_rest` split one encode in
+releases the GIL and spreads a batch over cores. `begin` / `finish` split one encode in
 two, so the router can place a never-seen prompt from its leading part (router/placement.py).
 
 A conversation's next turn repeats its whole history, so even cached chunks cost time in
@@ -39,6 +39,7 @@ from array import array
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import overload
 
 from tokenizers import Tokenizer
 
@@ -126,6 +127,11 @@ class Partial:
     _seen: _Seen | None = None
     """What is remembered of it once its rest is encoded."""
 
+    @property
+    def pending(self) -> int:
+        """Characters of the rest: what `ChunkCache.finish` has left to look up and encode."""
+        return sum(len(p) for p in self.rest if isinstance(p, str))
+
 
 class ChunkCache:
     """Token ids of a text (no special tokens added), reusing the ids of chunks seen before."""
@@ -198,26 +204,26 @@ class ChunkCache:
             return array("I", self._tok.encode_batch_fast([text], add_special_tokens=False)[0].ids)
         return self._ids(self._pieces(text, self.min_chunk_chars))
 
-    def begin(self, text: str) -> Partial:
+    @overload
+    def begin(self, text: str) -> Partial: ...
+
+    @overload
+    def begin(self, text: str, budget: int | None) -> Partial | None: ...
+
+    def begin(self, text: str, budget: int | None = None) -> Partial | None:
         """Ids of `text` up to its second chunk never seen before; the rest is left for
-        `encode_rest`. A cold prompt then costs one chunk's encode before the router can see
+        `finish`. A cold prompt then costs one chunk's encode before the router can see
         whether any worker's cached prefix reaches past it (with newline cuts only: elsewhere
         the whole text is encoded). A text starting like one encoded before reuses its ids up
-        to the last piece end they share (`lineage`)."""
+        to the last piece end they share (`lineage`). None, with nothing encoded, when that
+        would encode more than `budget` characters (the caller then runs it off the loop)."""
         if not self.enabled:
+            if budget is not None and len(text) > budget:
+                return None
             return Partial(self.encode(text), [], 0, 0)
         keys = self._level_keys(text)
         seen, start = self._recall(text, keys)
-        ident = self._next_ident
-        self._next_ident += 1
-        if seen is None:
-            lineage = Lineage(ident)
-            cuts, marks, ids = array("Q"), array("Q"), array("I")
-        else:
-            lineage = Lineage(ident, seen.lineage.ident, seen.marks[start - 1])
-            cuts, marks = seen.cuts[:start], seen.marks[:start]
-            ids = seen.ids[: lineage.shared]
-        offset = cuts[-1] if cuts else 0
+        offset = seen.cuts[start - 1] if seen is not None else 0
         pieces = self._pieces(text[offset:], self.min_chunk_chars)
         cache, cut = self._cache, len(pieces)
         if self._newline_cuts:
@@ -228,6 +234,19 @@ class ChunkCache:
                         cut = i
                         break
                     first_new = False
+        if budget is not None and budget < sum(
+            len(p) for p in pieces[:cut] if isinstance(p, str) and p not in cache
+        ):
+            return None
+        ident = self._next_ident
+        self._next_ident += 1
+        if seen is None:
+            lineage = Lineage(ident)
+            cuts, marks, ids = array("Q"), array("Q"), array("I")
+        else:
+            lineage = Lineage(ident, seen.lineage.ident, seen.marks[start - 1])
+            cuts, marks = seen.cuts[:start], seen.marks[:start]
+            ids = seen.ids[: lineage.shared]
         rest = pieces[cut:]
         chars = sum(len(p) for p in rest if isinstance(p, str))
         specials = len(rest) - sum(isinstance(p, str) for p in rest)
@@ -241,16 +260,18 @@ class ChunkCache:
             self._remember(remembered)
         return Partial(ids, rest, estimate, bound, lineage, remembered)
 
-    def encode_rest(self, partial: Partial) -> array[int]:
-        """Ids of what `begin` left of a text: its ids follow `partial.ids`."""
+    def finish(self, partial: Partial) -> array[int]:
+        """The whole text's ids: `partial.ids` and those of what `begin` left. The array is the
+        remembered text's own (one copy of a long history, not three): neither is changed in
+        place afterwards."""
+        if not partial.rest:
+            return partial.ids
         seen = partial._seen
         if seen is None:
-            return self._ids(partial.rest)
-        more = self._ids(partial.rest, seen.cuts, seen.marks)
-        if partial.rest:
-            seen.ids = seen.ids + more
-            self._remember(seen)
-        return more
+            return partial.ids + self._ids(partial.rest)
+        seen.ids = partial.ids + self._ids(partial.rest, seen.cuts, seen.marks)
+        self._remember(seen)
+        return seen.ids
 
     def _level_keys(self, text: str) -> list[tuple[int, int]]:
         """(length, hash) of the text's leading 1k, 4k, 16k, ... characters, shortest first;

@@ -14,11 +14,11 @@ from __future__ import annotations
 
 import json
 from array import array
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
-from typing import Any
+from typing import Any, overload
 
 import jinja2
 import jinja2.ext
@@ -42,6 +42,10 @@ class PromptError(ValueError):
     """The request's prompt or messages cannot be tokenized (the router answers 400)."""
 
 
+class Deferred(Exception):
+    """Tokenizing would encode more text than the caller's budget: run it off the event loop."""
+
+
 @dataclass(frozen=True, slots=True)
 class Prompt:
     """A prompt's token ids: all of them, or (while `complete` is false) a leading part, with
@@ -61,6 +65,11 @@ class Prompt:
     @property
     def complete(self) -> bool:
         return self._partial is None
+
+    @property
+    def pending(self) -> int:
+        """Characters `RouterTokenizer.finish` has left to encode (0 when complete)."""
+        return 0 if self._partial is None else self._partial.pending
 
     @classmethod
     def whole(cls, tokens: Sequence[int], lineage: Lineage | None = None) -> Prompt:
@@ -191,15 +200,20 @@ class RouterTokenizer:
         """Token ids of `text` encoded in one piece, past the chunk cache (probes)."""
         return list(self._tok.encode(text, add_special_tokens=add_special_tokens).ids)
 
-    def start(self, text: str, add_special_tokens: bool) -> Prompt:
-        """Token ids of `text` up to its second never-seen chunk (`ChunkCache.begin`)."""
+    def start(self, text: str, add_special_tokens: bool, budget: int | None = None) -> Prompt:
+        """Token ids of `text` up to its second never-seen chunk (`ChunkCache.begin`).
+        `Deferred` when that would encode more than `budget` characters."""
         head: list[int] = []
         tail: list[int] = []
         if add_special_tokens:
             if self._wrap is None:
+                if budget is not None and len(text) > budget:
+                    raise Deferred
                 return Prompt.whole(list(self._tok.encode(text, add_special_tokens=True).ids))
             head, tail = self._wrap
-        part = self.cache.begin(text)
+        part = self.cache.begin(text, budget)
+        if part is None:
+            raise Deferred
         lineage = part.lineage
         if lineage is not None:  # prompts with and without a head are told apart
             h = 1 if head else 0
@@ -215,11 +229,14 @@ class RouterTokenizer:
 
     def finish(self, prompt: Prompt) -> Prompt:
         """The whole prompt of a `start` (itself when already complete)."""
-        if prompt._partial is None:
+        partial = prompt._partial
+        if partial is None:
             return prompt
-        tokens = array("I", prompt.tokens) + self.cache.encode_rest(prompt._partial)
+        tokens = self.cache.finish(partial)
+        if head := len(prompt.tokens) - len(partial.ids):  # a long text's ids are not copied
+            tokens = array("I", prompt.tokens[:head]) + tokens
         if prompt._tail:
-            tokens += array("I", prompt._tail)
+            tokens = tokens + array("I", prompt._tail)
         return Prompt.whole(tokens, prompt.lineage)
 
     def render_chat(self, body: Mapping[str, Any]) -> str:
@@ -304,12 +321,45 @@ class RouterTokenizer:
         return ids
 
 
+@overload
 def start_prompts(tokenizer: RouterTokenizer, kind: str, body: Mapping[str, Any]) -> list[Prompt]:
+    ...
+
+
+@overload
+def start_prompts(
+    tokenizer: RouterTokenizer, kind: str, body: Mapping[str, Any], budget: int
+) -> list[Prompt] | Callable[[], list[Prompt]]:
+    ...
+
+
+def start_prompts(
+    tokenizer: RouterTokenizer, kind: str, body: Mapping[str, Any], budget: int | None = None
+) -> list[Prompt] | Callable[[], list[Prompt]]:
     """Prompts of a request by endpoint kind ("chat" or "completion"); a single text prompt may
-    be left incomplete (`RouterTokenizer.start`), a batch is encoded whole."""
+    be left incomplete (`RouterTokenizer.start`), a batch is encoded whole. With a `budget`:
+    when that would encode more than `budget` characters, the call that does it instead (the
+    chat template already rendered), for the tokenizer thread."""
     if kind == "chat":
-        return [tokenizer.start_chat(body)]
+        text = tokenizer.render_chat(body)
+        chat_special = bool(body.get("add_special_tokens", False))
+        return _started(lambda b: [tokenizer.start(text, chat_special, b)], budget)
     prompt = body.get("prompt")
+    special = bool(body.get("add_special_tokens", True))
     if isinstance(prompt, str):
-        return [tokenizer.start(prompt, bool(body.get("add_special_tokens", True)))]
-    return [Prompt.whole(p) for p in tokenizer.completion_tokens(body)]
+        return _started(lambda b: [tokenizer.start(prompt, special, b)], budget)
+
+    def batch() -> list[Prompt]:
+        return [Prompt.whole(p) for p in tokenizer.completion_tokens(body)]
+
+    texts = sum(len(p) for p in prompt if isinstance(p, str)) if isinstance(prompt, list) else 0
+    return batch if budget is not None and texts > budget else batch()
+
+
+def _started(
+    start: Callable[[int | None], list[Prompt]], budget: int | None
+) -> list[Prompt] | Callable[[], list[Prompt]]:
+    try:
+        return start(budget)
+    except Deferred:
+        return lambda: start(None)

@@ -29,7 +29,7 @@ from router.index import MemoryStore, PrefixIndex
 from router.placement import Placement
 from router.tiering import Action, TierPolicy, TierState
 from router.token_cache import ChunkCache
-from router.tokenize import RouterTokenizer
+from router.tokenize import RouterTokenizer, start_prompts
 from router.upstream import ConnectTimeout
 from router.workers import Workers
 from warply.protocol import (
@@ -829,3 +829,26 @@ def test_growing_prompts_keep_their_key_chains_exact(tokenizer_dir: Path) -> Non
         assert keys == prefix_keys(prompt.tokens, BS, "m", "")
         extended += lineage.shared > 0
     assert extended > 30
+
+
+def test_only_long_new_text_is_left_for_the_tokenizer_thread(tokenizer_dir: Path) -> None:
+    """`start_prompts` with a budget (the router's test for tokenizing on its event loop): a
+    never-seen long text is left as a call, which gives the prompt a whole-text encode gives;
+    a next turn whose history is remembered is tokenized at once. A batch of texts is left
+    whole by its length; token ids are no encoding work."""
+    tok = RouterTokenizer(tokenizer_dir)
+    fresh = RouterTokenizer(tokenizer_dir)
+    history = [{"role": "user", "content": "the cache holds a prefix of tokens " * 80}]
+    body: dict[str, Any] = {"messages": history}
+    left = start_prompts(tok, "chat", body, 256)
+    assert callable(left)
+    assert list(tok.finish(left()[0]).tokens) == fresh.chat_tokens(body)
+    body = {"messages": [*history, {"role": "assistant", "content": "ok"},
+                         {"role": "user", "content": "and then?"}]}
+    started = start_prompts(tok, "chat", body, 256)
+    assert isinstance(started, list)
+    lineage = started[0].lineage
+    assert lineage is not None and lineage.shared > 500
+    assert list(tok.finish(started[0]).tokens) == fresh.chat_tokens(body)
+    assert callable(start_prompts(tok, "completion", {"prompt": ["x " * 200, "y"]}, 256))
+    assert isinstance(start_prompts(tok, "completion", {"prompt": [1, 2, 3]}, 0), list)

@@ -117,8 +117,9 @@ def test_begin_then_rest_equals_whole_encode() -> None:
         text = "line one.\n" + _text(rng, rng.randrange(1, 200))
         want = tok.encode(text, add_special_tokens=False).ids
         part = cache.begin(text)
-        rest = cache.encode_rest(part).tolist()
-        assert part.ids.tolist() + rest == want, text
+        whole = cache.finish(part).tolist()
+        rest = whole[len(part.ids):]
+        assert whole == want, text
         assert len(rest) <= part.bound and (part.estimate > 0) == bool(part.rest)
         left += bool(part.rest)
         assert not cache.begin(text).rest, "every chunk of a text seen before is cached"
@@ -145,7 +146,7 @@ def test_next_turns_reuse_remembered_texts_and_equal_whole_encodes(build: object
         text = convs[c] + "<|start|>assistant\n"
         want = tok.encode(text, add_special_tokens=False).ids
         part = cache.begin(text)
-        assert part.ids.tolist() + cache.encode_rest(part).tolist() == want, text
+        assert cache.finish(part).tolist() == want, text
         assert part.lineage is not None and part.lineage.shared <= len(want)
         reused += part.lineage.shared > len(system) // 4
     assert reused > 40, "next turns reuse their history"
@@ -159,7 +160,40 @@ def test_remembered_texts_stay_within_their_budget() -> None:
     for n in range(200):
         text = _text(rng, 20 * (n % 40) + 10)
         part = cache.begin(text)
-        rest = cache.encode_rest(part).tolist()
-        assert part.ids.tolist() + rest == tok.encode(text, add_special_tokens=False).ids
+        assert cache.finish(part).tolist() == tok.encode(text, add_special_tokens=False).ids
         assert cache.seen_bytes <= cache.max_seen_bytes
     assert cache.seen_bytes > cache.max_seen_bytes // 2, "texts are remembered up to the budget"
+
+
+@pytest.mark.parametrize("build", [_bytelevel, _metaspace])
+def test_a_budget_leaves_long_new_text_untouched(build: object) -> None:
+    """`begin` with a budget: None, with nothing encoded or remembered, when more new text than
+    that would be encoded (the router then tokenizes off its event loop); otherwise the same
+    ids as without one."""
+    tok: Tokenizer = build()  # type: ignore[operator]
+    cache = ChunkCache(tok, min_chunk_chars=16, min_level_chars=32)
+    rng = random.Random(17)
+    history = "<|start|>system\n" + _text(rng, 200) + "<|end|>"
+    assert cache.begin(history, budget=16) is None
+    assert (cache.stats.misses, cache.stats.bytes, cache.seen_bytes) == (0, 0, 0)
+    cache.finish(cache.begin(history))
+    turn = history + "<|start|>user\n" + _text(rng, 3) + "<|end|>"
+    part = cache.begin(turn, budget=len(turn) - len(history) + 16)
+    assert part is not None and part.lineage is not None and part.lineage.shared > 0
+    assert cache.finish(part).tolist() == tok.encode(turn, add_special_tokens=False).ids
+
+
+def test_finished_ids_stay_as_they_were_after_later_turns() -> None:
+    """A finished text's ids are the remembered text's own array (not copied): later turns
+    that start from it must not change them."""
+    tok = _bytelevel()
+    cache = ChunkCache(tok, min_chunk_chars=16, min_level_chars=32)
+    rng = random.Random(19)
+    text = _text(rng, 150)
+    earlier = cache.finish(cache.begin(text))
+    kept = earlier.tolist()
+    for _ in range(5):
+        text += "\nuser: " + _text(rng, rng.randrange(5, 40))
+        part = cache.begin(text)
+        assert cache.finish(part).tolist() == tok.encode(text, add_special_tokens=False).ids
+    assert earlier.tolist() == kept
