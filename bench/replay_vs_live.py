@@ -138,10 +138,10 @@ def run_live_all(
     engines = demo.engine_pair(str(args.vllm), str(args.model), workdir, extra)
     rounds: list[dict[str, dict[str, Any]]] = []
     try:
-        for engine, _, _ in engines:
+        for engine, _ in engines:
             engine.start()
             _log(f"vLLM pid {engine.pid} starting (log {engine.log_path})")
-        for engine, _, _ in engines:
+        for engine, _ in engines:
             took = engine.wait_healthy(max(10.0, min(300.0, deadline - time.monotonic())))
             _log(f"vLLM {engine.url} healthy after {took:.0f}s")
         for rnd in range(args.rounds):
@@ -175,7 +175,7 @@ def run_live_all(
                     results[name] = row
             rounds.append(results)
     finally:
-        for engine, _, _ in engines:
+        for engine, _ in engines:
             engine.stop()
     return rounds
 

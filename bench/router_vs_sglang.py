@@ -54,9 +54,16 @@ import aiohttp
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
 import demo  # noqa: E402  (the demo's engines, workload and client; not a package)
 
-from warply.launch import HOST, EngineProcess, VllmServer, free_port, http_json  # noqa: E402
+from warply.launch import (  # noqa: E402
+    HOST,
+    EngineProcess,
+    KvEvents,
+    VllmServer,
+    free_port,
+    http_json,
+)
 
-Engines = list[tuple[VllmServer, int, int]]
+Engines = list[tuple[VllmServer, KvEvents]]
 ORACLE = "sticky oracle"
 RR = "warply round_robin"
 
@@ -69,7 +76,7 @@ def _sglang(python: str, engines: Engines, workdir: Path, tag: str,
             extra: list[str]) -> EngineProcess:
     port = free_port()
     cmd = [python, "-m", "sglang_router.launch_router", "--host", HOST, "--port", str(port),
-           "--policy", "cache_aware", "--worker-urls", *(e.url for e, _, _ in engines), *extra]
+           "--policy", "cache_aware", "--worker-urls", *(e.url for e, _ in engines), *extra]
     return EngineProcess(cmd, url=f"http://{HOST}:{port}", log_path=workdir / f"sgl-{tag}.log")
 
 
@@ -78,7 +85,7 @@ def _wait_registered(router: EngineProcess, engines: Engines) -> None:
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline:
         status, body = http_json("GET", router.url + "/workers", timeout=5)
-        if status == 200 and all(e.url in json.dumps(body) for e, _, _ in engines):
+        if status == 200 and all(e.url in json.dumps(body) for e, _ in engines):
             return
         time.sleep(0.5)
     raise TimeoutError("sglang-router did not register both workers in 120 s")
@@ -203,10 +210,10 @@ async def _main(args: argparse.Namespace, workdir: Path) -> int:
     errors: dict[str, str] = {}
     added: dict[str, dict[str, float]] = {}
     try:
-        for e, _, _ in engines:
+        for e, _ in engines:
             e.start()
             _log(f"vLLM pid {e.pid} starting (log {e.log_path})")
-        for e, _, _ in engines:
+        for e, _ in engines:
             _log(f"vLLM {e.url} healthy after {e.wait_healthy(300):.0f}s")
         # Warm-up, before every row: one short request (under one KV block, so nothing is
         # cached) per engine through the row's path, so no row pays for a cold client/router.
@@ -220,9 +227,9 @@ async def _main(args: argparse.Namespace, workdir: Path) -> int:
                 overhead = predicted = None
                 try:
                     if make is None:
-                        own = [e.url for e, _, _ in engines]
+                        own = [e.url for e, _ in engines]
                         await demo.replay(lambda it, o=own: o[-1 - it["conversation"]], warm, 1)
-                        before = [_metrics(e) for e, _, _ in engines]
+                        before = [_metrics(e) for e, _ in engines]
                         wall, done = await asyncio.wait_for(
                             demo.replay(lambda it: pin[it["conversation"]], items, args.in_flight),
                             args.timeout_s)
@@ -233,7 +240,7 @@ async def _main(args: argparse.Namespace, workdir: Path) -> int:
                                 _wait_registered(router, engines)
                             _log(f"{name} (pid {router.pid}) up; replaying")
                             await demo.replay(lambda it, u=router.url: u, warm, 1)
-                            before = [_metrics(e) for e, _, _ in engines]
+                            before = [_metrics(e) for e, _ in engines]
                             wall, done = await asyncio.wait_for(
                                 demo.replay(lambda it, u=router.url: u, items, args.in_flight),
                                 args.timeout_s)
@@ -247,7 +254,7 @@ async def _main(args: argparse.Namespace, workdir: Path) -> int:
                     _log(f"{name} failed: {errors[name]}")
                     continue
                 await asyncio.sleep(0.5)  # let the engines' counters settle
-                after = [_metrics(e) for e, _, _ in engines]
+                after = [_metrics(e) for e, _ in engines]
                 row = _row(wall, done, before, after)
                 row["overhead"] = None if overhead is None else overhead * 1e3
                 row["predicted"] = predicted
@@ -259,7 +266,7 @@ async def _main(args: argparse.Namespace, workdir: Path) -> int:
                 (workdir / "results.json").write_text(json.dumps(dump, indent=1))
                 _log(f"round {rep + 1} {name}: hit {row['hit']:.3f}, TTFT mean "
                      f"{row['mean']:.1f} ms, wall {row['wall']:.1f} s")
-        urls = [e.url for e, _, _ in engines]
+        urls = [e.url for e, _ in engines]
         for name, make in (("warply-router (round_robin)", warply("round_robin")),
                            ("sglang-router (cache_aware)", sgl("added", []))):
             if args.latency_samples <= 0 or (name.startswith("sglang") and not args.sglang_router):
@@ -271,7 +278,7 @@ async def _main(args: argparse.Namespace, workdir: Path) -> int:
                 added[name] = await _added_latency(router.url, urls, args.latency_samples)
                 _log(f"{name}: adds {added[name]['mean']:.1f} ms mean at 1 in flight")
     finally:
-        for e, _, _ in engines:
+        for e, _ in engines:
             e.stop()
     _print(args, items, prompt_tokens, distinct, blocks, runs, errors, added)
     return 0 if not errors else 1
