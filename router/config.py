@@ -260,6 +260,9 @@ class IndexConfig(_Strict):
     degraded_s: float = Field(10.0, ge=0)
     """How long a worker's index counts as `degraded` after its engine reported fewer cached
     tokens than predicted (evictions whose events lag) or a stream gap was replayed."""
+    lag_tolerance: float = Field(0.1, ge=0, le=1)
+    """A shortfall degrades the worker only while the cached tokens its engine did not report
+    exceed this fraction of those predicted over its recent requests (about its last 32)."""
     parity_check: bool = True
     """Compare each engine's own tokenization of probe prompts (its `/tokenize`) with the
     router's when it turns healthy; on a mismatch its prefix matches are not used."""

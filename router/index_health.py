@@ -2,7 +2,11 @@
 
 A worker's index is `exact` while its stream is in order and nothing lags; `degraded` while a
 stream gap is being replayed or for `index.degraded_s` after its engine reported fewer cached
-tokens than predicted (evictions whose events lag); `fallback` when the index cannot be
+tokens than predicted (evictions whose events lag) while such shortfalls add up to more than
+`index.lag_tolerance` of the tokens predicted for its recent requests (a full cache evicts all
+the time, and vLLM publishes an eviction at its next step: one late event among many correct
+predictions is corrected on its own, see `RequestAccount.overpredicted`, and must not discount
+every other prefix on that worker); `fallback` when the index cannot be
 trusted at all: no stream, a resync (for `index.degraded_s`, while the stream rebuilds it), a
 stream silent while the worker answered requests that stored blocks (aged out), the engine down,
 or a parity mismatch (its tokenizer or block size differs from the router's).
@@ -53,6 +57,14 @@ class _Worker:
     expect_since: float | None = None
     """A request that stored new blocks ended then, and no batch came after it was sent."""
     aged_out: int = 0
+    predicted: float = 0.0
+    missing: float = 0.0
+    """Decayed sums over its recent requests of the cached tokens predicted, and of those the
+    engine then did not report (its evictions' events not applied yet)."""
+
+
+_LAG_DECAY = 1.0 - 1.0 / 32
+"""Per request: a worker's predicted and missing sums reflect about its last 32 predictions."""
 
 
 class IndexHealth:
@@ -144,8 +156,9 @@ class IndexHealth:
         return w is not None and w.parity == "pending"
 
     def observe(self, rec: RequestRecord) -> None:
-        """An ended request: a prediction above the engine's report degrades the worker; a
-        prompt that stored new blocks there means its stream must speak (`expired`)."""
+        """An ended request: a prediction above the engine's report degrades the worker (when
+        such shortfalls pass `lag_tolerance` of its recent predictions); a prompt that stored
+        new blocks there means its stream must speak (`expired`)."""
         d = rec.decision
         if d is None or rec.status != 200:
             return
@@ -153,8 +166,12 @@ class IndexHealth:
         w = self._get(leg.worker.name)
         if w is None:
             return
-        if cached is not None and cached < leg.predicted_cached:
-            self.lagging(leg.worker.name)
+        if cached is not None and leg.predicted_cached:
+            w.predicted = w.predicted * _LAG_DECAY + leg.predicted_cached
+            w.missing = w.missing * _LAG_DECAY + max(0, leg.predicted_cached - cached)
+            lag = self._config.lag_tolerance * w.predicted
+            if cached < leg.predicted_cached and w.missing > lag:
+                self.lagging(leg.worker.name)
         bs = leg.worker.pool.block_size
         held = leg.predicted_cached if cached is None else cached
         if not w.has_stream or rec.prompt_tokens // bs * bs <= held:

@@ -15,6 +15,7 @@ from collections import Counter
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -369,6 +370,36 @@ def test_a_degraded_workers_match_counts_for_half() -> None:
     trimmed = health.trim({"a": match, "b": match})
     assert trimmed["a"] == WorkerMatch(2, {Tier.GPU: 2}) and trimmed["b"] == match
     assert (health.view("a").state, health.view("a").reason) == ("degraded", "lagging_evictions")
+
+
+def _ended(worker: str, predicted: int, cached: int) -> Any:
+    """The fields of an ended request's record that `IndexHealth.observe` reads."""
+    pool = SimpleNamespace(block_size=BS)
+    leg = SimpleNamespace(
+        worker=SimpleNamespace(name=worker, pool=pool), predicted_cached=predicted, prefill=None
+    )
+    return SimpleNamespace(
+        decision=leg, status=200, cached=cached, prompt_tokens=predicted, latency_s=0.01
+    )
+
+
+def test_only_shortfalls_that_add_up_degrade_a_worker() -> None:
+    """A full cache evicts all the time and its events come a step late: one prediction the
+    engine fell short of, among many it met, leaves the worker `exact` (its shortfall is
+    corrected on its own); shortfalls past `lag_tolerance` of the recent predictions degrade
+    it, as does one on a worker with no record yet."""
+    health = IndexHealth(IndexConfig(degraded_s=60, lag_tolerance=0.1))
+    for name in ("a", "b"):
+        health.joined(name, has_stream=True)
+    for _ in range(20):
+        health.observe(_ended("a", 64, 64))
+    health.observe(_ended("a", 64, 32))
+    assert health.view("a").state == "exact"
+    for _ in range(4):
+        health.observe(_ended("a", 64, 0))
+    assert (health.view("a").state, health.view("a").reason) == ("degraded", "lagging_evictions")
+    health.observe(_ended("b", 64, 32))
+    assert health.view("b").state == "degraded"
 
 
 def test_predicted_and_engine_hit_rates_per_worker_and_tenant(
