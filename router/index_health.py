@@ -11,9 +11,10 @@ trusted at all: no stream, a resync (for `index.degraded_s`, while the stream re
 stream silent while the worker answered requests that stored blocks (aged out), the engine down,
 or a parity mismatch (its tokenizer or block size differs from the router's).
 
-Placement reads matches through `trim`: a degraded worker's match counts for half its leading
-blocks (evicted blocks are a chain's last ones: vLLM frees a request's blocks tail first), a
-fallback worker's for none, so load decides there.
+Placement reads matches through `trim`: a degraded worker's match keeps its leading blocks only
+(evicted blocks are a chain's last ones: vLLM frees a request's blocks tail first), the share of
+its recent predictions that held while evictions lag, half while a gap is replayed; a fallback
+worker's match counts for none, so load decides there.
 """
 
 from __future__ import annotations
@@ -223,8 +224,9 @@ class IndexHealth:
         return IndexHealthView(state, reason, w.parity, w.aged_out)
 
     def trim(self, matches: dict[str, WorkerMatch]) -> dict[str, WorkerMatch]:
-        """`matches` as placement should weigh them: a degraded worker's counts for half its
-        leading blocks, a fallback worker's for none (one without a stream has no entries of
+        """`matches` as placement should weigh them: a worker lagging in evictions keeps the
+        share of its leading blocks that its recent predictions found (1 − the shortfall), one
+        replaying a gap half, a fallback worker none (one without a stream has no entries of
         its own: whatever the store holds for it was put there by its operator, and counts)."""
         out = dict(matches)
         for name, match in matches.items():
@@ -233,9 +235,20 @@ class IndexHealth:
             view = self.view(name)
             if view.state == "exact" or view.reason == "no_stream":
                 continue
-            keep = match.blocks // 2 if view.state == "degraded" else 0
+            if view.state == "fallback":
+                keep = 0
+            elif view.reason == "lagging_evictions":
+                keep = int(match.blocks * (1.0 - self.shortfall(name)))
+            else:
+                keep = match.blocks // 2
             out[name] = _shorter(match, keep)
         return out
+
+    def shortfall(self, worker: str) -> float:
+        """The share of the cached tokens predicted for `worker`'s recent requests that its
+        engine did not report (0..1)."""
+        w = self._get(worker)
+        return w.missing / w.predicted if w is not None and w.predicted else 0.0
 
 
 def _shorter(match: WorkerMatch, keep: int) -> WorkerMatch:

@@ -359,17 +359,23 @@ def test_a_joining_worker_is_checked_for_parity_once_healthy(
     _run(scenario())
 
 
-def test_a_degraded_workers_match_counts_for_half() -> None:
-    """After its engine reported fewer cached tokens than predicted, a worker's match counts
-    for half its blocks (slowest tiers dropped first) for `degraded_s`; others are unchanged."""
+def test_a_lagging_workers_match_keeps_the_share_its_predictions_found() -> None:
+    """While its engine's shortfalls pass `lag_tolerance`, a worker is degraded and its match
+    keeps the leading share of its blocks that its recent predictions found there (slowest
+    tiers dropped first), for `degraded_s`; others are unchanged."""
     health = IndexHealth(IndexConfig(degraded_s=60))
     for name in ("a", "b"):
         health.joined(name, has_stream=True)
-    health.lagging("a")
-    match = WorkerMatch(5, {Tier.GPU: 2, Tier.CPU: 3})
+    health.observe(_ended("a", 64, 16))
+    assert health.shortfall("a") == 0.75
+    match = WorkerMatch(8, {Tier.GPU: 2, Tier.CPU: 6})
     trimmed = health.trim({"a": match, "b": match})
     assert trimmed["a"] == WorkerMatch(2, {Tier.GPU: 2}) and trimmed["b"] == match
     assert (health.view("a").state, health.view("a").reason) == ("degraded", "lagging_evictions")
+    for _ in range(8):
+        health.observe(_ended("a", 64, 64))
+    assert 0 < health.shortfall("a") < 0.25
+    assert trimmed["a"].blocks < health.trim({"a": match})["a"].blocks < match.blocks
 
 
 def _ended(worker: str, predicted: int, cached: int) -> Any:

@@ -241,7 +241,8 @@ class Series:
         self.index_state = Gauge(
             "warply_index_state",
             "1 for the state a worker's index is in (exact; degraded: gap being replayed or "
-            "evictions lagging, its matches count for half; fallback: not trusted, placed by load)",
+            "evictions lagging, its matches count for their leading part; fallback: not trusted, "
+            "placed by load)",
             ["worker", "state"],
             registry=r,
         )
