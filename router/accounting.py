@@ -114,7 +114,8 @@ class RequestAccount:
 
     def overpredicted(self) -> list[tuple[str, Sequence[int]]]:
         """(worker, keys) the index credited to a worker whose engine then reported fewer
-        cached tokens: the blocks from the engine's hit to the predicted one. The answering
+        cached tokens: the blocks from the engine's hit to the index's prediction (before
+        index health's caution cut it). The answering
         worker when it prefilled the prompt itself (a decode after a hand-off reports the
         prefill's hit), and the prefill worker of a hand-off."""
         d, rec = self.decision, self._record
@@ -123,10 +124,10 @@ class RequestAccount:
         legs = [(d.prefill, rec.prefill_cached)] if d.prefill is not None else [(d, rec.cached)]
         out: list[tuple[str, Sequence[int]]] = []
         for leg, cached in legs:
-            if leg is None or cached is None or cached >= leg.predicted_cached:
+            if leg is None or cached is None or cached >= leg.index_cached:
                 continue
             bs = leg.worker.pool.block_size
-            if stale := leg.keys[cached // bs : leg.predicted_cached // bs]:
+            if stale := leg.keys[cached // bs : leg.index_cached // bs]:
                 out.append((leg.worker.name, stale))
         return out
 

@@ -167,11 +167,14 @@ class IndexHealth:
         w = self._get(leg.worker.name)
         if w is None:
             return
-        if cached is not None and leg.predicted_cached:
-            w.predicted = w.predicted * _LAG_DECAY + leg.predicted_cached
-            w.missing = w.missing * _LAG_DECAY + max(0, leg.predicted_cached - cached)
+        # The index's own prediction, before `trim` cut it: measured while the caution is on,
+        # so the shortfall falls again once the engine holds what the index says.
+        indexed = leg.index_cached
+        if cached is not None and indexed:
+            w.predicted = w.predicted * _LAG_DECAY + indexed
+            w.missing = w.missing * _LAG_DECAY + max(0, indexed - cached)
             lag = self._config.lag_tolerance * w.predicted
-            if cached < leg.predicted_cached and w.missing > lag:
+            if cached < indexed and w.missing > lag:
                 self.lagging(leg.worker.name)
         bs = leg.worker.pool.block_size
         held = leg.predicted_cached if cached is None else cached

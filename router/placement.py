@@ -97,6 +97,16 @@ class Decision:
     prefill: Decision | None = None
     """The prefill worker's leg of a hand-off (None: `worker` prefills the prompt itself)."""
     local_reason: LocalReason = ""
+    indexed_cached: int | None = None
+    """`predicted_cached` as the index itself has it, before index health's caution
+    (`IndexHealth.trim`) cut the match: what the engine's report tells the index's accuracy
+    by. None: the same."""
+
+    @property
+    def index_cached(self) -> int:
+        """Cached tokens the index itself predicted on `worker` (`indexed_cached` or, when
+        index health cut nothing, `predicted_cached`)."""
+        return self.predicted_cached if self.indexed_cached is None else self.indexed_cached
 
     @property
     def mode(self) -> Mode:
@@ -437,7 +447,14 @@ class Placement:
         None: no available worker. Raises `_GiveUp` when an early choice must see the whole
         prompt."""
         picks: list[
-            tuple[_Pool, Sequence[int], dict[str, WorkerMatch], list[Worker], Sequence[WorkerLoad]]
+            tuple[
+                _Pool,
+                Sequence[int],
+                dict[str, WorkerMatch],
+                list[Worker],
+                Sequence[WorkerLoad],
+                dict[str, WorkerMatch],
+            ]
         ] = []
         for pool in pools:
             candidates = [w for w in pool.workers if w.available and w.name not in exclude]
@@ -445,13 +462,14 @@ class Placement:
                 continue
             keys = self.keys(tokens, pool.block_size, namespace, lineage)
             matches, loads = await self._read(keys, candidates)
+            indexed = matches
             if self.health is not None:
                 matches = self.health.trim(matches)
             if early and any(m.blocks >= len(keys) for m in matches.values()):
                 raise _GiveUp
-            picks.append((pool, keys, matches, candidates, loads))
+            picks.append((pool, keys, matches, candidates, loads, indexed))
         options: list[tuple[Decision, Pick]] = []
-        for pool, chain, matches, candidates, loads in picks:
+        for pool, chain, matches, candidates, loads, indexed in picks:
             bs = pool.block_size
             view = RequestView(chain, prompt_tokens, bs, namespace, prefix_reuse)
             if previews is None:
@@ -463,7 +481,11 @@ class Placement:
             worker = candidates[i]
             match = matches.get(name, NO_MATCH)
             predicted = predicted_cached(match.blocks, prompt_tokens, bs)
-            decision = Decision(worker, chain, match.blocks, predicted, prompt_tokens, namespace)
+            held = predicted_cached(indexed.get(name, NO_MATCH).blocks, prompt_tokens, bs)
+            decision = Decision(
+                worker, chain, match.blocks, predicted, prompt_tokens, namespace,
+                indexed_cached=held if held != predicted else None,
+            )
             options.append((decision, Pick(view, loads[i], match, predicted)))
         if len(options) <= 1:
             return options[0][0] if options else None

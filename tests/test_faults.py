@@ -372,17 +372,21 @@ def test_a_lagging_workers_match_keeps_the_share_its_predictions_found() -> None
     trimmed = health.trim({"a": match, "b": match})
     assert trimmed["a"] == WorkerMatch(2, {Tier.GPU: 2}) and trimmed["b"] == match
     assert (health.view("a").state, health.view("a").reason) == ("degraded", "lagging_evictions")
-    for _ in range(8):
-        health.observe(_ended("a", 64, 64))
+    for _ in range(8):  # placement used the cut match; the engine held what the index said
+        health.observe(_ended("a", 64, 64, trimmed=16))
     assert 0 < health.shortfall("a") < 0.25
     assert trimmed["a"].blocks < health.trim({"a": match})["a"].blocks < match.blocks
 
 
-def _ended(worker: str, predicted: int, cached: int) -> Any:
-    """The fields of an ended request's record that `IndexHealth.observe` reads."""
+def _ended(worker: str, predicted: int, cached: int, trimmed: int | None = None) -> Any:
+    """The fields of an ended request's record that `IndexHealth.observe` reads: the index
+    predicted `predicted` cached tokens, placement used `trimmed` (default: the same)."""
     pool = SimpleNamespace(block_size=BS)
     leg = SimpleNamespace(
-        worker=SimpleNamespace(name=worker, pool=pool), predicted_cached=predicted, prefill=None
+        worker=SimpleNamespace(name=worker, pool=pool),
+        predicted_cached=predicted if trimmed is None else trimmed,
+        index_cached=predicted,
+        prefill=None,
     )
     return SimpleNamespace(
         decision=leg, status=200, cached=cached, prompt_tokens=predicted, latency_s=0.01

@@ -5,13 +5,15 @@ suspends, so `completed` drives the coroutines)."""
 from __future__ import annotations
 
 import random
+from dataclasses import dataclass
 
 import pytest
 
 from router import placement as placement_module
-from router.config import RouterConfig
+from router.config import IndexConfig, RouterConfig
 from router.index import MemoryStore, PrefixIndex, completed
-from router.placement import Placement
+from router.index_health import IndexHealth
+from router.placement import Decision, Placement
 from router.strategies import NoCandidate
 from router.token_cache import Lineage
 from router.workers import Workers
@@ -42,6 +44,17 @@ def _placement(**extra: object) -> tuple[Placement, PrefixIndex, Workers]:
     for w in workers.values():
         w.healthy = True
     return Placement(config, index, workers), index, workers
+
+
+@dataclass
+class _Ended:
+    """The fields of a request's record that `IndexHealth.observe` reads."""
+
+    decision: Decision
+    cached: int
+    status: int = 200
+    prompt_tokens: int = 0
+    latency_s: float = 0.01
 
 
 def _hold(index: PrefixIndex, worker: str, block_size: int, blocks: int, first: int) -> None:
@@ -339,3 +352,21 @@ def test_a_next_turn_extends_the_earlier_chain_and_equals_a_fresh_one(
         assert placement._chain_keys <= 200
         common = rng.randrange(len(turn) + 1)
         turn = turn[:common] + [rng.randrange(1000) for _ in range(rng.randrange(1, 40))]
+
+
+def test_a_decision_keeps_what_the_index_predicted_before_health_cut_it() -> None:
+    """A worker whose evictions lag is placed on its cut match, and the decision keeps the
+    index's own prediction beside it: the engine's report is checked against that one (the
+    index corrected, the shortfall measured) while the caution is on."""
+    placement, index, _ = _placement()
+    health = IndexHealth(IndexConfig(degraded_s=60))
+    health.joined("a", has_stream=True)
+    placement.health = health
+    _hold(index, "a", 4, 8, 1)  # 32 tokens
+    d = completed(placement.choose(TOKENS))
+    assert (d.worker.name, d.predicted_cached, d.indexed_cached, d.index_cached) == (
+        "a", 32, None, 32
+    )  # fmt: skip
+    health.observe(_Ended(d, cached=8))  # a quarter held: now degraded, a quarter kept
+    d = completed(placement.choose(TOKENS))
+    assert (d.matched_blocks, d.predicted_cached, d.index_cached) == (2, 8, 32)
