@@ -291,6 +291,9 @@ def test_a_killed_engine_fails_started_streams_and_retries_queued_requests(
     try:
         threads[0].start()
         _wait(lambda: bool(started.get("events")), 120, "the first stream's first event")
+        # Frozen from here, so the stream cannot finish before the kill however fast the
+        # engine decodes (its kernel still accepts the second request's connection).
+        os.killpg(engines[0].pid, signal.SIGSTOP)
         threads[1].start()
         _wait(lambda: _workers(url)["w0"]["in_flight"] == 2, 30, "the second request on w0")
     finally:
