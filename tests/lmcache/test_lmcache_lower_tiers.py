@@ -48,6 +48,11 @@ def _folder_bytes(root: Path) -> int:
     return sum(p.stat().st_size for p in root.rglob("*") if p.is_file())
 
 
+def _chunk_files(root: Path) -> int:
+    """Files with something written in them under `root` (LMCache's disk tier: one a chunk)."""
+    return sum(1 for p in root.rglob("*") if p.is_file() and p.stat().st_size)
+
+
 class _Tiers:
     def __init__(self, stack: Stack, ssd: Path, redis_port: int) -> None:
         self.stack, self.ssd = stack, ssd
@@ -85,7 +90,8 @@ def test_directives_move_a_prefix_down_the_tiers_and_bytes_follow(tiers: _Tiers)
     p = prompt(11)
     first, sources = stack.ask(p)
     assert sources[EXTERNAL] == 0
-    until("the prefix's chunks on disk", lambda: _folder_bytes(tiers.ssd) > 0)
+    # Every chunk, not the first: the disk backend writes them one by one, in the background.
+    until("the prefix's chunks on disk", lambda: _chunk_files(tiers.ssd) == CHUNKED // BLOCK)
     on_disk = _folder_bytes(tiers.ssd)
     stack.reported(Tier.SSD, on_disk)
     assert router_bytes(stack.state.snapshot(), Tier.SSD) == on_disk
@@ -164,7 +170,8 @@ def test_a_policy_run_by_the_router_moves_bytes_by_canonical_keys(tiers: _Tiers)
     stack = tiers.stack
     p = prompt(51)
     stack.ask(p)
-    until("the prefix's chunks on disk", lambda: _folder_bytes(tiers.ssd) > 0)
+    # Every chunk, not the first: the disk backend writes them one by one, in the background.
+    until("the prefix's chunks on disk", lambda: _chunk_files(tiers.ssd) == CHUNKED // BLOCK)
     on_disk = _folder_bytes(tiers.ssd)
     runner = tier_runner(stack, _OffTheDisk())
     # The tracked prefix: the conversation after the prompt's first chunk (a mid-chain head).
