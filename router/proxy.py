@@ -262,23 +262,30 @@ class Proxy:
         """`start_prompts`: on the event loop when `inline` allows it, the thread is idle and it
         encodes at most `_INLINE_CHARS` characters; otherwise (or what is left of it) on the
         tokenizer thread."""
-        if inline and self._tokenize_lock.acquire(blocking=False):
-            try:
-                started = start_prompts(self._tokenizer, kind, body, _INLINE_CHARS)
-            finally:
-                self._tokenize_lock.release()
-            return started if isinstance(started, list) else await self._tokenize(started)
-        return await self._tokenize(start_prompts, self._tokenizer, kind, body)
+        started = None
+        if inline:
+            started = self._on_loop(start_prompts, self._tokenizer, kind, body, _INLINE_CHARS)
+        if started is None:
+            return await self._tokenize(start_prompts, self._tokenizer, kind, body)
+        return started if isinstance(started, list) else await self._tokenize(started)
 
     async def _finish(self, prompt: Prompt) -> Prompt:
         """The whole prompt: on the event loop when little is left to encode and the thread
         is idle, else on the tokenizer thread."""
-        if prompt.pending <= _INLINE_CHARS and self._tokenize_lock.acquire(blocking=False):
-            try:
-                return self._tokenizer.finish(prompt)
-            finally:
-                self._tokenize_lock.release()
-        return await self._tokenize(self._tokenizer.finish, prompt)
+        whole = None
+        if prompt.pending <= _INLINE_CHARS:
+            whole = self._on_loop(self._tokenizer.finish, prompt)
+        return whole if whole is not None else await self._tokenize(self._tokenizer.finish, prompt)
+
+    def _on_loop(self, fn: Callable[..., _T], *args: Any) -> _T | None:
+        """`fn(*args)` on the event loop, or None (nothing run) while the tokenizer thread is
+        busy: short work then skips the two hops to the thread and back."""
+        if not self._tokenize_lock.acquire(blocking=False):
+            return None
+        try:
+            return fn(*args)
+        finally:
+            self._tokenize_lock.release()
 
     async def _tokenize(self, fn: Callable[..., _T], *args: Any) -> _T:
         """`fn(*args)` on the tokenizer thread."""
