@@ -122,15 +122,12 @@ class Partial:
     """Tokens the rest is expected to have (from the tokens per character encoded so far)."""
     bound: int
     """Tokens the rest has at most."""
+    pending: int
+    """Characters of the rest: what `ChunkCache.finish` has left to look up and encode."""
     lineage: Lineage | None = None
     """Its ids' relation to a text encoded earlier (None: nothing remembered)."""
     _seen: _Seen | None = None
     """What is remembered of it once its rest is encoded."""
-
-    @property
-    def pending(self) -> int:
-        """Characters of the rest: what `ChunkCache.finish` has left to look up and encode."""
-        return sum(len(p) for p in self.rest if isinstance(p, str))
 
 
 class ChunkCache:
@@ -220,7 +217,7 @@ class ChunkCache:
         if not self.enabled:
             if budget is not None and len(text) > budget:
                 return None
-            return Partial(self.encode(text), [], 0, 0)
+            return Partial(self.encode(text), [], 0, 0, 0)
         keys = self._level_keys(text)
         seen, start = self._recall(text, keys)
         offset = seen.cuts[start - 1] if seen is not None else 0
@@ -258,7 +255,7 @@ class ChunkCache:
         remembered = _Seen(lineage, text, keys, cuts, marks, ids, [])
         if not rest:
             self._remember(remembered)
-        return Partial(ids, rest, estimate, bound, lineage, remembered)
+        return Partial(ids, rest, estimate, bound, chars, lineage, remembered)
 
     def finish(self, partial: Partial) -> array[int]:
         """The whole text's ids: `partial.ids` and those of what `begin` left. The array is the
