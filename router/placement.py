@@ -92,21 +92,15 @@ class Decision:
     predicted_cached: int
     """Tokens of the prompt the chosen worker holds as full blocks, minus the last token (which
     an engine always recomputes): its cached tokens if it prefills the prompt itself."""
+    index_cached: int
+    """`predicted_cached` as the index itself has it, before index health's caution
+    (`IndexHealth.trim`) cut the match: what the engine's report tells the index's accuracy
+    by."""
     prompt_tokens: int
     namespace: str
     prefill: Decision | None = None
     """The prefill worker's leg of a hand-off (None: `worker` prefills the prompt itself)."""
     local_reason: LocalReason = ""
-    indexed_cached: int | None = None
-    """`predicted_cached` as the index itself has it, before index health's caution
-    (`IndexHealth.trim`) cut the match: what the engine's report tells the index's accuracy
-    by. None: the same."""
-
-    @property
-    def index_cached(self) -> int:
-        """Cached tokens the index itself predicted on `worker` (`indexed_cached` or, when
-        index health cut nothing, `predicted_cached`)."""
-        return self.predicted_cached if self.indexed_cached is None else self.indexed_cached
 
     @property
     def mode(self) -> Mode:
@@ -483,8 +477,7 @@ class Placement:
             predicted = predicted_cached(match.blocks, prompt_tokens, bs)
             held = predicted_cached(indexed.get(name, NO_MATCH).blocks, prompt_tokens, bs)
             decision = Decision(
-                worker, chain, match.blocks, predicted, prompt_tokens, namespace,
-                indexed_cached=held if held != predicted else None,
+                worker, chain, match.blocks, predicted, held, prompt_tokens, namespace
             )
             options.append((decision, Pick(view, loads[i], match, predicted)))
         if len(options) <= 1:

@@ -364,9 +364,7 @@ def test_a_decision_keeps_what_the_index_predicted_before_health_cut_it() -> Non
     placement.health = health
     _hold(index, "a", 4, 8, 1)  # 32 tokens
     d = completed(placement.choose(TOKENS))
-    assert (d.worker.name, d.predicted_cached, d.indexed_cached, d.index_cached) == (
-        "a", 32, None, 32
-    )  # fmt: skip
+    assert (d.worker.name, d.predicted_cached, d.index_cached) == ("a", 32, 32)
     health.observe(_Ended(d, cached=8))  # a quarter held: now degraded, a quarter kept
     d = completed(placement.choose(TOKENS))
     assert (d.matched_blocks, d.predicted_cached, d.index_cached) == (2, 8, 32)
