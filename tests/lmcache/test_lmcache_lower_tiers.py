@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import subprocess
 import time
+from collections import Counter
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
@@ -62,6 +63,19 @@ class _Tiers:
         """Every value in the test's redis-server (LMCache's resp adapter alone writes there)."""
         return {k: int(self.redis.strlen(k)) for k in self.redis.scan_iter()}
 
+    def ask_stored(
+        self, tokens: list[int], cache_salt: str | None = None
+    ) -> tuple[str, Counter[str]]:
+        """`Stack.ask` for a prompt no tier holds yet, returning once every one of its chunks
+        is on disk and in redis: LMCache writes them one by one, in the background, after the
+        request ends. Counted on top of what the module's earlier tests left there."""
+        files, values = _chunk_files(self.ssd), len(self.in_redis())
+        answer = self.stack.ask(tokens, cache_salt=cache_salt)
+        chunks = CHUNKED // BLOCK
+        until("the prefix's chunks on disk", lambda: _chunk_files(self.ssd) == files + chunks)
+        until("the prefix's chunks in redis", lambda: len(self.in_redis()) == values + chunks)
+        return answer
+
 
 @pytest.fixture(scope="module")
 def tiers(
@@ -88,14 +102,11 @@ def tiers(
 def test_directives_move_a_prefix_down_the_tiers_and_bytes_follow(tiers: _Tiers) -> None:
     stack = tiers.stack
     p = prompt(11)
-    first, sources = stack.ask(p)
+    first, sources = tiers.ask_stored(p)
     assert sources[EXTERNAL] == 0
-    # Every chunk, not the first: the disk backend writes them one by one, in the background.
-    until("the prefix's chunks on disk", lambda: _chunk_files(tiers.ssd) == CHUNKED // BLOCK)
     on_disk = _folder_bytes(tiers.ssd)
     stack.reported(Tier.SSD, on_disk)
     assert router_bytes(stack.state.snapshot(), Tier.SSD) == on_disk
-    until("the prefix's chunks in redis", lambda: len(tiers.in_redis()) == CHUNKED // BLOCK)
     in_redis = sum(tiers.in_redis().values())
     stack.reported(Tier.OBJECT_STORE, in_redis)
     assert router_bytes(stack.state.snapshot(), Tier.OBJECT_STORE) == in_redis
@@ -119,15 +130,14 @@ def test_directives_move_a_prefix_down_the_tiers_and_bytes_follow(tiers: _Tiers)
     for tier in (Tier.SSD, Tier.OBJECT_STORE):
         assert stack.direct(EVICT, p, tier).applied, tier
     stack.evict_from_device(310)
-    last, sources = stack.ask(p)  # on no tier any more: recomputed
+    last, sources = tiers.ask_stored(p)  # on no tier any more: recomputed (and stored)
     assert sources[EXTERNAL] == 0 and last == first
 
 
 def test_prefetch_brings_a_prefix_from_l2_back_into_l1(tiers: _Tiers) -> None:
     stack = tiers.stack
     p = prompt(21)
-    stack.ask(p)
-    until("the prefix's chunks on disk", lambda: _folder_bytes(tiers.ssd) > 0)
+    tiers.ask_stored(p)
     evict_l1(stack, p)
     l1_without = stack.l1_used()
     ack = stack.direct(PREFETCH, p, Tier.CPU)
@@ -141,13 +151,12 @@ def test_prefetch_brings_a_prefix_from_l2_back_into_l1(tiers: _Tiers) -> None:
 def test_one_tenants_lower_tier_chunks_never_serve_another(tiers: _Tiers) -> None:
     stack = tiers.stack
     p = prompt(31)
-    first, sources = stack.ask(p, cache_salt="tenant-a")
+    first, sources = tiers.ask_stored(p, cache_salt="tenant-a")
     assert sources[EXTERNAL] == 0
-    until("tenant-a's chunks on disk", lambda: _folder_bytes(tiers.ssd) > 0)
     evict_l1(stack, p, namespace="tenant-a")  # L2 copies only
     stack.evict_from_device(400)
 
-    other, sources = stack.ask(p, cache_salt="tenant-b")
+    other, sources = tiers.ask_stored(p, cache_salt="tenant-b")
     assert sources[EXTERNAL] == 0 and sum(sources.values()) == 0  # tenant-a's chunks unused
     stack.evict_from_device(410)
     again, sources = stack.ask(p, cache_salt="tenant-a")
@@ -169,9 +178,7 @@ def test_a_policy_run_by_the_router_moves_bytes_by_canonical_keys(tiers: _Tiers)
     the tokens LMCache keys its chunks by (it kept them when the blocks were stored)."""
     stack = tiers.stack
     p = prompt(51)
-    stack.ask(p)
-    # Every chunk, not the first: the disk backend writes them one by one, in the background.
-    until("the prefix's chunks on disk", lambda: _chunk_files(tiers.ssd) == CHUNKED // BLOCK)
+    tiers.ask_stored(p)
     on_disk = _folder_bytes(tiers.ssd)
     runner = tier_runner(stack, _OffTheDisk())
     # The tracked prefix: the conversation after the prompt's first chunk (a mid-chain head).
@@ -189,11 +196,8 @@ def test_rag_warm_keeps_a_document_on_disk_across_a_restart(tiers: _Tiers) -> No
     LMCache server then restart; the document's next request loads it from disk."""
     stack = tiers.stack
     doc = prompt(41)
-    files = len(list(tiers.ssd.iterdir()))
-    first, _ = stack.ask(doc)
+    first, _ = tiers.ask_stored(doc)
     stack.ask(doc)
-    stored = files + CHUNKED // BLOCK
-    until("the document's chunks on disk", lambda: len(list(tiers.ssd.iterdir())) >= stored)
     assert stack.direct(EVICT, doc, Tier.OBJECT_STORE).applied  # disk is its only lower tier
     stats = rag_warm_round(stack, doc, Tier.SSD)
     assert stats.directives == {"offload": {"applied": 1}}, stats
