@@ -68,13 +68,29 @@ class _Tiers:
     ) -> tuple[str, Counter[str]]:
         """`Stack.ask` for a prompt no tier holds yet, returning once every one of its chunks
         is on disk and in redis: LMCache writes them one by one, in the background, after the
-        request ends. Counted on top of what the module's earlier tests left there."""
-        files, values = _chunk_files(self.ssd), len(self.in_redis())
+        request ends. Counted on top of what was there once earlier writes settled (those of
+        `evict_from_device`'s prompts may still be under way)."""
+        files, values = self._settled()
         answer = self.stack.ask(tokens, cache_salt=cache_salt)
         chunks = CHUNKED // BLOCK
         until("the prefix's chunks on disk", lambda: _chunk_files(self.ssd) == files + chunks)
         until("the prefix's chunks in redis", lambda: len(self.in_redis()) == values + chunks)
         return answer
+
+    def _settled(self, quiet_s: float = 1.0, timeout_s: float = 30) -> tuple[int, int]:
+        """(chunk files on disk, values in redis) once neither count has changed for
+        `quiet_s`."""
+        deadline = time.monotonic() + timeout_s
+        last, since = (-1, -1), time.monotonic()
+        while True:
+            counts, now = (_chunk_files(self.ssd), len(self.in_redis())), time.monotonic()
+            if counts != last:
+                last, since = counts, now
+            elif now - since >= quiet_s:
+                return counts
+            if now > deadline:
+                raise AssertionError(f"the store's background writes never settled: {counts}")
+            time.sleep(0.2)
 
 
 @pytest.fixture(scope="module")
