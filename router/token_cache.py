@@ -111,9 +111,10 @@ class _Seen:
     nbytes: int = 0
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class Partial:
-    """A text encoded up to a cut (`ChunkCache.begin`): leading ids, and what is left."""
+    """A text encoded up to a cut (`ChunkCache.begin`): leading ids, and what is left
+    (`ChunkCache.finish` completes it in place)."""
 
     ids: array[int]
     rest: list[str | int]
@@ -258,17 +259,18 @@ class ChunkCache:
         return Partial(ids, rest, estimate, bound, chars, lineage, remembered)
 
     def finish(self, partial: Partial) -> array[int]:
-        """The whole text's ids: `partial.ids` and those of what `begin` left. The array is the
-        remembered text's own (one copy of a long history, not three): neither is changed in
-        place afterwards."""
-        if not partial.rest:
-            return partial.ids
-        seen = partial._seen
-        if seen is None:
-            return partial.ids + self._ids(partial.rest)
-        seen.ids = partial.ids + self._ids(partial.rest, seen.cuts, seen.marks)
-        self._remember(seen)
-        return seen.ids
+        """The whole text's ids: `partial.ids`, extended in place by those of what `begin` left
+        (a long history is copied once, in `begin`); the partial is whole afterwards, so a
+        second call returns the same array. It is the remembered text's own: nothing changes
+        it once this returns."""
+        if partial.rest:
+            seen = partial._seen
+            ends = () if seen is None else (seen.cuts, seen.marks)
+            partial.ids.extend(self._ids(partial.rest, *ends))
+            partial.rest, partial.pending = [], 0
+            if seen is not None:
+                self._remember(seen)
+        return partial.ids
 
     def _level_keys(self, text: str) -> list[tuple[int, int]]:
         """(length, hash) of the text's leading 1k, 4k, 16k, ... characters, shortest first;

@@ -49,7 +49,8 @@ class Deferred(Exception):
 @dataclass(frozen=True, slots=True)
 class Prompt:
     """A prompt's token ids: all of them, or (while `complete` is false) a leading part, with
-    the expected and the largest possible whole length. `RouterTokenizer.finish` completes it."""
+    the expected and the largest possible whole length. `RouterTokenizer.finish` completes it
+    (a leading part from the chunk cache is the same array, grown to the whole)."""
 
     tokens: Sequence[int]
     """A list, or an `array("I")` from the chunk cache (no conversion on the request path)."""
@@ -232,8 +233,9 @@ class RouterTokenizer:
         partial = prompt._partial
         if partial is None:
             return prompt
+        head = len(prompt.tokens) - len(partial.ids)  # before `partial.ids` grows in place
         tokens = self.cache.finish(partial)
-        if head := len(prompt.tokens) - len(partial.ids):  # a long text's ids are not copied
+        if head:  # a long text's ids are not copied
             tokens = array("I", prompt.tokens[:head]) + tokens
         if prompt._tail:
             tokens = tokens + array("I", prompt._tail)

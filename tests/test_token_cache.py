@@ -117,11 +117,13 @@ def test_begin_then_rest_equals_whole_encode() -> None:
         text = "line one.\n" + _text(rng, rng.randrange(1, 200))
         want = tok.encode(text, add_special_tokens=False).ids
         part = cache.begin(text)
+        head, had_rest = len(part.ids), bool(part.rest)
         whole = cache.finish(part).tolist()
-        rest = whole[len(part.ids):]
+        rest = whole[head:]
         assert whole == want, text
-        assert len(rest) <= part.bound and (part.estimate > 0) == bool(part.rest)
-        left += bool(part.rest)
+        assert len(rest) <= part.bound and (part.estimate > 0) == had_rest
+        assert cache.finish(part).tolist() == whole and part.pending == 0  # finished in place
+        left += had_rest
         assert not cache.begin(text).rest, "every chunk of a text seen before is cached"
     assert left > 20, "long texts leave a rest"
 
