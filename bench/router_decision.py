@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import gc
 import random
 import statistics
 import time
@@ -40,7 +39,7 @@ from pathlib import Path
 
 import _one_pool
 
-from router.__main__ import fixed_mmap_threshold
+from router.__main__ import collect_less, fixed_mmap_threshold
 from router.config import RouterConfig
 from router.index import MemoryStore, PrefixIndex
 from router.metrics import RouterMetrics
@@ -185,7 +184,7 @@ async def _run(args: argparse.Namespace) -> None:
     print(f"index: {(await index.stats()).entries} entries over {WORKERS} workers "
           f"(filled in {time.perf_counter() - t0:.1f}s); block size {BS}")
     placement = _placement(index)
-    gc.freeze()  # as warply-router does after start-up (router/__main__.py)
+    collect_less()  # as warply-router does after start-up (router/__main__.py)
     for n_tokens in args.sizes:
         prompts = []
         for i in range(args.samples):

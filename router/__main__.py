@@ -60,6 +60,19 @@ def fixed_mmap_threshold() -> None:
     libc.mallopt(-3, 128 * 1024)  # -3: M_MMAP_THRESHOLD (malloc.h)
 
 
+def collect_less() -> None:
+    """The garbage collector's settings once start-up is done (bench/router_decision.py uses
+    them too)."""
+    # Move everything built so far (modules, config, the index's container) out of the garbage
+    # collector's reach: the index holds only GC-untracked dicts of ints, but a full collection
+    # would still walk its million-entry OrderedDict (~60 ms here) on the event loop.
+    gc.freeze()
+    # A request allocates a few hundred tracked objects: at the default threshold (700) the
+    # youngest generation was collected every other request (~25 µs of CPU per request, and a
+    # full collection every ~100), at 10,000 every ~30 requests, for a few MiB more garbage.
+    gc.set_threshold(10_000, 10, 10)
+
+
 def _parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(
         prog="warply-router", description=__doc__, formatter_class=argparse.RawTextHelpFormatter
@@ -142,14 +155,7 @@ def main(argv: list[str] | None = None) -> int:
         len(router.workers),
         config.strategy.name,
     )
-    # Move everything built so far (modules, config, the index's container) out of the garbage
-    # collector's reach: the index holds only GC-untracked dicts of ints, but a full collection
-    # would still walk its million-entry OrderedDict (~60 ms here) on the event loop.
-    gc.freeze()
-    # A request allocates a few hundred tracked objects: at the default threshold (700) the
-    # youngest generation was collected every other request (~25 µs of CPU per request, and a
-    # full collection every ~100), at 10,000 every ~30 requests, for a few MiB more garbage.
-    gc.set_threshold(10_000, 10, 10)
+    collect_less()
     fixed_mmap_threshold()
     web.run_app(
         router.app,
