@@ -77,20 +77,19 @@ class _Tiers:
         until("the prefix's chunks in redis", lambda: len(self.in_redis()) == values + chunks)
         return answer
 
-    def _settled(self, quiet_s: float = 1.0, timeout_s: float = 30) -> tuple[int, int]:
+    def _settled(self, quiet_s: float = 1.0) -> tuple[int, int]:
         """(chunk files on disk, values in redis) once neither count has changed for
         `quiet_s`."""
-        deadline = time.monotonic() + timeout_s
-        last, since = (-1, -1), time.monotonic()
-        while True:
+        last, since = [(-1, -1)], [time.monotonic()]
+
+        def quiet() -> bool:
             counts, now = (_chunk_files(self.ssd), len(self.in_redis())), time.monotonic()
-            if counts != last:
-                last, since = counts, now
-            elif now - since >= quiet_s:
-                return counts
-            if now > deadline:
-                raise AssertionError(f"the store's background writes never settled: {counts}")
-            time.sleep(0.2)
+            if counts != last[0]:
+                last[0], since[0] = counts, now
+            return now - since[0] >= quiet_s
+
+        until("the store's background writes to settle", quiet, 30)
+        return last[0]
 
 
 @pytest.fixture(scope="module")
