@@ -202,6 +202,8 @@ class _Row:
     latencies: list[float] = field(default_factory=list)
     errors: int = 0
     seconds: float = 0.0
+    capped: bool = False
+    """The row stopped at --max-requests before its time was up (its seconds end there)."""
     cpu_s: float = float("nan")
     """CPU seconds the router process used while measured (all its threads)."""
 
@@ -240,6 +242,7 @@ async def _load(row: _Row, ports: list[int], seconds: float, warmup: float,
     stop_at = measure_from + seconds
 
     interval = row.streams / row.rate if row.rate else 0.0
+    ended = [stop_at]
 
     async def client(i: int) -> None:
         port = ports[i % len(ports)]
@@ -268,6 +271,8 @@ async def _load(row: _Row, ports: list[int], seconds: float, warmup: float,
                         row.latencies.append(done - now)
                     else:
                         row.errors += 1
+                    if len(row.latencies) >= max_requests and not row.capped:
+                        row.capped, ended[0] = True, done
         finally:
             writer.close()
 
@@ -275,12 +280,13 @@ async def _load(row: _Row, ports: list[int], seconds: float, warmup: float,
         await asyncio.sleep(measure_from - time.perf_counter())
         assert pid is not None
         used = _cpu(pid)
-        await asyncio.sleep(stop_at - time.perf_counter())
+        while (left := ended[0] - time.perf_counter()) > 0:
+            await asyncio.sleep(min(left, 0.05))
         row.cpu_s = _cpu(pid) - used
 
     meter = [cpu()] if pid is not None and Path(f"/proc/{pid}").exists() else []
     await asyncio.gather(*(client(i) for i in range(row.streams)), *meter)
-    row.seconds = min(time.perf_counter(), stop_at) - measure_from
+    row.seconds = min(time.perf_counter(), ended[0]) - measure_from
 
 
 # -- processes -------------------------------------------------------------------------------
@@ -385,7 +391,7 @@ def _print(rows: list[_Row]) -> None:
         paced = f"{r.rate:6.0f}" if r.rate else f"{'-':>6s}"
         print(f"{r.mode:6s} {r.streams:7d} {paced} {r.target:8s} {r.rps:8.0f} {_ms(r.q(0.5)):>8s} "
               f"{_ms(r.q(0.99)):>8s} {added[0]:>9s} {added[1]:>9s} {r.errors:6d} "
-              f"{r.cpu_us:10.0f}")
+              f"{r.cpu_us:10.0f}{'  capped' if r.capped else ''}")
     by = {(r.target, r.mode, r.streams, r.rate): r for r in rows}
     pairs = [(w, by.get(("sglang", w.mode, w.streams, w.rate))) for w in rows
              if w.target == "warply"]
@@ -428,7 +434,8 @@ async def _run(
                 rows.append(row)
                 print(f"  {mode} {streams:3d} streams @{rate:.0f} {target:7s} {row.rps:7.0f} req/s "
                       f"p50 {_ms(row.q(0.5))} ms p99 {_ms(row.q(0.99))} ms "
-                      f"errors {row.errors} cpu {row.cpu_us:.0f} µs/req", file=sys.stderr,
+                      f"errors {row.errors} cpu {row.cpu_us:.0f} µs/req"
+                      f"{' (capped)' if row.capped else ''}", file=sys.stderr,
                       flush=True)
     return rows
 
@@ -447,7 +454,9 @@ def main() -> int:
     ap.add_argument("--modes", nargs="+", choices=["json", "stream"], default=["json", "stream"])
     ap.add_argument("--seconds", type=float, default=5.0, help="measured seconds per row")
     ap.add_argument("--warmup", type=float, default=1.0, help="unmeasured seconds per row")
-    ap.add_argument("--max-requests", type=int, default=50_000, help="per row, at most")
+    ap.add_argument("--max-requests", type=int, default=1_000_000,
+                    help="per row, at most (a row that reaches it ends there: req/s over the "
+                         "time it took, marked 'capped')")
     ap.add_argument("--upstreams", type=int, default=4, help="fake upstream workers")
     ap.add_argument("--paced", type=float, default=500.0,
                     help="req/s in all for paced rows at the largest stream count (0: none)")
