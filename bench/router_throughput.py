@@ -8,7 +8,12 @@ Processes (all on 127.0.0.1, each stopped by its PID's process group at the end)
 * warply-router, pinned to core 0 (`taskset -c 0`), one pool over those upstreams, the default
   strategy, no event streams (the index stays empty: placement still keys, matches and picks);
 * sglang-router 0.3.2 (`--sglang-python`, its venv's interpreter), pinned to core 0 as well,
-  `--policy cache_aware` (its default); skipped with `--sglang-python ''`.
+  `--policy cache_aware` (its default); skipped with `--sglang-python ''`;
+* "relay" (this script with `--relay`), pinned to core 0 as well: warply-router's HTTP stack
+  alone, the same aiohttp server on uvloop and the same upstream client (`router.upstream`),
+  relaying bodies round-robin with no routing at all. warply's CPU per request minus relay's
+  is what its routing costs (parse, tokenize, place, account, metrics); skipped with
+  `--no-relay`.
 
 Closed-loop clients (one keep-alive connection per stream, raw HTTP/1.1 on uvloop) send
 /v1/completions with ~150-token prompts from 64 conversations, at each of `--streams`, for
@@ -34,6 +39,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import itertools
 import json
 import os
 import random
@@ -55,6 +61,7 @@ MODEL = "bench"
 CACHE = Path.home() / ".cache" / "warply" / "models"
 _CONTENT_LENGTH = re.compile(rb"content-length:\s*(\d+)", re.IGNORECASE)
 _CHUNKED = re.compile(rb"transfer-encoding:\s*chunked", re.IGNORECASE)
+_POST_HEADERS = {"Content-Type": "application/json"}
 
 
 # -- fake upstream ---------------------------------------------------------------------------
@@ -149,6 +156,50 @@ async def _serve(ports: list[int]) -> None:
     await stop.wait()
     for s in servers:
         s.close()
+
+
+async def _relay(port: int, upstreams: list[str]) -> None:
+    """The "relay" target: warply-router's HTTP stack (aiohttp on uvloop, `router.upstream`)
+    with no routing; bodies and answers pass as they are."""
+    from aiohttp import web
+
+    from router.upstream import Timeouts, Upstream
+
+    client = Upstream()
+    timeouts = Timeouts(60.0)
+    turn = itertools.cycle(upstreams)
+
+    async def relay(request: web.Request) -> web.StreamResponse:
+        body = await request.read()
+        up = await client.post(next(turn) + request.path, body, _POST_HEADERS, timeouts)
+        try:
+            if up.content_type != "text/event-stream":
+                return web.Response(body=await up.read(), status=up.status,
+                                    content_type=up.content_type)
+            resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+            await resp.prepare(request)
+            async for chunk in up.chunks():
+                await resp.write(chunk)
+            await resp.write_eof()
+            return resp
+        finally:
+            up.release()
+
+    async def health(_: web.Request) -> web.Response:
+        return web.Response(text="ok")
+
+    app = web.Application()
+    app.add_routes([web.post("/v1/completions", relay), web.get("/health", health)])
+    runner = web.AppRunner(app, handler_cancellation=True)
+    await runner.setup()
+    await web.TCPSite(runner, HOST, port, backlog=4096).start()
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    loop.add_signal_handler(signal.SIGINT, stop.set)
+    loop.add_signal_handler(signal.SIGTERM, stop.set)
+    await stop.wait()
+    await runner.cleanup()
+    client.close()
 
 
 # -- client ----------------------------------------------------------------------------------
@@ -356,6 +407,15 @@ def _processes(args: argparse.Namespace) -> Iterator[dict[str, tuple[list[int], 
         procs.append(warply.start())
         warply.wait_healthy(60)
         targets["warply"] = ([int(warply.url.rsplit(":", 1)[1])], warply.pid)
+        if args.relay_target:
+            port = free_port()
+            relay = EngineProcess(
+                _pinned(0, [sys.executable, __file__, "--relay", str(port), *urls]),
+                url=f"http://{HOST}:{port}", log_path=work / "relay.log",
+                env={"PYTHONPATH": str(ROOT)})
+            procs.append(relay.start())
+            relay.wait_healthy(30)
+            targets["relay"] = ([port], relay.pid)
         if args.baseline:
             base = _warply(args, urls, work, args.baseline, "base")
             procs.append(base.start())
@@ -404,6 +464,16 @@ def _print(rows: list[_Row]) -> None:
             print(f"{w.mode:6s} {w.streams:7d}{paced:>8s}  req/s {w.rps / s.rps:5.2f}x  "
                   f"p50 {w.q(0.5) / s.q(0.5):5.2f}x  p99 {w.q(0.99) / s.q(0.99):5.2f}x  "
                   f"cpu/req {w.cpu_us / s.cpu_us:5.2f}x")
+    relays = [(w, by.get(("relay", w.mode, w.streams, w.rate))) for w in rows
+              if w.target == "warply"]
+    if any(r is not None for _, r in relays):
+        print("\nwarply against relay (its HTTP stack alone): routing's share of the CPU:")
+        for w, r in relays:
+            if r is None or not r.latencies or not w.latencies:
+                continue
+            paced = f"@{w.rate:.0f}/s" if w.rate else ""
+            print(f"{w.mode:6s} {w.streams:7d}{paced:>8s}  req/s {w.rps / r.rps:5.2f}x  "
+                  f"cpu/req relay {r.cpu_us:4.0f} µs + routing {w.cpu_us - r.cpu_us:4.0f} µs")
     bases = [(w, by.get(("base", w.mode, w.streams, w.rate))) for w in rows
               if w.target == "warply"]
     if any(b is not None for _, b in bases):
@@ -450,6 +520,9 @@ def _event_loop_policy() -> None:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--serve", type=int, nargs="+", metavar="PORT", help=argparse.SUPPRESS)
+    ap.add_argument("--relay", nargs="+", metavar="PORT_THEN_URLS", help=argparse.SUPPRESS)
+    ap.add_argument("--no-relay", dest="relay_target", action="store_false",
+                    help="skip the relay target (warply's HTTP stack without routing)")
     ap.add_argument("--streams", type=int, nargs="+", default=[1, 64, 100])
     ap.add_argument("--modes", nargs="+", choices=["json", "stream"], default=["json", "stream"])
     ap.add_argument("--seconds", type=float, default=5.0, help="measured seconds per row")
@@ -472,6 +545,9 @@ def main() -> int:
     if args.serve:
         asyncio.run(_serve(args.serve))
         return 0
+    if args.relay:
+        asyncio.run(_relay(int(args.relay[0]), args.relay[1:]))
+        return 0
     if args.tokenizer is None:
         print("no tokenizer: build one with scripts/tiny_model.py or pass --tokenizer",
               file=sys.stderr)
@@ -483,7 +559,7 @@ def main() -> int:
     with contextlib.suppress(AttributeError, OSError):  # the client shares the upstreams' core
         os.sched_setaffinity(0, {(os.cpu_count() or 2) - 1})
     signal.signal(signal.SIGALRM, lambda *_: sys.exit("time limit reached"))
-    rows_n = len(args.modes) * (len(args.streams) + 1) * 4
+    rows_n = len(args.modes) * (len(args.streams) + 1) * 5
     signal.alarm(int(120 + rows_n * (args.seconds + args.warmup + 10)))
     print(f"load average {os.getloadavg()[0]:.2f} {os.getloadavg()[1]:.2f}; "
           f"{args.upstreams} upstreams; {args.seconds:.0f} s per row", flush=True)
