@@ -49,7 +49,7 @@ import signal
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -440,6 +440,24 @@ def _ms(x: float) -> str:
     return f"{x * 1e3:7.3f}"
 
 
+def _ratios(w: _Row, o: _Row) -> str:
+    return (f"req/s {w.rps / o.rps:5.2f}x  p50 {w.q(0.5) / o.q(0.5):5.2f}x  "
+            f"p99 {w.q(0.99) / o.q(0.99):5.2f}x  cpu/req {w.cpu_us / o.cpu_us:5.2f}x")
+
+
+def _against(rows: list[_Row], by: dict[tuple[str, str, int, float], _Row], other: str,
+             title: str, line: Callable[[_Row, _Row], str]) -> None:
+    """warply's rows set against target `other`'s at the same mode, streams and pace."""
+    pairs = [(w, by.get((other, w.mode, w.streams, w.rate))) for w in rows if w.target == "warply"]
+    pairs = [(w, o) for w, o in pairs if o is not None and o.latencies and w.latencies]
+    if not pairs:
+        return
+    print("\n" + title)
+    for w, o in pairs:
+        paced = f"@{w.rate:.0f}/s" if w.rate else ""
+        print(f"{w.mode:6s} {w.streams:7d}{paced:>8s}  {line(w, o)}")
+
+
 def _print(rows: list[_Row]) -> None:
     direct = {(r.mode, r.streams, r.rate): r for r in rows if r.target == "direct"}
     print(f"{'mode':6s} {'streams':>7s} {'paced':>6s} {'target':8s} {'req/s':>8s} {'p50 ms':>8s} "
@@ -453,38 +471,12 @@ def _print(rows: list[_Row]) -> None:
               f"{_ms(r.q(0.99)):>8s} {added[0]:>9s} {added[1]:>9s} {r.errors:6d} "
               f"{r.cpu_us:10.0f}{'  capped' if r.capped else ''}")
     by = {(r.target, r.mode, r.streams, r.rate): r for r in rows}
-    pairs = [(w, by.get(("sglang", w.mode, w.streams, w.rate))) for w in rows
-             if w.target == "warply"]
-    if any(s is not None for _, s in pairs):
-        print("\nwarply / sglang-router (req/s ratio > 1, p99 and cpu ratios <= 1 favour warply):")
-        for w, s in pairs:
-            if s is None or not s.latencies or not w.latencies:
-                continue
-            paced = f"@{w.rate:.0f}/s" if w.rate else ""
-            print(f"{w.mode:6s} {w.streams:7d}{paced:>8s}  req/s {w.rps / s.rps:5.2f}x  "
-                  f"p50 {w.q(0.5) / s.q(0.5):5.2f}x  p99 {w.q(0.99) / s.q(0.99):5.2f}x  "
-                  f"cpu/req {w.cpu_us / s.cpu_us:5.2f}x")
-    relays = [(w, by.get(("relay", w.mode, w.streams, w.rate))) for w in rows
-              if w.target == "warply"]
-    if any(r is not None for _, r in relays):
-        print("\nwarply against relay (its HTTP stack alone): routing's share of the CPU:")
-        for w, r in relays:
-            if r is None or not r.latencies or not w.latencies:
-                continue
-            paced = f"@{w.rate:.0f}/s" if w.rate else ""
-            print(f"{w.mode:6s} {w.streams:7d}{paced:>8s}  req/s {w.rps / r.rps:5.2f}x  "
-                  f"cpu/req relay {r.cpu_us:4.0f} µs + routing {w.cpu_us - r.cpu_us:4.0f} µs")
-    bases = [(w, by.get(("base", w.mode, w.streams, w.rate))) for w in rows
-              if w.target == "warply"]
-    if any(b is not None for _, b in bases):
-        print("\nwarply / base (the --baseline checkout):")
-        for w, b in bases:
-            if b is None or not b.latencies or not w.latencies:
-                continue
-            paced = f"@{w.rate:.0f}/s" if w.rate else ""
-            print(f"{w.mode:6s} {w.streams:7d}{paced:>8s}  req/s {w.rps / b.rps:5.2f}x  "
-                  f"p50 {w.q(0.5) / b.q(0.5):5.2f}x  p99 {w.q(0.99) / b.q(0.99):5.2f}x  "
-                  f"cpu/req {w.cpu_us / b.cpu_us:5.2f}x")
+    _against(rows, by, "sglang", "warply / sglang-router (req/s ratio > 1, p99 and cpu ratios "
+             "<= 1 favour warply):", _ratios)
+    _against(rows, by, "relay", "warply against relay (its HTTP stack alone): routing's share "
+             "of the CPU:", lambda w, r: f"req/s {w.rps / r.rps:5.2f}x  cpu/req relay "
+             f"{r.cpu_us:4.0f} µs + routing {w.cpu_us - r.cpu_us:4.0f} µs")
+    _against(rows, by, "base", "warply / base (the --baseline checkout):", _ratios)
     print("\ntargets (warply): added p50 <= 1 ms at 1 stream, added p99 <= 5 ms at 100 streams "
           "below saturation, req/s at 64 streams >= sglang-router's with p99 no worse")
 
