@@ -219,8 +219,10 @@ class WarplyConnector(KVConnectorBase_V1):
                 bytes_per_block=_bytes_per_block(vllm_config, kv_cache_config),
                 backend_bytes=self._backend_bytes,
             )
+        wake = find_engine_wakeup()
+        if wake is not None:
+            self._exporter.watch_idle(wake)
         if w.control_endpoint:
-            wake = find_engine_wakeup()
             if wake is None:
                 _log.warning("Warply: EngineCore not found; directives wait for the next step")
             with _binding("warply.control_endpoint", w.control_endpoint):
@@ -385,6 +387,8 @@ class WarplyConnector(KVConnectorBase_V1):
     def has_pending_push_work(self) -> bool:
         if self._directives is not None and self._directives.pending():
             return True  # keeps an idle engine stepping until directives are applied
+        if self._exporter is not None and self._exporter.refresh_pending:
+            return True  # one step publishes the idle engine's snapshot (`watch_idle`)
         return self._delegate is not None and self._delegate.has_pending_push_work()
 
     def get_kv_connector_stats(self) -> KVConnectorStats | None:

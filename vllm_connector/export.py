@@ -12,6 +12,7 @@ nothing to the engine (its null publisher would have dropped them).
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from array import array
 from collections import Counter, OrderedDict
@@ -63,7 +64,8 @@ _TOKEN_BLOCKS = 8192
 
 
 class StateExporter:
-    """Converts and publishes the device tier's cache events; runs on the scheduler thread."""
+    """Converts and publishes the device tier's cache events; runs on the scheduler thread
+    (the idle watch, `watch_idle`, only sets a flag and wakes the engine)."""
 
     def __init__(
         self,
@@ -95,6 +97,14 @@ class StateExporter:
         self._backend_bytes = backend_bytes
         self._snapshot_every = settings.snapshot_interval_s
         self._last_snapshot = 0.0
+        self._last_flush = time.monotonic()
+        self._shown: tuple[tuple[int, int], dict[Tier, int] | None] = ((0, 0), None)
+        """The load and backend bytes of the last published snapshot."""
+        self.refresh_pending = False
+        """Set by the idle watch: the next step publishes a snapshot whatever its timing (the
+        connector's `has_pending_push_work` makes an idle engine take that step)."""
+        self._watch: threading.Thread | None = None
+        self._stop = threading.Event()
         self._pool: BlockPool | None = None
         self._raw: list[Any] = []
         self._out: list[Event] = []
@@ -174,10 +184,14 @@ class StateExporter:
             raw, self._raw = self._raw, []
             for event in raw:
                 self._convert(event)
-        now = time.monotonic()
-        if self._pool is not None and now - self._last_snapshot >= self._snapshot_every:
+        now = self._last_flush = time.monotonic()
+        due = self.refresh_pending or now - self._last_snapshot >= self._snapshot_every
+        if self._pool is not None and due:
             self._last_snapshot = now
+            self.refresh_pending = False
             running, waiting = self._load()
+            backend = self._backend_bytes() if self._backend_bytes else None
+            self._shown = ((running, waiting), backend)
             self._out.append(
                 LoadSnapshot(
                     running=running,
@@ -185,7 +199,7 @@ class StateExporter:
                     kv_usage=self._pool.get_usage(),
                     kv_blocks_total=self._pool.num_gpu_blocks - 1,
                     kv_bytes_per_block=self._bytes_per_block,
-                    backend_bytes=self._backend_bytes() if self._backend_bytes else None,
+                    backend_bytes=backend,
                 )
             )
         if self._out:
@@ -197,8 +211,34 @@ class StateExporter:
         self._counters.export_seconds += time.perf_counter() - start
         self._counters.export_steps += 1
 
+    def watch_idle(self, wake: Callable[[], None]) -> None:
+        """Keep the router's view of an idle engine true: the engine publishes snapshots only
+        when it steps, so once it goes idle the last one can show requests that have finished,
+        or backend bytes from before the backend's last write landed (LMCache stores in the
+        background). A daemon thread checks every `snapshot_interval_s`; when no step came for
+        that long and the last snapshot showed requests or other backend bytes than the
+        backend's latest, it asks for one snapshot and wakes the engine for the step that
+        publishes it (one step per change, none while nothing changes)."""
+        if self.publisher is None or self._watch is not None:
+            return
+
+        def watch() -> None:
+            while not self._stop.wait(self._snapshot_every):
+                if self._pool is None or time.monotonic() - self._last_flush < self._snapshot_every:
+                    continue  # no pool to report yet, or stepping: the steps publish snapshots
+                load, backend = self._shown
+                # idle means no request is left: the true load is (0, 0)
+                latest = self._backend_bytes() if self._backend_bytes else None
+                if load != (0, 0) or latest != backend:
+                    self.refresh_pending = True
+                    wake()
+
+        self._watch = threading.Thread(target=watch, name="warply-idle-watch", daemon=True)
+        self._watch.start()
+
     def close(self) -> None:
-        """Flush and close the sockets."""
+        """Stop the idle watch, flush and close the sockets."""
+        self._stop.set()
         self.flush()
         if self.publisher is not None:
             self.publisher.close()

@@ -213,6 +213,27 @@ def test_load_snapshots(servers: dict[Any, Any], tiny_model: str) -> None:
     assert snap.kv_bytes_per_block in (2 * per_token * 128, 4 * per_token * 128), snap
 
 
+def _snapshots(events: list[Any]) -> list[LoadSnapshot]:
+    return [e for e in events if isinstance(e, LoadSnapshot)]
+
+
+def test_an_idle_engine_publishes_its_idle_load(servers: dict[Any, Any]) -> None:
+    """Snapshots ride on engine steps: without the idle watch the last one of a request is
+    whichever fell due while it ran. Once the engine is idle, one more shows it idle, and then
+    nothing (no wake-ups while nothing changes)."""
+    w: _Warply = servers[128]
+    complete(w.server, _prompt(3017), max_tokens=48)
+
+    def idle(events: list[Any]) -> bool:
+        snaps = _snapshots(events)
+        return bool(snaps) and (snaps[-1].running, snaps[-1].waiting) == (0, 0)
+
+    w.state.wait_for(idle, timeout_s=5)
+    seen = len(_snapshots(w.state.snapshot()))
+    time.sleep(2.5)  # five snapshot intervals of an idle engine
+    assert len(_snapshots(w.state.snapshot())) == seen
+
+
 def test_outputs_unchanged_without_delegate(servers: dict[Any, Any]) -> None:
     w: _Warply = servers[128]
     plain: VllmServer = servers["plain"]
