@@ -147,13 +147,19 @@ class _Upstream(asyncio.Protocol):
                 self._transport.write(self.JSON)
 
 
-async def _serve(ports: list[int]) -> None:
-    loop = asyncio.get_running_loop()
-    servers = [await loop.create_server(_Upstream, HOST, p, backlog=1024) for p in ports]
+async def _until_stopped() -> None:
+    """Return on SIGINT or SIGTERM (the bench stops its helper processes that way)."""
     stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
     loop.add_signal_handler(signal.SIGINT, stop.set)
     loop.add_signal_handler(signal.SIGTERM, stop.set)
     await stop.wait()
+
+
+async def _serve(ports: list[int]) -> None:
+    loop = asyncio.get_running_loop()
+    servers = [await loop.create_server(_Upstream, HOST, p, backlog=1024) for p in ports]
+    await _until_stopped()
     for s in servers:
         s.close()
 
@@ -193,11 +199,7 @@ async def _relay(port: int, upstreams: list[str]) -> None:
     runner = web.AppRunner(app, handler_cancellation=True)
     await runner.setup()
     await web.TCPSite(runner, HOST, port, backlog=4096).start()
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    loop.add_signal_handler(signal.SIGINT, stop.set)
-    loop.add_signal_handler(signal.SIGTERM, stop.set)
-    await stop.wait()
+    await _until_stopped()
     await runner.cleanup()
     client.close()
 

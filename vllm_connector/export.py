@@ -190,7 +190,7 @@ class StateExporter:
             self._last_snapshot = now
             self.refresh_pending = False
             running, waiting = self._load()
-            backend = self._backend_bytes() if self._backend_bytes else None
+            backend = self._backend()
             self._shown = ((running, waiting), backend)
             self._out.append(
                 LoadSnapshot(
@@ -211,6 +211,10 @@ class StateExporter:
         self._counters.export_seconds += time.perf_counter() - start
         self._counters.export_steps += 1
 
+    def _backend(self) -> dict[Tier, int] | None:
+        """The backend's latest bytes per tier (None: no backend, or not read yet)."""
+        return self._backend_bytes() if self._backend_bytes else None
+
     def watch_idle(self, wake: Callable[[], None]) -> None:
         """Keep the router's view of an idle engine true: the engine publishes snapshots only
         when it steps, so once it goes idle the last one can show requests that have finished,
@@ -228,7 +232,7 @@ class StateExporter:
                     continue  # no pool to report yet, or stepping: the steps publish snapshots
                 load, backend = self._shown
                 # idle means no request is left: the true load is (0, 0)
-                latest = self._backend_bytes() if self._backend_bytes else None
+                latest = self._backend()
                 if load != (0, 0) or latest != backend:
                     self.refresh_pending = True
                     wake()
