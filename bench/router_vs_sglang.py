@@ -7,7 +7,9 @@ Mooncake trace as text prompts), prefix caches reset before every row. Rows:
                         the two engines in order of first appearance; the client sends straight
                         to the engines (no router in the path)
   * warply round_robin  `python -m router`, the demo's config
-  * warply STRATEGY    each `--strategy` (default: the router's default, adaptive)
+  * warply STRATEGY    each `--strategy` (default: the router's default, adaptive), written as
+                        the replayer's `[LABEL=]NAME[:JSON_KNOBS]`, e.g.
+                        `floor16=adaptive:{"duplicate_floor": 16}`
   * sglang cache_aware  sglang-router 0.3.2 defaults (cache 0.3, balance abs 64, rel 1.5)
   * sglang cache_aware  with its balance thresholds tuned (`--sglang-tuned ABS,REL`, repeatable)
 
@@ -39,6 +41,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import re
 import signal
 import statistics
 import sys
@@ -54,6 +57,7 @@ import aiohttp
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
 import demo  # noqa: E402  (the demo's engines, workload and client; not a package)
 
+from replay.__main__ import StrategySpec, UsageError, parse_strategy  # noqa: E402
 from warply.launch import (  # noqa: E402
     HOST,
     EngineProcess,
@@ -189,15 +193,18 @@ async def _main(args: argparse.Namespace, workdir: Path) -> int:
     conv_order = list(dict.fromkeys(i["conversation"] for i in items))
     pin = {c: engines[k % 2][0].url for k, c in enumerate(conv_order)}
 
-    def warply(strategy: str) -> Callable[[], EngineProcess]:
-        return lambda: demo.router_process(strategy, engines, args.model, workdir)
+    def warply(spec: StrategySpec) -> Callable[[], EngineProcess]:
+        knobs = json.loads(spec.raw_knobs) if spec.raw_knobs else None
+        label = re.sub(r"[^A-Za-z0-9_.-]+", "_", spec.label).strip("_")
+        return lambda: demo.router_process(spec.name, engines, args.model, workdir, knobs, label)
 
     def sgl(tag: str, extra: list[str]) -> Callable[[], EngineProcess]:
         return lambda: _sglang(args.sglang_router, engines, workdir, tag, extra)
 
-    rows: dict[str, Callable[[], EngineProcess] | None] = {ORACLE: None, RR: warply("round_robin")}
-    for s in args.strategy:
-        rows[f"warply {s}"] = warply(s)
+    rr = parse_strategy("round_robin")
+    rows: dict[str, Callable[[], EngineProcess] | None] = {ORACLE: None, RR: warply(rr)}
+    for spec in args.specs:
+        rows[f"warply {spec.label}"] = warply(spec)
     if args.sglang_router:
         rows["sglang cache_aware default"] = sgl("default", [])
         for spec in args.sglang_tuned:
@@ -267,7 +274,7 @@ async def _main(args: argparse.Namespace, workdir: Path) -> int:
                 _log(f"round {rep + 1} {name}: hit {row['hit']:.3f}, TTFT mean "
                      f"{row['mean']:.1f} ms, wall {row['wall']:.1f} s")
         urls = [e.url for e, _ in engines]
-        for name, make in (("warply-router (round_robin)", warply("round_robin")),
+        for name, make in (("warply-router (round_robin)", warply(rr)),
                            ("sglang-router (cache_aware)", sgl("added", []))):
             if args.latency_samples <= 0 or (name.startswith("sglang") and not args.sglang_router):
                 continue
@@ -338,8 +345,8 @@ def _print(args: argparse.Namespace, items: list[dict[str, Any]], prompt_tokens:
         print(f"round_robin's own spread over {len(means)} rounds: TTFT mean "
               f"{min(means):.1f}-{max(means):.1f} ms ({max(means) / min(means) - 1:.1%} max/min), "
               f"hit {min(hits):.3f}-{max(hits):.3f}")
-    for s in args.strategy:
-        n = f"warply {s}"
+    for spec in args.specs:
+        n = f"warply {spec.label}"
         if n not in agg:
             print(f"  {n}: no result")
             all_ok = False
@@ -410,7 +417,10 @@ def main() -> int:
     args = ap.parse_args()
     if args.sglang_tuned is None:
         args.sglang_tuned = ["1,1.2", "2,1.1"]
-    args.strategy = args.strategy or ["adaptive"]
+    try:
+        args.specs = [parse_strategy(s) for s in args.strategy or ["adaptive"]]
+    except UsageError as exc:
+        ap.error(str(exc))
     if not args.trace.is_file():
         ap.error(f"trace not found: {args.trace}")
     workdir = args.workdir or Path(tempfile.mkdtemp(prefix="warply-vs-sglang-"))

@@ -54,6 +54,10 @@ class StrategySpec:
     label: str
     cls: type[Strategy]
     knobs: BaseModel
+    name: str = ""
+    """The name as the router's config takes it (`strategy.name`)."""
+    raw_knobs: str = ""
+    """The knobs as given (JSON; empty: the strategy's defaults)."""
 
     def build(self) -> Strategy:
         return self.cls(self.knobs)
@@ -72,7 +76,7 @@ def parse_strategy(spec: str) -> StrategySpec:
         raise UsageError(str(exc).removeprefix("strategy.name: ")) from None
     except ValidationError as exc:
         raise UsageError(f"bad knobs for {name}: {exc}") from None
-    return StrategySpec(label or (f"{name}:{raw}" if raw else name), cls, knobs)
+    return StrategySpec(label or (f"{name}:{raw}" if raw else name), cls, knobs, name, raw)
 
 
 def _name_and_knobs(text: str) -> tuple[str, str]:

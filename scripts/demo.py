@@ -156,15 +156,23 @@ def engine_pair(
 
 
 def router_process(
-    strategy: str, engines: list[tuple[VllmServer, KvEvents]], model: str, workdir: Path
+    strategy: str,
+    engines: list[tuple[VllmServer, KvEvents]],
+    model: str,
+    workdir: Path,
+    knobs: dict[str, Any] | None = None,
+    label: str | None = None,
 ) -> RouterServer:
+    """`warply-router` over the engines with `strategy` and its `knobs` (default: the demo's);
+    `label` names its log and config files (default: the strategy's name)."""
     workers = [events.worker(f"engine-{i}", e.url) for i, (e, events) in enumerate(engines)]
+    knobs = KNOBS.get(strategy, {}) if knobs is None else knobs
     config = {
         "model": MODEL_NAME, "tokenizer": model, "port": free_port(), "auth_token": TOKEN,
-        "strategy": {"name": strategy, "knobs": KNOBS.get(strategy, {})},
+        "strategy": {"name": strategy, "knobs": knobs},
         "pools": [{"name": "cpu", "block_size": BLOCK_SIZE, "workers": workers}],
     }  # fmt: skip
-    return RouterServer(config, workdir, name=f"router-{strategy}")
+    return RouterServer(config, workdir, name=f"router-{label or strategy}")
 
 
 def reset_caches(engines: list[tuple[VllmServer, KvEvents]]) -> None:
