@@ -194,7 +194,7 @@ async def _main(args: argparse.Namespace, workdir: Path) -> int:
     pin = {c: engines[k % 2][0].url for k, c in enumerate(conv_order)}
 
     def warply(spec: StrategySpec) -> Callable[[], EngineProcess]:
-        knobs = json.loads(spec.raw_knobs) if spec.raw_knobs else None
+        knobs = spec.knobs.model_dump(exclude_unset=True) or None  # None: the demo's knobs
         label = re.sub(r"[^A-Za-z0-9_.-]+", "_", spec.label).strip("_")
         return lambda: demo.router_process(spec.name, engines, args.model, workdir, knobs, label)
 

@@ -56,8 +56,6 @@ class StrategySpec:
     knobs: BaseModel
     name: str = ""
     """The name as the router's config takes it (`strategy.name`)."""
-    raw_knobs: str = ""
-    """The knobs as given (JSON; empty: the strategy's defaults)."""
 
     def build(self) -> Strategy:
         return self.cls(self.knobs)
@@ -76,7 +74,7 @@ def parse_strategy(spec: str) -> StrategySpec:
         raise UsageError(str(exc).removeprefix("strategy.name: ")) from None
     except ValidationError as exc:
         raise UsageError(f"bad knobs for {name}: {exc}") from None
-    return StrategySpec(label or (f"{name}:{raw}" if raw else name), cls, knobs, name, raw)
+    return StrategySpec(label or (f"{name}:{raw}" if raw else name), cls, knobs, name)
 
 
 def _name_and_knobs(text: str) -> tuple[str, str]:
