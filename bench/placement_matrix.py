@@ -48,7 +48,7 @@ BASELINES = ("sglang_cache_aware", "dynamo_kv", "llmd_precise")
 EXTRA = (
     "kv-reuse",
     "prefix_affinity",
-    'fixed3=adaptive:{"adapt": false}',
+    'fixed3=adaptive:{"adapt": false, "duplicate_floor": 3}',
     'fixed16=adaptive:{"adapt": false, "duplicate_floor": 16}',
 )
 REUSE_TOL, TTFT_TOL = 0.005, 0.02

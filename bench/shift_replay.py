@@ -35,7 +35,7 @@ from replay.workloads import shift
 TRACE = Path(__file__).resolve().parents[1] / "../shared/traces/mooncake/conversation_trace.jsonl"
 STRATEGIES = (
     "adaptive",
-    'fixed3=adaptive:{"adapt": false}',
+    'fixed3=adaptive:{"adapt": false, "duplicate_floor": 3}',
     'fixed8=adaptive:{"adapt": false, "duplicate_floor": 8}',
     'fixed16=adaptive:{"adapt": false, "duplicate_floor": 16}',
     "kv-reuse",
