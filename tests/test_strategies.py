@@ -136,20 +136,20 @@ def _idle(*queued: int) -> list[WorkerLoad]:
 def test_adaptive_cost_formula_prices_waiting_against_recomputing() -> None:
     # REQ: 160 tokens, all cached on w0 (u = 0); on w1 u = 160 = u(w1) - u*. Fresh state:
     # pi = 0, h = 1, typical work = one block (16 tokens) so n(w) = q(w) / 16.
-    # cost(w0) = q0;  cost(w1) = q1 + 160 + (q1/16 + duplicate_floor 3) * 160.
+    # cost(w0) = q0;  cost(w1) = q1 + 160 + (q1/16 + duplicate_floor 8) * 160.
     held = {"w0": WorkerMatch(10, {Tier.GPU: 10})}
-    assert AdaptiveAffinity().choose(REQ, _idle(600, 0), held) == "w0"  # 600 < 640
-    assert AdaptiveAffinity().choose(REQ, _idle(700, 0), held) == "w1"  # 700 > 640
-    # Recomputing on a busy worker costs more: w1 with 160 queued -> 160 + 160 + 13 * 160.
-    assert AdaptiveAffinity().choose(REQ, _idle(2300, 160), held) == "w0"
-    assert AdaptiveAffinity().choose(REQ, _idle(2500, 160), held) == "w1"
+    assert AdaptiveAffinity().choose(REQ, _idle(1400, 0), held) == "w0"  # 1400 < 1440
+    assert AdaptiveAffinity().choose(REQ, _idle(1500, 0), held) == "w1"  # 1500 > 1440
+    # Recomputing on a busy worker costs more: w1 with 160 queued -> 160 + 160 + 18 * 160.
+    assert AdaptiveAffinity().choose(REQ, _idle(3100, 160), held) == "w0"
+    assert AdaptiveAffinity().choose(REQ, _idle(3300, 160), held) == "w1"
     # The knobs are the formula's: no duplication price -> cost(w1) = 160, 160 < 200.
     free = AdaptiveAffinity(AdaptiveAffinity.Knobs(duplicate_floor=0))
     assert free.choose(REQ, _idle(200, 0), held) == "w1"
     # Fixed knobs (no adaptation): X = duplicate_floor whatever the destination's queue.
     fixed = AdaptiveAffinity.Knobs(adapt=False)
-    assert AdaptiveAffinity(fixed).choose(REQ, _idle(700, 160), held) == "w0"  # < 160+160+480
-    assert AdaptiveAffinity(fixed).choose(REQ, _idle(900, 160), held) == "w1"  # > 800
+    assert AdaptiveAffinity(fixed).choose(REQ, _idle(1500, 160), held) == "w0"  # < 160+160+1280
+    assert AdaptiveAffinity(fixed).choose(REQ, _idle(1700, 160), held) == "w1"  # > 1600
     # A request that may not reuse goes by load alone.
     no_reuse = RequestView(REQ.keys, REQ.prompt_tokens, REQ.block_size, prefix_reuse=False)
     assert AdaptiveAffinity().choose(no_reuse, _idle(600, 0), held) == "w1"

@@ -46,7 +46,9 @@ queue_cap · h + duplicate_floor + eviction_gain. The measured state (π, ū, th
 routed shares, spills) is exposed by `gauges()` and `worker_gauges()` for metrics.
 
 Defaults were chosen on the replayer's conversation, GSP, agent and RAG workloads at several
-fleet sizes and rates and checked on other seeds and windows (docs/replay.md, the matrix).
+fleet sizes and rates and checked on other seeds and windows (docs/replay.md, the matrix);
+`duplicate_floor` 8 rather than 3 on two real vLLM engines, where the lower floor moved short
+turns that cost hits and saved no time (docs/router.md).
 """
 
 from __future__ import annotations
@@ -72,7 +74,7 @@ from router.strategies.base import (
 
 class AdaptiveKnobs(Knobs):
     tier_weights: TierWeights = TierWeights()
-    duplicate_floor: float = Field(3.0, ge=0)
+    duplicate_floor: float = Field(8.0, ge=0)
     """Extra cost per token of recomputing a private prefix that another worker holds, when
     caches have room (π = 0)."""
     eviction_gain: float = Field(32.0, ge=0)
