@@ -146,6 +146,11 @@ async def _tokenized(proxy: Proxy, tok: RouterTokenizer, index: PrefixIndex,
             prep = await proxy.prepare(dict(before), "chat")  # the earlier turn, as routed
             await proxy.place(prep, set())
             seen = list(prep.prompt.tokens if prep.rest is None else (await prep.rest).tokens)
+            # Answered: the router holds nothing of a request once it ends, and the next one
+            # starts in a loop callback of its own (the callback that resumed this coroutine
+            # still holds the task it awaited, and with it that turn's prompt).
+            del prep
+            await asyncio.sleep(0)
             await index.apply(f"w{i % WORKERS}", _prefill(seen, 2 * 10**9 + i * 10**5))
             for kind, b in (("warm", body), ("cold", _conversation(tok, rng, n_tokens,
                                                                    n_tokens // 2)[1])):

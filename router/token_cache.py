@@ -244,7 +244,7 @@ class ChunkCache:
         else:
             lineage = Lineage(ident, seen.lineage.ident, seen.marks[start - 1])
             cuts, marks = seen.cuts[:start], seen.marks[:start]
-            ids = seen.ids[: lineage.shared]
+            ids = self._take_ids(seen, lineage.shared)
         rest = pieces[cut:]
         chars = sum(len(p) for p in rest if isinstance(p, str))
         specials = len(rest) - sum(isinstance(p, str) for p in rest)
@@ -260,9 +260,9 @@ class ChunkCache:
 
     def finish(self, partial: Partial) -> array[int]:
         """The whole text's ids: `partial.ids`, extended in place by those of what `begin` left
-        (a long history is copied once, in `begin`); the partial is whole afterwards, so a
-        second call returns the same array. It is the remembered text's own: nothing changes
-        it once this returns."""
+        (a long history is copied once, in `begin`, or not at all: `_take_ids`); the partial is
+        whole afterwards, so a second call returns the same array. It is the remembered text's
+        own: nothing changes it while anything outside the cache holds it."""
         if partial.rest:
             seen = partial._seen
             ends = () if seen is None else (seen.cuts, seen.marks)
@@ -271,6 +271,20 @@ class ChunkCache:
             if seen is not None:
                 self._remember(seen)
         return partial.ids
+
+    def _take_ids(self, seen: _Seen, shared: int) -> array[int]:
+        """The first `shared` of a remembered text's ids, for a new text to extend: the text's
+        own array when nothing else holds it (the text is then forgotten: its ids stop being
+        its own), else a copy. A 128k-token history's ids are 512 KB; under the router's fixed
+        mmap threshold a copy is mapped fresh and faults in ~128 pages, the array kept does not."""
+        ids = seen.ids
+        # CPython's count: `seen.ids`, `ids` and getrefcount's own argument. More: a prompt
+        # still in flight holds them, and its ids must not change under it.
+        if sys.getrefcount(ids) > 3:
+            return ids[:shared]
+        self._forget(seen)
+        del ids[shared:]
+        return ids
 
     def _level_keys(self, text: str) -> list[tuple[int, int]]:
         """(length, hash) of the text's leading 1k, 4k, 16k, ... characters, shortest first;

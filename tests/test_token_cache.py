@@ -4,6 +4,7 @@ takes and the tokenizers it must refuse, on random texts and on growing conversa
 from __future__ import annotations
 
 import random
+import weakref
 
 import pytest
 from tokenizers import AddedToken, Regex, Tokenizer, models, pre_tokenizers, trainers
@@ -199,3 +200,20 @@ def test_finished_ids_stay_as_they_were_after_later_turns() -> None:
         part = cache.begin(text)
         assert cache.finish(part).tolist() == tok.encode(text, add_special_tokens=False).ids
     assert earlier.tolist() == kept
+
+
+def test_a_next_turn_takes_over_ids_nothing_else_holds() -> None:
+    """Once nothing outside the cache holds a turn's ids, the next turn extends that array
+    instead of copying the history (held ids are copied: the test above), and stays exact."""
+    tok = _bytelevel()
+    cache = ChunkCache(tok, min_chunk_chars=16, min_level_chars=32)
+    rng = random.Random(23)
+    text = _text(rng, 150)
+    earlier = weakref.ref(cache.finish(cache.begin(text)))
+    for _ in range(5):
+        text += "\nuser: " + _text(rng, rng.randrange(5, 40))
+        ids = cache.finish(cache.begin(text))
+        assert ids is earlier()
+        assert ids.tolist() == tok.encode(text, add_special_tokens=False).ids
+        earlier = weakref.ref(ids)
+        del ids
