@@ -20,6 +20,7 @@ One stack serves the module and the tests run in order, each leaving it as the n
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import signal
@@ -150,9 +151,16 @@ def _complete(url: str, prompt: str, max_tokens: int = 8) -> dict[str, Any]:
         return {"status": err.code, "error": json.loads(err.read())["error"]}
 
 
-def _stream(url: str, prompt: str, max_tokens: int, out: dict[str, Any]) -> None:
+def _stream(
+    url: str,
+    prompt: str,
+    max_tokens: int,
+    out: dict[str, Any],
+    on_first: Callable[[], None] | None = None,
+) -> None:
     """A streamed completion (ignore_eos): `out` gets status, worker and the events as they
-    come; its outcome goes to the ledger."""
+    come (`on_first` runs in this thread as the first one arrives); its outcome goes to the
+    ledger."""
     body = {"model": "tiny", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
             "ignore_eos": True, "stream": True}  # fmt: skip
     req = urllib.request.Request(
@@ -166,6 +174,8 @@ def _stream(url: str, prompt: str, max_tokens: int, out: dict[str, Any]) -> None
             out["status"], out["worker"] = r.status, r.headers["X-Warply-Worker"]
             for line in r:
                 if line.startswith(b"data: "):
+                    if on_first is not None and not out["events"]:
+                        on_first()
                     out["events"].append(line[6:].strip().decode())
     except urllib.error.HTTPError as err:
         out["status"], out["error"] = err.code, json.loads(err.read())["error"]
@@ -284,16 +294,18 @@ def test_a_killed_engine_fails_started_streams_and_retries_queued_requests(
     _enable(url, "w1", False)  # both requests go to w0
     started: dict[str, Any] = {}
     queued: dict[str, Any] = {}
+    # The engine is frozen by the reader thread as the first event arrives, so the stream
+    # cannot finish before the kill however fast the engine decodes or however late the test's
+    # own thread runs on a busy machine (its kernel still accepts the second request's
+    # connection).
+    freeze = functools.partial(os.killpg, engines[0].pid, signal.SIGSTOP)
     threads = [
-        threading.Thread(target=_stream, args=(url, "Long story: ", 1800, started)),
+        threading.Thread(target=_stream, args=(url, "Long story: ", 1800, started, freeze)),
         threading.Thread(target=_stream, args=(url, "Queued behind it: ", 16, queued)),
     ]
     try:
         threads[0].start()
         _wait(lambda: bool(started.get("events")), 120, "the first stream's first event")
-        # Frozen from here, so the stream cannot finish before the kill however fast the
-        # engine decodes (its kernel still accepts the second request's connection).
-        os.killpg(engines[0].pid, signal.SIGSTOP)
         threads[1].start()
         _wait(lambda: _workers(url)["w0"]["in_flight"] == 2, 30, "the second request on w0")
     finally:
