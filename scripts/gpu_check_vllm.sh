@@ -84,14 +84,4 @@ pools:
       - {name: d, url: "http://127.0.0.1:$D_PORT", bind: true,
          events: "tcp://127.0.0.1:$D_EVENTS", replay: "tcp://127.0.0.1:$D_REPLAY"}
 YAML
-setsid "$CORE" -m router --config "$LOGS/router.yaml" >"$LOGS/router.log" 2>&1 &
-PIDS+=("$!")
-healthy "http://127.0.0.1:$P_PORT" "${PIDS[1]}" "$LOGS/prefill.log"
-healthy "http://127.0.0.1:$D_PORT" "${PIDS[2]}" "$LOGS/decode.log"
-healthy "http://127.0.0.1:$R_PORT" "${PIDS[3]}" "$LOGS/router.log"
-sleep 3  # the router's next health probe marks both workers healthy
-"$CORE" "$ROOT/scripts/gpu_pd_check.py" check "http://127.0.0.1:$R_PORT" "$LOGS/reference.json" tiny
-"$CORE" -c 'import json, sys, urllib.request
-s = json.load(urllib.request.urlopen(sys.argv[1]))
-print("router pd stats:", json.dumps(s.get("pd"))[:400])' "http://127.0.0.1:$R_PORT/warply/cache_stats"
-echo "vLLM GPU check passed"
+route_and_check vLLM
