@@ -250,7 +250,10 @@ class RouterTokenizer:
         for m in messages:
             if not isinstance(m, Mapping) or not isinstance(m.get("role"), str):
                 raise PromptError("each message needs a string 'role'")
-            conversation.append({**m, "content": _message_content(m.get("content"))})
+            content = m.get("content")
+            text = _message_content(content)
+            # a text message goes in as it is (the sandbox cannot change it): no copy per turn
+            conversation.append(m if text is content else {**m, "content": text})
         template = self._template
         if isinstance(body.get("chat_template"), str):
             try:

@@ -210,6 +210,25 @@ def test_adaptive_replicates_a_hot_shared_prefix_but_keeps_a_private_one() -> No
     assert hot.gauges()["spills"] == 1 and hot.gauges()["spill_tokens"] == 160
 
 
+def test_adaptive_next_turn_checkpoints_only_its_new_blocks() -> None:
+    # Three checkpoints remembered, one every 32 blocks. A's next turn refreshes its deepest
+    # checkpoint and adds its new one, leaving A's early checkpoint to age: B's checkpoint
+    # outlives it, so B's return is still measured (refreshing A's whole history each turn
+    # would push B's out instead, and cost every turn time in proportion to the history).
+    s = AdaptiveAffinity(AdaptiveAffinity.Knobs(memory=3))
+    a, b = list(range(1000, 1096)), list(range(2000, 2032))
+
+    def view(keys: list[int]) -> RequestView:
+        return RequestView(keys=keys, prompt_tokens=len(keys) * 16, block_size=16)
+
+    s.choose(view(a[:64]), _idle(0, 0), {})  # A's checkpoints at 32 and 64
+    s.choose(view(b), _idle(0, 0), {})  # B's at 32
+    s.choose(view(a), _idle(0, 0), {"w0": WorkerMatch(64, {Tier.GPU: 64})})  # A's at 96
+    assert s.eviction_loss == 0  # A came back for 64 blocks and found them
+    s.choose(view(b), _idle(0, 0), {})  # B comes back for 32 blocks, held nowhere
+    assert s.eviction_loss > 0
+
+
 def test_adaptive_measures_eviction_loss_and_raises_the_duplication_price() -> None:
     s = AdaptiveAffinity()
     k = s.knobs

@@ -185,7 +185,8 @@ class AdaptiveAffinity(Strategy):
         self._tick += 1
         if request.prefix_reuse:
             self._expected, self._lost = plan.loss
-            self._remember(request.keys, max(1, k.checkpoint_tokens // request.block_size), k)
+            stride = max(1, k.checkpoint_tokens // request.block_size)
+            self._remember(request.keys, plan.seen or stride, stride, k)
             if plan.depth:
                 self._warm(request.keys[plan.depth - 1], k.heat_horizon * n, k.memory)
         self._depth = plan.queue_depth
@@ -224,10 +225,11 @@ class AdaptiveAffinity(Strategy):
         depth = max((matches[w.name].blocks for w in candidates if w.name in matches), default=0)
         decay = 1.0 - 1.0 / (k.horizon * n)
         loss = (self._expected, self._lost)
-        heat = 1.0
+        heat, seen = 1.0, 0
         if reuse:
             stride = max(1, k.checkpoint_tokens // bs)
-            loss = self._loss_after(request.keys, depth, stride, decay)
+            seen = self._seen_depth(request.keys, stride)
+            loss = self._loss_after(seen, depth, decay)
             if depth:
                 heat = self._heat_at(request.keys[depth - 1], self._tick + 1, k.heat_horizon * n)
         dup = self._price(loss[1] / loss[0] if loss[0] > 0 else 0.0) / heat
@@ -255,30 +257,35 @@ class AdaptiveAffinity(Strategy):
                     "heat": heat,
                     "cost": cost,
                 }
-        return _Plan(keys, terms, uncached, least, decay, loss, depth, queue_depth)
+        return _Plan(keys, terms, uncached, least, decay, loss, depth, seen, queue_depth)
 
-    def _loss_after(
-        self, keys: Sequence[int], found: int, stride: int, decay: float
-    ) -> tuple[float, float]:
-        """π's decayed sums (expected, lost) with this request counted: the deepest checkpoint
-        of `keys` seen before is what earlier requests brought; `found` blocks of it are still
-        held somewhere (the longest match)."""
+    def _seen_depth(self, keys: Sequence[int], stride: int) -> int:
+        """The depth in blocks of the deepest checkpoint of `keys` seen before (0: none): what
+        earlier requests brought."""
         seen = self._checkpoints
-        expected = 0
         for d in range(len(keys) // stride * stride, 0, -stride):
             if keys[d - 1] in seen:
-                expected = d
-                break
+                return d
+        return 0
+
+    def _loss_after(self, expected: int, found: int, decay: float) -> tuple[float, float]:
+        """π's decayed sums (expected, lost) with this request counted: `expected` blocks were
+        brought by earlier requests (`_seen_depth`), `found` of them are still held somewhere
+        (the longest match)."""
         total, lost = self._expected * decay, self._lost * decay
         if expected:
             total += expected
             lost += max(0, expected - found)
         return total, lost
 
-    def _remember(self, keys: Sequence[int], stride: int, k: AdaptiveKnobs) -> None:
-        """Checkpoint `keys` every `stride` blocks (least recent forgotten past `memory`)."""
+    def _remember(self, keys: Sequence[int], start: int, stride: int, k: AdaptiveKnobs) -> None:
+        """Checkpoint `keys` every `stride` blocks from depth `start` on (least recent forgotten
+        past `memory`). `start` is the deepest checkpoint seen before: those above it were
+        checkpointed with it, so a conversation's next turn costs its new blocks, not its
+        history (they age in the LRU order from then, and a fork from deep in a long-idle
+        history may find a shallower checkpoint than it would have)."""
         seen = self._checkpoints
-        for d in range(stride, len(keys) + 1, stride):
+        for d in range(start, len(keys) + 1, stride):
             key = keys[d - 1]
             if key in seen:
                 seen.move_to_end(key)
@@ -320,4 +327,6 @@ class _Plan:
     """π's decayed sums (expected, lost) with this request counted."""
     depth: int
     """The longest match, in blocks."""
+    seen: int
+    """The deepest checkpoint seen before, in blocks (0: none)."""
     queue_depth: float
