@@ -19,8 +19,9 @@ healthy() {  # healthy URL PID LOG: wait for URL/health while PID lives; else LO
   echo "$1 did not become healthy; $3:" >&2; tail -20 "$3" >&2; return 1
 }
 route_and_check() {  # route_and_check ENGINE: start the router on $LOGS/router.yaml (the
-  # caller's prefill and decode engines are PIDS[1] and PIDS[2]), wait for all three, send the
-  # P/D check through it against $LOGS/reference.json and print the router's P/D stats
+  # caller's prefill and decode engines are PIDS[1] and PIDS[2], on $P_PORT and $D_PORT; the
+  # router's port is $R_PORT), wait for all three, send the P/D check through it against
+  # $LOGS/reference.json and print the router's P/D stats
   setsid "$CORE" -m router --config "$LOGS/router.yaml" >"$LOGS/router.log" 2>&1 &
   PIDS+=("$!")
   healthy "http://127.0.0.1:$P_PORT" "${PIDS[1]}" "$LOGS/prefill.log"

@@ -280,7 +280,7 @@ class AdaptiveAffinity(Strategy):
 
     def _remember(self, keys: Sequence[int], start: int, stride: int, k: AdaptiveKnobs) -> None:
         """Checkpoint `keys` every `stride` blocks from depth `start` on (least recent forgotten
-        past `memory`). `start` is the deepest checkpoint seen before: those above it were
+        past `memory`). `start` is the deepest checkpoint seen before: the shallower ones were
         checkpointed with it, so a conversation's next turn costs its new blocks, not its
         history (they age in the LRU order from then, and a fork from deep in a long-idle
         history may find a shallower checkpoint than it would have)."""
