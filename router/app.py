@@ -30,6 +30,7 @@ from router.feed import IndexFeed
 from router.index import PrefixIndex, open_store
 from router.index_health import IndexHealth
 from router.load import open_ledger
+from router.loop_watch import LoopWatch
 from router.membership import Membership
 from router.metrics import RouterMetrics, kv_transfer_stats
 from router.openapi import openapi_document
@@ -106,6 +107,7 @@ class Router:
             )
             self.metrics.on_request.append(self.tiering.observe)
         self._health_task: asyncio.Task[None] | None = None
+        self._loop_watch = LoopWatch(self.metrics.series.loop_lag, config.loop_stall_dump_s)
         self.app = web.Application(
             middlewares=[self._errors], client_max_size=config.limits.max_body_bytes
         )
@@ -134,6 +136,7 @@ class Router:
     # -- lifecycle -------------------------------------------------------------------------------
 
     async def _startup(self, _: web.Application) -> None:
+        self._loop_watch.start()
         self.feed.start()
         self.ledger.start(lambda: [w.load for w in self.workers.values()])
         await self.feed.caught_up(_CATCH_UP_S)
@@ -149,6 +152,7 @@ class Router:
             await self.tiering.stop()
         if self._health_task is not None:
             await cancel([self._health_task])
+        await self._loop_watch.stop()
         await self.membership.stop()
         await self.feed.stop()
         await self.proxy.close()

@@ -334,6 +334,10 @@ class RouterConfig(_Strict):
     health_interval_s: float = Field(2.0, gt=0)
     health_timeout_s: float = Field(2.0, gt=0)
     """How long one `/health` probe may take."""
+    loop_stall_dump_s: float | None = Field(10.0, gt=0)
+    """When the event loop has not run for this long, every thread's stack is written to the
+    router's stderr (None: never); its lag is always the `warply_router_event_loop_lag_seconds`
+    histogram."""
     unhealthy_after: int = Field(2, ge=1)
     """Failed probes in a row (slow, hung, or an error status) before a worker that still
     accepts connections leaves placement; a refused connection takes it out at once. One slow

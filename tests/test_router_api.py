@@ -9,6 +9,7 @@ import json
 import logging
 import random
 import socket
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
@@ -593,6 +594,37 @@ def test_metrics_and_alert(tokenizer_dir: Path) -> None:
 
     _run(scenario())
     assert fired and fired[0][1] == 0.5
+
+
+def test_a_blocked_event_loop_is_measured_and_its_stacks_logged(
+    tokenizer_dir: Path, capfd: pytest.CaptureFixture[str], caplog: pytest.LogCaptureFixture
+) -> None:
+    """Something on the loop that blocks it for 1.2 s: the lag histogram counts a late timer,
+    a warning says how late, and (stall dump after 0.5 s) every thread's stack is on stderr,
+    naming the blocking call."""
+
+    def _blocking_call() -> None:
+        time.sleep(1.2)
+
+    async def scenario() -> None:
+        async with running(tokenizer_dir, [FakeEngine("a")], loop_stall_dump_s=0.5) as (
+            _r, call, _s, _b,
+        ):  # fmt: skip
+            await asyncio.sleep(0.3)  # the watch has ticked and armed its dump
+            _blocking_call()
+            await asyncio.sleep(0.3)
+            _, text = await call("GET", "/metrics")
+            families = {f.name: f for f in text_string_to_metric_families(text)}
+            lag = families["warply_router_event_loop_lag_seconds"].samples
+            late = [s.value for s in lag if s.labels.get("le") == "1.0"]
+            count = [s.value for s in lag if s.name.endswith("_count")]
+            assert count[0] - late[0] >= 1, lag  # at least one tick a second or more late
+
+    with caplog.at_level(logging.WARNING, logger="router.loop_watch"):
+        _run(scenario())
+    assert any("event loop ran a timer" in r.getMessage() for r in caplog.records)
+    err = capfd.readouterr().err
+    assert "Timeout" in err and "_blocking_call" in err, err[-2000:]
 
 
 def test_tokenizer_cache_keeps_its_configured_budget(tokenizer_dir: Path) -> None:

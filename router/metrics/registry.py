@@ -26,6 +26,7 @@ _INDEX_STATES = ("exact", "degraded", "fallback")
 _BREAKER_STATES = ("closed", "open", "half_open")
 
 _OVERHEAD_BUCKETS = (5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 0.1)
+_LAG_BUCKETS = (1e-3, 5e-3, 0.01, 0.05, 0.1, 0.5, 1, 5, 10)
 _TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 
 
@@ -111,6 +112,11 @@ class Series:
             "Router time before the upstream request (parse, tokenize, match, choose)",
             buckets=_OVERHEAD_BUCKETS,
             registry=r,
+        )
+        self.loop_lag = Histogram(
+            "warply_router_event_loop_lag_seconds",
+            "How late the router's event loop ran a 0.25 s timer (work that blocked the loop)",
+            buckets=_LAG_BUCKETS, registry=r,
         )
         self.decisions = PromCounter(
             "warply_router_pd_decisions",
