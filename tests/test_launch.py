@@ -7,6 +7,8 @@ tests/lmcache/."""
 from __future__ import annotations
 
 import json
+import os
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -14,7 +16,7 @@ import pytest
 from prometheus_client import CollectorRegistry, Counter, start_http_server
 
 from router.config import WorkerConfig
-from warply.launch import HOST, KvEvents, VllmServer, free_port, kv_event_engines
+from warply.launch import HOST, EngineProcess, KvEvents, VllmServer, free_port, kv_event_engines
 
 
 @pytest.fixture
@@ -69,3 +71,23 @@ def test_kv_event_engines_each_publish_on_their_own_ports_and_core(tmp_path: Pat
         assert json.loads(engine.cmd[flag + 1]) == events.engine_config()
         assert "--seed" in engine.cmd
     assert len({p for _, ev in pairs for p in (ev.pub, ev.replay)}) == 6
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs two cores to confine to one")
+def test_a_confined_process_and_what_it_starts_run_on_its_cores_only(tmp_path: Path) -> None:
+    """`cpus`: the process and a child it starts later report one allowed core; cores this
+    machine does not give us are dropped (none left: not confined)."""
+    core = min(os.sched_getaffinity(0))
+    child = "import os; print(sorted(os.sched_getaffinity(0)))"
+    script = (
+        "import os, subprocess, sys, time; time.sleep(0.5); "
+        f"print(sorted(os.sched_getaffinity(0))); subprocess.run([sys.executable, '-c', {child!r}])"
+    )
+    proc = EngineProcess([sys.executable, "-c", script], url="", log_path=tmp_path / "p.log",
+                         cpus={core, 100_000})  # fmt: skip
+    assert proc.cpus == {core}
+    with proc.start():
+        assert proc.wait_exit(30) == 0
+    assert proc.log_path.read_text().split() == [f"[{core}]", f"[{core}]"]
+    unknown = EngineProcess(["true"], url="", log_path=tmp_path / "q.log", cpus={100_000})
+    assert unknown.cpus == set()

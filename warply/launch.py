@@ -19,7 +19,7 @@ import time
 import urllib.error
 import urllib.request
 from collections import Counter
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Collection, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any
@@ -94,11 +94,20 @@ class EngineProcess:
     """One engine server process with its log file; a context manager that always stops it."""
 
     def __init__(
-        self, cmd: Sequence[str], *, url: str, log_path: Path, env: Mapping[str, str] | None = None
+        self,
+        cmd: Sequence[str],
+        *,
+        url: str,
+        log_path: Path,
+        env: Mapping[str, str] | None = None,
+        cpus: Collection[int] = (),
     ) -> None:
         self.cmd = list(cmd)
         self.url = url
         self.log_path = log_path
+        self.cpus = set(cpus) & os.sched_getaffinity(0)
+        """Cores the process (and all it starts) is confined to: those of `cpus` this process
+        may use; none (no confinement) when that leaves none."""
         # unbuffered: the last lines of a process that is killed are the ones worth reading
         self._env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
         self._log: IO[bytes] | None = None
@@ -117,6 +126,10 @@ class EngineProcess:
             env=self._env,
             start_new_session=True,
         )
+        if self.cpus:
+            # set as soon as the process exists: vLLM starts its engine core, workers and
+            # their threads seconds later, and they inherit it
+            os.sched_setaffinity(self.proc.pid, self.cpus)
         return self
 
     @property
@@ -223,6 +236,7 @@ class VllmServer(EngineProcess):
         kv_events_config: Mapping[str, Any] | None = None,
         cpu_core: int = 0,
         env: Mapping[str, str] | None = None,
+        cpus: Collection[int] = (),
     ) -> None:
         self.port = port or free_port()
         self.served_name = served_name
@@ -244,7 +258,9 @@ class VllmServer(EngineProcess):
         if kv_events_config is not None:
             cmd += ["--kv-events-config", json.dumps(kv_events_config)]
         full_env = {**VLLM_CPU_ENV, "VLLM_CPU_OMP_THREADS_BIND": str(cpu_core), **(env or {})}
-        super().__init__(cmd, url=f"http://{HOST}:{self.port}", log_path=log_path, env=full_env)
+        super().__init__(
+            cmd, url=f"http://{HOST}:{self.port}", log_path=log_path, env=full_env, cpus=cpus
+        )
 
     def completion(self, prompt: str | list[int], **fields: Any) -> dict[str, Any]:
         """POST /v1/completions for the served model; raises with the body on an error status."""

@@ -41,14 +41,21 @@ def engine(
     kv_transfer: dict[str, Any] | None = None,
     extra_args: list[str] | None = None,
     env: dict[str, str] | None = None,
+    core: int | None = None,
 ) -> VllmServer:
-    """A test `vllm serve` (not started): prefix caching, cached-token usage, stats every 1 s."""
+    """A test `vllm serve` (not started): prefix caching, cached-token usage, stats every 1 s.
+    `core`: its OpenMP threads bind there and the whole process is confined to it. Engines that
+    pass KV over NIXL need that on 2 cores: with its decode peer paused, a vLLM 0.32 prefill
+    engine's worker threads took both cores, mostly in the kernel, for up to 13 s, and every
+    other process (router, test) stood still; confined, a 50 ms sleeper beside them was at
+    worst 1.7 s late instead of 13.4 s."""
     args = ["--block-size", str(block_size), "--max-model-len", "2048", "--max-num-seqs", "4",
             "--enable-prefix-caching", "--seed", "0", "--enable-prompt-tokens-details",
             *(extra_args or [])]  # fmt: skip
     return VllmServer(VLLM_BIN, model, log_path=log_path, args=args, kv_transfer_config=kv_transfer,
                       env={"VLLM_SERVER_DEV_MODE": "1", "VLLM_LOG_STATS_INTERVAL": "1",
-                           **(env or {})})  # fmt: skip
+                           **(env or {})},
+                      cpu_core=core or 0, cpus=() if core is None else {core})  # fmt: skip
 
 
 def start_all(servers: list[VllmServer]) -> None:

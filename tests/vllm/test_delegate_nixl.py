@@ -106,8 +106,8 @@ def _run_pd(kind: str, model: str, logs: Path) -> dict[str, Any]:
                 logs / f"{kind}-{role}.log",
                 block_size=BLOCK,
                 kv_transfer=ktc,
+                core=i,
                 env={
-                    "VLLM_CPU_OMP_THREADS_BIND": str(i),
                     "VLLM_NIXL_SIDE_CHANNEL_HOST": HOST,
                     "VLLM_NIXL_SIDE_CHANNEL_PORT": str(free_port()),
                 },

@@ -75,7 +75,8 @@ def _connector(role: str, events: str, replay: str, worker: str) -> dict[str, An
 
 @pytest.fixture(scope="module")
 def pd(tiny_model: str, server_logs: Path) -> Iterator[dict[str, Any]]:
-    """Prefill and decode engines (cores 0 and 1) and the router as a subprocess."""
+    """Prefill and decode engines (each confined to its core, 0 and 1: see `engine`) and the
+    router as a subprocess."""
     engines: dict[str, VllmServer] = {}
     workers = {}
     for i, (name, role) in enumerate((("p", "kv_producer"), ("d", "kv_consumer"))):
@@ -84,8 +85,8 @@ def pd(tiny_model: str, server_logs: Path) -> Iterator[dict[str, Any]]:
         engines[name] = engine(
             tiny_model, server_logs / f"pd-{name}.log", block_size=BLOCK,
             kv_transfer=_connector(role, events, replay, name),
-            env={"VLLM_CPU_OMP_THREADS_BIND": str(i), "VLLM_NIXL_SIDE_CHANNEL_HOST": HOST,
-                 "VLLM_NIXL_SIDE_CHANNEL_PORT": str(free_port())},
+            core=i, env={"VLLM_NIXL_SIDE_CHANNEL_HOST": HOST,
+                         "VLLM_NIXL_SIDE_CHANNEL_PORT": str(free_port())},
         )  # fmt: skip
         workers[name] = {"name": name, "url": engines[name].url, "events": events,
                          "replay": replay, "bind": True}  # fmt: skip
