@@ -52,6 +52,7 @@ def test_the_design_example_on_cpu(model_dir: str, tmp_path: Path) -> None:
     assert _flag(prefill, "--block-size") == "256"  # = LMCache's chunk size
     assert (prefill.env["VLLM_CPU_OMP_THREADS_BIND"], decode.env["VLLM_CPU_OMP_THREADS_BIND"]) == (
         "0", "1")  # fmt: skip
+    assert (prefill.cpus, decode.cpus) == ((0,), (1,))  # each engine confined to its core
     for proc, role in ((prefill, "kv_producer"), (decode, "kv_consumer")):
         kv = _kv(proc)
         assert kv["kv_connector"] == "WarplyConnector" and kv["kv_role"] == role
@@ -83,12 +84,20 @@ def test_aggregated_without_tiers_has_no_delegate(model_dir: str, tmp_path: Path
     assert plan.services == [] and [p.name for p in plan.engines] == [
         "engine-0", "engine-1", "engine-2"]  # fmt: skip
     assert [p.env["VLLM_CPU_OMP_THREADS_BIND"] for p in plan.engines] == ["0", "1", "0"]
+    assert [p.cpus for p in plan.engines] == [(0,), (1,), (0,)]
+    assert plan.router.cpus == ()
     kv = _kv(plan.engines[0])
     assert kv["kv_role"] == "kv_both" and "delegate" not in kv["kv_connector_extra_config"]
     assert _flag(plan.engines[0], "--block-size") == "32"
     config = RouterConfig.model_validate(plan.router_config)
     assert config.pools[0].role == "both" and config.tiering is not None
     assert config.tiering.policy.name == "lru_by_tier"
+
+
+def test_a_pool_that_binds_its_own_threads_is_not_confined(model_dir: str, tmp_path: Path) -> None:
+    spec = wp.Engine(model=model_dir, pool=wp.Pool("cpu", env={"VLLM_CPU_OMP_THREADS_BIND": "0-1"}))
+    (engine,) = make_plan(spec, BINS, tmp_path, cpu_cores=2).engines
+    assert engine.env["VLLM_CPU_OMP_THREADS_BIND"] == "0-1" and engine.cpus == ()
 
 
 def test_an_s3_tier_on_an_http_endpoint_reaches_it_through_the_proxy(

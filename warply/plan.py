@@ -81,6 +81,9 @@ class ProcessPlan:
     url: str
     health: str = "/health"
     env: dict[str, str] = field(default_factory=dict)
+    cpus: tuple[int, ...] = ()
+    """Cores the process and all it starts are confined to when started on this host (empty:
+    anywhere). An export leaves that to the pod's CPU limits."""
 
 
 @dataclass(frozen=True)
@@ -241,11 +244,13 @@ class _Replica:
     devices: list[int]
     at: Layout
 
-    def process(self, argv: list[str], port: int, env: dict[str, str]) -> ProcessPlan:
+    def process(
+        self, argv: list[str], port: int, env: dict[str, str], cpus: tuple[int, ...] = ()
+    ) -> ProcessPlan:
         """The engine's process: `argv`, then the pool's engine args; `env`, then the pool's."""
         return ProcessPlan(self.name, "engine", [*argv, *self.pool.engine_args],
                            f"http://{self.at.host(self.name)}:{port}",
-                           env={**env, **self.pool.env})  # fmt: skip
+                           env={**env, **self.pool.env}, cpus=cpus)  # fmt: skip
 
 
 def _uses_lmcache(spec: Deployment, tier: KVTier) -> bool:
@@ -287,8 +292,14 @@ def _vllm(r: _Replica, core: int, run_dir: Path) -> tuple[ProcessPlan, _Extra]:
     if rendered.mooncake_config is not None:
         extra.files[f"mooncake-{r.name}.json"] = json.dumps(rendered.mooncake_config)
         env["MOONCAKE_CONFIG_PATH"] = str(run_dir / f"mooncake-{r.name}.json")
+    cpus: tuple[int, ...] = ()
     if r.spec.device == "cpu":
         env |= {**VLLM_CPU_ENV, "VLLM_CPU_OMP_THREADS_BIND": str(core)}
+        # The whole engine stays on the core its OpenMP threads use: unconfined, a vLLM 0.32
+        # NIXL prefill engine whose decode peer stalled took every core for seconds, router
+        # included (docs/reliability.md). A pool that binds its own threads places itself.
+        if "VLLM_CPU_OMP_THREADS_BIND" not in r.pool.env:
+            cpus = (core,)
     elif r.at.pick_gpus:
         env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, r.devices))
     port = r.at.port(r.name, "http")
@@ -304,7 +315,7 @@ def _vllm(r: _Replica, core: int, run_dir: Path) -> tuple[ProcessPlan, _Extra]:
     if len(r.devices) > 1:
         argv += ["--tensor-parallel-size", str(len(r.devices))]
     argv += ["--kv-transfer-config", json.dumps(config, separators=(",", ":"))]
-    return r.process(argv, port, env), extra
+    return r.process(argv, port, env, cpus), extra
 
 
 def _add_nixl(config: dict[str, Any], device: str) -> None:

@@ -3,13 +3,14 @@
 A deliberately broken engine argument: `up()` raises `UpError` as soon as the engine exits
 (not at a timeout), naming the engine and showing its log's end, and every process it had
 started (router included) is gone. Then `warply up SPEC.yaml` leaves an aggregated deployment
-running after it exits, a request through the router answers, and `warply down` stops every
-process group of the run.
+running after it exits, its engine's processes all stay on the engine's core, a request
+through the router answers, and `warply down` stops every process group of the run.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import time
@@ -73,6 +74,10 @@ def test_cli_up_leaves_it_running_and_down_stops_it(tiny_model: str, tmp_path: P
         with urllib.request.urlopen(req, timeout=120) as resp:
             assert json.loads(resp.read())["usage"]["prompt_tokens"] > 0
         members = {m for pid in pids.values() for m in group_members(pid)}
+        if {0, 1} <= os.sched_getaffinity(0):  # the plan gives engine-0 core 0
+            assert {frozenset(_cores(m)) for m in group_members(pids["engine-0"])} - {
+                frozenset()} == {frozenset({0})}  # fmt: skip
+            assert _cores(pids["router"]) == os.sched_getaffinity(0)
         down = _warply("down", "--run-dir", str(run))
         assert down.returncode == 0, down.stderr
         assert "stopped 2 process group(s)" in down.stdout
@@ -87,3 +92,11 @@ def test_cli_up_leaves_it_running_and_down_stops_it(tiny_model: str, tmp_path: P
     refused = _warply("up", str(bad))
     assert refused.returncode == 2 and "Traceback" not in refused.stderr
     assert "model: model '/no/such/model': no such folder" in refused.stderr
+
+
+def _cores(pid: int) -> set[int]:
+    """The cores `pid` may run on; empty when it has exited since it was listed."""
+    try:
+        return os.sched_getaffinity(pid)
+    except ProcessLookupError:
+        return set()
