@@ -55,7 +55,7 @@ def _connector(role: str) -> dict[str, Any]:
 
 def _server(vllm: Path, model: str, role: str, core: int, logs: Path, block: int) -> VllmServer:
     return VllmServer(
-        vllm, model, log_path=logs / f"{role}.log", cpu_core=core,
+        vllm, model, log_path=logs / f"{role}.log", cpu_core=core, confined=True,
         args=["--block-size", str(block), "--max-model-len", "8192", "--max-num-seqs", "4",
               "--enable-prefix-caching", "--seed", "0", "--enable-prompt-tokens-details"],
         kv_transfer_config=_connector(role),

@@ -236,8 +236,10 @@ class VllmServer(EngineProcess):
         kv_events_config: Mapping[str, Any] | None = None,
         cpu_core: int = 0,
         env: Mapping[str, str] | None = None,
-        cpus: Collection[int] = (),
+        confined: bool = False,
     ) -> None:
+        """`cpu_core`: where its OpenMP threads bind; `confined`: the whole process (API server,
+        NIXL threads, all it starts) stays on that core too."""
         self.port = port or free_port()
         self.served_name = served_name
         cmd = [
@@ -259,7 +261,11 @@ class VllmServer(EngineProcess):
             cmd += ["--kv-events-config", json.dumps(kv_events_config)]
         full_env = {**VLLM_CPU_ENV, "VLLM_CPU_OMP_THREADS_BIND": str(cpu_core), **(env or {})}
         super().__init__(
-            cmd, url=f"http://{HOST}:{self.port}", log_path=log_path, env=full_env, cpus=cpus
+            cmd,
+            url=f"http://{HOST}:{self.port}",
+            log_path=log_path,
+            env=full_env,
+            cpus={cpu_core} if confined else (),
         )
 
     def completion(self, prompt: str | list[int], **fields: Any) -> dict[str, Any]:

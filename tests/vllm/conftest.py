@@ -55,7 +55,7 @@ def engine(
     return VllmServer(VLLM_BIN, model, log_path=log_path, args=args, kv_transfer_config=kv_transfer,
                       env={"VLLM_SERVER_DEV_MODE": "1", "VLLM_LOG_STATS_INTERVAL": "1",
                            **(env or {})},
-                      cpu_core=core or 0, cpus=() if core is None else {core})  # fmt: skip
+                      cpu_core=core or 0, confined=core is not None)  # fmt: skip
 
 
 def start_all(servers: list[VllmServer]) -> None:
