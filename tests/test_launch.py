@@ -66,6 +66,7 @@ def test_kv_event_engines_each_publish_on_their_own_ports_and_core(tmp_path: Pat
     pairs = kv_event_engines("vllm", "m", tmp_path, count=3, args=["--seed", "0"])
     assert [e.log_path for e, _ in pairs] == [tmp_path / f"vllm-{i}.log" for i in range(3)]
     assert [e._env["VLLM_CPU_OMP_THREADS_BIND"] for e, _ in pairs] == ["0", "1", "2"]
+    assert [e.cpus for e, _ in pairs] == [{i} & os.sched_getaffinity(0) for i in range(3)]
     for engine, events in pairs:
         flag = engine.cmd.index("--kv-events-config")
         assert json.loads(engine.cmd[flag + 1]) == events.engine_config()

@@ -320,7 +320,7 @@ def kv_event_engines(
     args: Sequence[str] = (),
     env: Mapping[str, str] | None = None,
 ) -> list[tuple[VllmServer, KvEvents]]:
-    """`count` vLLM CPU engines (not started), engine i on core i with its log at
+    """`count` vLLM CPU engines (not started), engine i confined to core i with its log at
     `log_dir/vllm-i.log`, each publishing its stock KV-event stream on its own `KvEvents`
     ports (their `worker()` entries are the router's workers)."""
     engines = []
@@ -329,6 +329,7 @@ def kv_event_engines(
         engine = VllmServer(
             vllm_bin, model, log_path=log_dir / f"vllm-{i}.log", served_name=served_name,
             args=args, kv_events_config=events.engine_config(), cpu_core=i, env=env,
+            confined=True,
         )  # fmt: skip
         engines.append((engine, events))
     return engines
