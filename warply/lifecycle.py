@@ -151,7 +151,8 @@ def up(
                     say(f"{p.name}: {p.url} already answers; using it")
                     continue
                 proc = EngineProcess(p.argv, url=p.url, log_path=run_dir / f"{p.name}.log",
-                                     env={**p.env, **extra_env}, cpus=p.cpus).start()  # fmt: skip
+                                     env={**p.env, **extra_env},
+                                     cpus=p.cpus_under(extra_env)).start()  # fmt: skip
                 started.append((p, proc))
                 _write_state(run_dir, plan, started)
                 say(f"started {p.name} (pid {proc.pid})")

@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import os
 import secrets
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -28,6 +29,7 @@ _VLLM_ROLES = {"prefill": "kv_producer", "decode": "kv_consumer", "engine": "kv_
 _ROUTER_ROLES = {"prefill": "prefill", "decode": "decode", "engine": "both"}
 _BLOCK = {"cpu": 32, "gpu": 16}
 """Engine block (page) size without LMCache; vLLM 0.32's CPU attention needs a multiple of 32."""
+_CPU_BIND = "VLLM_CPU_OMP_THREADS_BIND"
 
 
 class PlanError(ValueError):
@@ -84,6 +86,12 @@ class ProcessPlan:
     cpus: tuple[int, ...] = ()
     """Cores the process and all it starts are confined to when started on this host (empty:
     anywhere). An export leaves that to the pod's CPU limits."""
+
+    def cpus_under(self, env: Mapping[str, str]) -> tuple[int, ...]:
+        """`cpus` once `env` is added to the process's environment: none when `env` binds
+        the engine's threads elsewhere (the caller then places the engine)."""
+        bind = self.env.get(_CPU_BIND)
+        return self.cpus if env.get(_CPU_BIND, bind) == bind else ()
 
 
 @dataclass(frozen=True)
@@ -294,11 +302,11 @@ def _vllm(r: _Replica, core: int, run_dir: Path) -> tuple[ProcessPlan, _Extra]:
         env["MOONCAKE_CONFIG_PATH"] = str(run_dir / f"mooncake-{r.name}.json")
     cpus: tuple[int, ...] = ()
     if r.spec.device == "cpu":
-        env |= {**VLLM_CPU_ENV, "VLLM_CPU_OMP_THREADS_BIND": str(core)}
+        env |= {**VLLM_CPU_ENV, _CPU_BIND: str(core)}
         # The whole engine stays on the core its OpenMP threads use: unconfined, a vLLM 0.32
         # NIXL prefill engine whose decode peer stalled took every core for seconds, router
         # included (docs/reliability.md). A pool that binds its own threads places itself.
-        if "VLLM_CPU_OMP_THREADS_BIND" not in r.pool.env:
+        if _CPU_BIND not in r.pool.env:
             cpus = (core,)
     elif r.at.pick_gpus:
         env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, r.devices))
