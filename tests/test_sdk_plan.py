@@ -104,9 +104,10 @@ def test_an_environment_that_rebinds_the_threads_lifts_the_confinement(
     model_dir: str, tmp_path: Path
 ) -> None:
     (engine,) = make_plan(wp.Engine(model=model_dir), BINS, tmp_path, cpu_cores=2).engines
-    assert engine.cpus_under({}) == engine.cpus_under({"HF_HOME": "/hf"}) == (0,)
-    assert engine.cpus_under({"VLLM_CPU_OMP_THREADS_BIND": "0"}) == (0,)
-    assert engine.cpus_under({"VLLM_CPU_OMP_THREADS_BIND": "0-1"}) == ()
+    assert engine.with_env({}).cpus == engine.with_env({"HF_HOME": "/hf"}).cpus == (0,)
+    assert engine.with_env({"VLLM_CPU_OMP_THREADS_BIND": "0"}).cpus == (0,)
+    rebound = engine.with_env({"VLLM_CPU_OMP_THREADS_BIND": "0-1"})
+    assert rebound.cpus == () and rebound.env["VLLM_CPU_OMP_THREADS_BIND"] == "0-1"
 
 
 def test_an_s3_tier_on_an_http_endpoint_reaches_it_through_the_proxy(

@@ -150,9 +150,9 @@ def up(
                 if p.kind == "redis" and _redis_ping(p.url):
                     say(f"{p.name}: {p.url} already answers; using it")
                     continue
-                proc = EngineProcess(p.argv, url=p.url, log_path=run_dir / f"{p.name}.log",
-                                     env={**p.env, **extra_env},
-                                     cpus=p.cpus_under(extra_env)).start()  # fmt: skip
+                q = p.with_env(extra_env)
+                proc = EngineProcess(q.argv, url=q.url, log_path=run_dir / f"{p.name}.log",
+                                     env=q.env, cpus=q.cpus).start()  # fmt: skip
                 started.append((p, proc))
                 _write_state(run_dir, plan, started)
                 say(f"started {p.name} (pid {proc.pid})")

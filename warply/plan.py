@@ -14,7 +14,7 @@ import json
 import os
 import secrets
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Literal
 from urllib.parse import urlsplit
@@ -87,11 +87,12 @@ class ProcessPlan:
     """Cores the process and all it starts are confined to when started on this host (empty:
     anywhere). An export leaves that to the pod's CPU limits."""
 
-    def cpus_under(self, env: Mapping[str, str]) -> tuple[int, ...]:
-        """`cpus` once `env` is added to the process's environment: none when `env` binds
-        the engine's threads elsewhere (the caller then places the engine)."""
+    def with_env(self, env: Mapping[str, str]) -> ProcessPlan:
+        """This process with `env` added to its environment; an `env` that binds the engine's
+        threads elsewhere lifts the confinement (whoever set it then places the engine)."""
         bind = self.env.get(_CPU_BIND)
-        return self.cpus if env.get(_CPU_BIND, bind) == bind else ()
+        cpus = self.cpus if env.get(_CPU_BIND, bind) == bind else ()
+        return replace(self, env={**self.env, **env}, cpus=cpus)
 
 
 @dataclass(frozen=True)
@@ -258,7 +259,7 @@ class _Replica:
         """The engine's process: `argv`, then the pool's engine args; `env`, then the pool's."""
         return ProcessPlan(self.name, "engine", [*argv, *self.pool.engine_args],
                            f"http://{self.at.host(self.name)}:{port}",
-                           env={**env, **self.pool.env}, cpus=cpus)  # fmt: skip
+                           env=env, cpus=cpus).with_env(self.pool.env)  # fmt: skip
 
 
 def _uses_lmcache(spec: Deployment, tier: KVTier) -> bool:
@@ -305,9 +306,8 @@ def _vllm(r: _Replica, core: int, run_dir: Path) -> tuple[ProcessPlan, _Extra]:
         env |= {**VLLM_CPU_ENV, _CPU_BIND: str(core)}
         # The whole engine stays on the core its OpenMP threads use: unconfined, a vLLM 0.32
         # NIXL prefill engine whose decode peer stalled took every core for seconds, router
-        # included (docs/reliability.md). A pool that binds its own threads places itself.
-        if _CPU_BIND not in r.pool.env:
-            cpus = (core,)
+        # included (docs/reliability.md).
+        cpus = (core,)
     elif r.at.pick_gpus:
         env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, r.devices))
     port = r.at.port(r.name, "http")
