@@ -10,7 +10,7 @@ request ends.
 from __future__ import annotations
 
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from typing import Any
 
 from router.metrics import RequestRecord, RouterMetrics
@@ -112,24 +112,25 @@ class RequestAccount:
             self._prefill.release()
             self._prefill = None
 
-    def overpredicted(self) -> list[tuple[str, Sequence[int]]]:
-        """(worker, keys) the index credited to a worker whose engine then reported fewer
-        cached tokens: the blocks from the engine's hit to the index's prediction (before
-        index health's caution cut it). The answering
-        worker when it prefilled the prompt itself (a decode after a hand-off reports the
-        prefill's hit), and the prefill worker of a hand-off."""
+    def overpredicted(self) -> tuple[str, int] | None:
+        """(worker, blocks) when the index credited the worker that prefilled the prompt (the
+        answering one, or a hand-off's prefill worker: a decode after a hand-off reports the
+        prefill's hit) with more blocks than its engine then reported cached: the blocks from
+        the engine's hit to the index's own prediction (before index health's caution cut it).
+
+        The index keeps those blocks: the engine computed them for this very request and
+        cached them again under the same hashes (vLLM 0.32's `cache_full_blocks` publishes
+        BlockStored for them, after the eviction's BlockRemoved), so the engine's own events
+        keep the index true, and dropping them here would lose blocks the engine holds."""
         d, rec = self.decision, self._record
         if d is None:
-            return []
-        legs = [(d.prefill, rec.prefill_cached)] if d.prefill is not None else [(d, rec.cached)]
-        out: list[tuple[str, Sequence[int]]] = []
-        for leg, cached in legs:
-            if leg is None or cached is None or cached >= leg.index_cached:
-                continue
-            bs = leg.worker.pool.block_size
-            if stale := leg.keys[cached // bs : leg.index_cached // bs]:
-                out.append((leg.worker.name, stale))
-        return out
+            return None
+        leg, cached = (d.prefill, rec.prefill_cached) if d.prefill is not None else (d, rec.cached)
+        if leg is None or cached is None or cached >= leg.index_cached:
+            return None
+        bs = leg.worker.pool.block_size
+        blocks = leg.index_cached // bs - cached // bs
+        return (leg.worker.name, blocks) if blocks else None
 
     def released(self) -> None:
         """The attempt ended (answered, failed or cancelled): give its load back."""

@@ -5,8 +5,8 @@ stream gap is being replayed or for `index.degraded_s` after its engine reported
 tokens than predicted (evictions whose events lag) while such shortfalls add up to more than
 `index.lag_tolerance` of the tokens predicted for its recent requests (a full cache evicts all
 the time, and vLLM publishes an eviction at its next step: one late event among many correct
-predictions is corrected on its own, see `RequestAccount.overpredicted`, and must not discount
-every other prefix on that worker); `fallback` when the index cannot be
+predictions is only counted, see `RequestAccount.overpredicted`, and must not discount every
+other prefix on that worker); `fallback` when the index cannot be
 trusted at all: no stream, a resync (for `index.degraded_s`, while the stream rebuilds it), a
 stream silent while the worker answered requests that stored blocks (aged out), the engine down,
 or a parity mismatch (its tokenizer or block size differs from the router's).

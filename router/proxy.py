@@ -211,8 +211,8 @@ class Proxy:
                 finally:
                     account.released()
                 status = answer.status
-                for worker, keys in account.overpredicted():
-                    await self._placement.index.forget(worker, keys)
+                if over := account.overpredicted():
+                    self._placement.index.overpredicted(*over)
                 return answer.response
         except ApiError as err:
             status = err.status

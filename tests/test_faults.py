@@ -396,7 +396,7 @@ def _ended(worker: str, predicted: int, cached: int, trimmed: int | None = None)
 def test_only_shortfalls_that_add_up_degrade_a_worker() -> None:
     """A full cache evicts all the time and its events come a step late: one prediction the
     engine fell short of, among many it met, leaves the worker `exact` (its shortfall is
-    corrected on its own); shortfalls past `lag_tolerance` of the recent predictions degrade
+    only counted); shortfalls past `lag_tolerance` of the recent predictions degrade
     it, as does one on a worker with no record yet."""
     health = IndexHealth(IndexConfig(degraded_s=60, lag_tolerance=0.1))
     for name in ("a", "b"):

@@ -357,7 +357,7 @@ def test_a_next_turn_extends_the_earlier_chain_and_equals_a_fresh_one(
 def test_a_decision_keeps_what_the_index_predicted_before_health_cut_it() -> None:
     """A worker whose evictions lag is placed on its cut match, and the decision keeps the
     index's own prediction beside it: the engine's report is checked against that one (the
-    index corrected, the shortfall measured) while the caution is on."""
+    over-prediction counted, the shortfall measured) while the caution is on."""
     placement, index, _ = _placement()
     health = IndexHealth(IndexConfig(degraded_s=60))
     health.joined("a", has_stream=True)

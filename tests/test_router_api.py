@@ -745,12 +745,13 @@ def test_a_connection_not_made_in_time_is_tried_once_more(tokenizer_dir: Path) -
     _run(scenario())
 
 
-def test_an_engine_reporting_fewer_cached_tokens_corrects_the_index(
+def test_an_engine_reporting_fewer_cached_tokens_is_counted_and_the_index_kept(
     tokenizer_dir: Path,
 ) -> None:
     """The index credits "a" with the whole prompt. While its engine reports that hit, nothing
-    changes; once it reports one block (an eviction whose event never came), the blocks after
-    that one are dropped for "a"."""
+    is counted; once it reports one block, the blocks after that one are counted as
+    over-predicted for "a", and the index still holds them (the engine stores what it
+    recomputes again, and its events, not the report, say what it holds)."""
 
     async def scenario() -> None:
         engine = FakeEngine("a")
@@ -763,16 +764,15 @@ def test_an_engine_reporting_fewer_cached_tokens_corrects_the_index(
             predicted = (await router.placement.choose(ids)).predicted_cached
             assert predicted >= 2 * BS
             keys = prefix_keys(ids, BS, "m")
-            for reported, held, corrected in ((predicted, n // BS, {}), (BS, 1, {"a": 0})):
+            for reported, over in ((predicted, {}), (BS, {"a": predicted // BS - 1})):
                 engine.cached_tokens = reported
                 status, _ = await call("POST", "/v1/completions", {"prompt": prompt})
                 assert status == 200
-                assert (await router.index.match(keys))["a"].blocks == held
+                assert (await router.index.match(keys))["a"].blocks == n // BS
                 _, stats = await call("GET", "/warply/cache_stats")
-                want = {w: predicted // BS - 1 for w in corrected}
-                assert stats["index"]["corrected"] == want
+                assert stats["index"]["overpredicted"] == over
             _, text = await call("GET", "/metrics")
-            assert f'warply_index_corrected_blocks{{worker="a"}} {predicted // BS - 1}' in text
+            assert f'warply_index_overpredicted_blocks{{worker="a"}} {predicted // BS - 1}' in text
 
     _run(scenario())
 

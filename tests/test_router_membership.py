@@ -99,8 +99,7 @@ def test_a_leaving_worker_finishes_its_requests_then_is_gone(tokenizer_dir: Path
         async with running(tokenizer_dir, engines) as (router, call, session, base):
             await router.index.apply("a", [BlockStored([1, 2], None, TOKENS, BS)])
             assert await _held(router, "a", TOKENS) == 2
-            await router.index.forget("a", prefix_keys(TOKENS, BS, "m", "")[1:])  # a correction
-            assert await _held(router, "a", TOKENS) == 1
+            router.index.overpredicted("a", 1)
             await call("POST", "/warply/workers/b", {"enabled": False})
             req = {"prompt": "the cache", "stream": True}
             async with session.post(base + "/v1/completions", json=req) as r:
@@ -128,7 +127,7 @@ def test_a_leaving_worker_finishes_its_requests_then_is_gone(tokenizer_dir: Path
             assert set(stats["workers"]) == {"b"}
             _, text = await call("GET", "/metrics")
             assert 'worker="a"' not in text and 'warply_worker_healthy{worker="b"}' in text
-            assert "a" not in (await router.index.stats()).corrected
+            assert "a" not in (await router.index.stats()).overpredicted
             status, body = await call("DELETE", "/warply/workers/a")
             assert status == 404 and _is_error(body, "worker_not_found")
 

@@ -86,9 +86,9 @@ class IndexStats:
     store_failures: Counter[str] = field(default_factory=Counter)
     """Calls a network store failed, by operation (`match`, `apply`, ...); a store leaves this
     empty (`PrefixIndex.stats` fills it)."""
-    corrected: Counter[str] = field(default_factory=Counter)
-    """Blocks dropped per worker because its engine reported fewer cached tokens than the index
-    predicted (`PrefixIndex.forget`); a store leaves this empty."""
+    overpredicted: Counter[str] = field(default_factory=Counter)
+    """Blocks per worker the index credited that its engine then reported not cached
+    (`PrefixIndex.overpredicted`); a store leaves this empty."""
 
 
 class StoreUnavailable(Exception):

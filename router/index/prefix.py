@@ -25,7 +25,7 @@ class PrefixIndex:
         self.store = store
         self.ingest = Ingest(model, store, max_hashes)
         self.outage = StoreOutage()
-        self._corrected: Counter[str] = Counter()
+        self._overpredicted: Counter[str] = Counter()
 
     def apply(self, worker: str, events: Iterable[Event]) -> Coroutine[Any, Any, None]:
         """Apply one worker's state events, in stream order (`Ingest.apply`; await it)."""
@@ -36,19 +36,16 @@ class PrefixIndex:
         await self.ingest.drop_worker(worker)
 
     def left(self, worker: str) -> None:
-        """`worker` left the router for good: its correction count goes too (`drop_worker`
+        """`worker` left the router for good: its over-prediction count goes too (`drop_worker`
         keeps it: a resync is not a departure)."""
-        self._corrected.pop(worker, None)
+        self._overpredicted.pop(worker, None)
 
-    async def forget(self, worker: str, keys: Sequence[int]) -> None:
-        """Drop `keys` from `worker` on every tier: its engine reported them not cached although
-        the index held them (an eviction whose event is late or was lost). Counted per worker."""
-        try:
-            await self.store.remove(worker, None, keys)
-        except StoreUnavailable as exc:
-            self.outage.failed("forget", exc)
-            return
-        self._corrected[worker] += len(keys)
+    def overpredicted(self, worker: str, blocks: int) -> None:
+        """Count `blocks` the index credited to `worker` that its engine then reported not
+        cached (evicted before the request ran, or an eviction event not applied yet). The
+        entries stay: the engine stores them again as it computes them
+        (`RequestAccount.overpredicted`)."""
+        self._overpredicted[worker] += blocks
 
     async def match(
         self, keys: Sequence[int], workers: Collection[str] | None = None
@@ -77,5 +74,5 @@ class PrefixIndex:
             self.outage.recovered()
         stats.skipped = Counter(self.ingest.skipped)
         stats.store_failures = Counter(self.outage.failures)
-        stats.corrected = Counter(self._corrected)
+        stats.overpredicted = Counter(self._overpredicted)
         return stats

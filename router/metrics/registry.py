@@ -195,10 +195,10 @@ class Series:
             ["op"],
             registry=r,
         )
-        self.corrected = Gauge(
-            "warply_index_corrected_blocks",
-            "Blocks dropped from a worker's index entries because its engine reported fewer "
-            "cached tokens than predicted, since start-up",
+        self.overpredicted = Gauge(
+            "warply_index_overpredicted_blocks",
+            "Blocks the index credited to a worker that its engine then reported not cached, "
+            "since start-up",
             ["worker"],
             registry=r,
         )
@@ -383,8 +383,8 @@ class Series:
         self.index_evictions.set(index.evictions)
         for op, n in index.store_failures.items():
             self.store_failures.labels(op).set(n)
-        for worker, n in index.corrected.items():
-            self.corrected.labels(worker).set(n)
+        for worker, n in index.overpredicted.items():
+            self.overpredicted.labels(worker).set(n)
         for (pool, tier_name), nbytes in bytes_by_pool_tier.items():
             self.bytes.labels(pool, tier_name).set(nbytes)
         for w in workers:

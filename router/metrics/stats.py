@@ -101,7 +101,7 @@ def index_view(
         bytes_cached=sum(by_tier.values()),
         bytes_by_tier=dict(by_tier),
         bytes_by_pool=by_pool,
-        corrected=dict(index.corrected),
+        overpredicted=dict(index.overpredicted),
     )
 
 

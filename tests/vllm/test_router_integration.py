@@ -2,7 +2,8 @@
 
 Checks on the engines' own numbers (usage.prompt_tokens_details.cached_tokens): conversations
 stick to the worker holding their prefix and their later turns hit; tenants' cache keys never
-share KV; streaming, errors and auth behave; the router tokenizes exactly like vLLM's /tokenize.
+share KV; streaming, errors and auth behave; the router tokenizes exactly like vLLM's /tokenize;
+a prediction the engine fell short of leaves the index holding what the engine stored again.
 """
 
 from __future__ import annotations
@@ -40,12 +41,14 @@ def model_dir() -> str:
 
 @pytest.fixture(scope="module")
 def stack(model_dir: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
-    """Two engines (cores 0 and 1) and the router as a subprocess; all stopped by PID."""
+    """Two engines (cores 0 and 1, with /reset_prefix_cache) and the router as a subprocess; all
+    stopped by PID."""
     logs = tmp_path_factory.mktemp("router-it")
     pairs = kv_event_engines(
         VLLM_BIN, model_dir, logs,
         args=["--block-size", str(BLOCK), "--max-model-len", "2048", "--max-num-seqs", "4",
               "--enable-prefix-caching", "--enable-prompt-tokens-details", "--seed", "0"],
+        env={"VLLM_SERVER_DEV_MODE": "1"},
     )  # fmt: skip
     engines = [engine for engine, _ in pairs]
     workers = [events.worker(f"w{i}", engine.url) for i, (engine, events) in enumerate(pairs)]
@@ -282,3 +285,33 @@ def test_tokenization_parity_with_vllm(stack: dict[str, Any]) -> None:
             status, want = http_json("POST", engine + "/tokenize", body)
             assert status == 200, want
             assert tok.completion_tokens(body) == [want["tokens"]], prompt
+
+
+def test_a_missed_prediction_keeps_what_the_engine_stored_again(stack: dict[str, Any]) -> None:
+    """An engine's cache emptied behind the router's back (vLLM 0.32 publishes AllBlocksCleared
+    only at its next scheduler step, so the index still credits it) reports no hit for a prompt
+    the router placed there for its prefix. The engine computes the prompt and caches its
+    blocks again under the same hashes; the index must still hold them afterwards, so the
+    next identical prompt is predicted exactly what the engine then reports."""
+    url = stack["url"]
+    body = {"model": "tiny", "prompt": "The cache loses this prompt and finds it again. " * 12,
+            "max_tokens": 4, "temperature": 0}  # fmt: skip
+    status, out, headers = _post(url + "/v1/completions", body)
+    assert status == 200, out
+    worker = headers["X-Warply-Worker"]
+    engine = stack["engines"][int(worker[1:])]
+    time.sleep(0.5)  # its BlockStored events reach the router
+    status, reply = http_json("POST", engine.url + "/reset_prefix_cache")
+    assert status == 200, reply
+    status, out, headers = _post(url + "/v1/completions", body)
+    assert status == 200, out
+    predicted = int(headers["X-Warply-Predicted-Cached"])
+    assert headers["X-Warply-Worker"] == worker and predicted >= 4 * BLOCK
+    assert _cached(out) == 0  # the index credited blocks the reset had dropped
+    time.sleep(0.5)  # AllBlocksCleared, then the recomputed blocks' BlockStored, reach it
+    status, where, _ = _post(url + "/warply/where", body, ADMIN)
+    assert status == 200, where
+    held = {w["name"]: w["cached_tokens"] for pool in where["pools"] for w in pool["workers"]}
+    status, out, _ = _post(engine.url + "/v1/completions", body)
+    assert status == 200, out
+    assert held[worker] == _cached(out) == predicted

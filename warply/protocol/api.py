@@ -69,9 +69,9 @@ class IndexView(msgspec.Struct):
     bytes_cached: int
     bytes_by_tier: dict[str, int]
     bytes_by_pool: dict[str, int]
-    corrected: dict[str, int] = {}
-    """Blocks dropped per worker because its engine reported fewer cached tokens than the index
-    predicted (evictions whose events were late or lost)."""
+    overpredicted: dict[str, int] = {}
+    """Blocks per worker the index credited that its engine then reported not cached (evicted
+    between placement and the engine's scheduling, or an eviction event not applied yet)."""
 
 
 class WorkerStats(msgspec.Struct):
