@@ -27,13 +27,13 @@ own overhead p50 (/warply/cache_stats). After the rows, what each router adds wi
 queued: sub-block requests one at a time, alternating direct and routed (`--latency-samples`).
 Then the target checks for each warply cache-aware row.
 
-sglang-router runs from a scratch venv (`python3 -m venv /tmp/sgr && /tmp/sgr/bin/pip install
-sglang-router==0.3.2`). Bounded: a fixed request list, a per-row timeout and a whole-run
-`--deadline`; every process is stopped by its PID's process group; everything binds 127.0.0.1.
+sglang-router 0.3.2 runs from the project's SGLang venv (`bash scripts/setup_envs.sh sglang`
+makes .venvs/sglang; `--sglang-router ''` skips its rows). Bounded: a fixed request list, a
+per-row timeout and a whole-run `--deadline`; every process is stopped by its PID's process
+group; everything binds 127.0.0.1.
 
     .venvs/core/bin/python bench/router_vs_sglang.py --vllm .venvs/vllm/bin/vllm \\
-        --model $(.venvs/vllm/bin/python scripts/tiny_model.py --size tiny | tail -1) \\
-        --sglang-router /tmp/sgr/bin/python
+        --model $(.venvs/vllm/bin/python scripts/tiny_model.py --size tiny | tail -1)
 """
 
 from __future__ import annotations
@@ -54,7 +54,8 @@ from typing import Any
 
 import aiohttp
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "scripts"))
 import demo  # noqa: E402  (the demo's engines, workload and client; not a package)
 
 from replay.__main__ import StrategySpec, UsageError, parse_strategy  # noqa: E402
@@ -394,8 +395,9 @@ def main() -> int:
                     help="model folder: scripts/tiny_model.py --size tiny (default) or small")
     ap.add_argument("--strategy", action="append",
                     help="warply strategy row (repeatable; default: adaptive, the default)")
-    ap.add_argument("--sglang-router", default="/tmp/sgr/bin/python",
-                    help="python of the sglang-router 0.3.2 venv ('' skips its rows)")
+    ap.add_argument("--sglang-router", default=str(ROOT / ".venvs" / "sglang" / "bin" / "python"),
+                    help="python of a venv with sglang-router 0.3.2 (default: the project's "
+                    "SGLang venv; '' skips its rows)")
     ap.add_argument("--sglang-tuned", action="append", metavar="ABS,REL",
                     help="cache_aware with --balance-abs-threshold ABS --balance-rel-threshold "
                     "REL (repeatable; default: 1,1.2 and 2,1.1)")
@@ -423,6 +425,9 @@ def main() -> int:
         ap.error(str(exc))
     if not args.trace.is_file():
         ap.error(f"trace not found: {args.trace}")
+    if args.sglang_router and not Path(args.sglang_router).is_file():
+        ap.error(f"no python at --sglang-router {args.sglang_router}: run `bash "
+                 "scripts/setup_envs.sh sglang`, or pass --sglang-router '' to skip its rows")
     workdir = args.workdir or Path(tempfile.mkdtemp(prefix="warply-vs-sglang-"))
     workdir.mkdir(parents=True, exist_ok=True)
     _log(f"logs in {workdir}")
