@@ -113,20 +113,19 @@ class RequestAccount:
             self._prefill = None
 
     def overpredicted(self) -> tuple[str, int] | None:
-        """(worker, blocks) when the index credited the worker that prefilled the prompt (the
-        answering one, or a hand-off's prefill worker: a decode after a hand-off reports the
-        prefill's hit) with more blocks than its engine then reported cached: the blocks from
-        the engine's hit to the index's own prediction (before index health's caution cut it).
+        """(worker, blocks) when the index credited the worker that prefilled the prompt
+        (`RequestRecord.prefill_leg`) with more blocks than its engine then reported cached: the
+        blocks from the engine's hit to the index's own prediction (before index health's
+        caution cut it).
 
         The index keeps those blocks: the engine computed them for this very request and
         cached them again under the same hashes (vLLM 0.32's `cache_full_blocks` publishes
         BlockStored for them, after the eviction's BlockRemoved), so the engine's own events
         keep the index true, and dropping them here would lose blocks the engine holds."""
-        d, rec = self.decision, self._record
-        if d is None:
+        if self.decision is None:
             return None
-        leg, cached = (d.prefill, rec.prefill_cached) if d.prefill is not None else (d, rec.cached)
-        if leg is None or cached is None or cached >= leg.index_cached:
+        leg, cached = self._record.prefill_leg(self.decision)
+        if cached is None or cached >= leg.index_cached:
             return None
         bs = leg.worker.pool.block_size
         blocks = leg.index_cached // bs - cached // bs

@@ -163,7 +163,7 @@ class IndexHealth:
         d = rec.decision
         if d is None or rec.status != 200:
             return
-        leg, cached = (d, rec.cached) if d.prefill is None else (d.prefill, rec.prefill_cached)
+        leg, cached = rec.prefill_leg(d)
         w = self._get(leg.worker.name)
         if w is None:
             return

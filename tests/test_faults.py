@@ -25,6 +25,7 @@ from aiohttp import web
 from router.config import BreakerConfig, IndexConfig
 from router.index import WorkerMatch
 from router.index_health import IndexHealth
+from router.metrics import RequestRecord
 from router.tokenize import RouterTokenizer
 from router.workers import Breaker
 from tests.test_router_api import (  # noqa: F401
@@ -379,8 +380,8 @@ def test_a_lagging_workers_match_keeps_the_share_its_predictions_found() -> None
 
 
 def _ended(worker: str, predicted: int, cached: int, trimmed: int | None = None) -> Any:
-    """The fields of an ended request's record that `IndexHealth.observe` reads: the index
-    predicted `predicted` cached tokens, placement used `trimmed` (default: the same)."""
+    """An ended request's record as `IndexHealth.observe` reads it: the index predicted
+    `predicted` cached tokens, placement used `trimmed` (default: the same)."""
     pool = SimpleNamespace(block_size=BS)
     leg = SimpleNamespace(
         worker=SimpleNamespace(name=worker, pool=pool),
@@ -388,9 +389,7 @@ def _ended(worker: str, predicted: int, cached: int, trimmed: int | None = None)
         index_cached=predicted,
         prefill=None,
     )
-    return SimpleNamespace(
-        decision=leg, status=200, cached=cached, prompt_tokens=predicted, latency_s=0.01
-    )
+    return RequestRecord(leg, status=200, latency_s=0.01, prompt_tokens=predicted, cached=cached)
 
 
 def test_only_shortfalls_that_add_up_degrade_a_worker() -> None:

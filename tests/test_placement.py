@@ -5,7 +5,6 @@ suspends, so `completed` drives the coroutines)."""
 from __future__ import annotations
 
 import random
-from dataclasses import dataclass
 
 import pytest
 
@@ -13,7 +12,8 @@ from router import placement as placement_module
 from router.config import IndexConfig, RouterConfig
 from router.index import MemoryStore, PrefixIndex, completed
 from router.index_health import IndexHealth
-from router.placement import Decision, Placement
+from router.metrics import RequestRecord
+from router.placement import Placement
 from router.strategies import NoCandidate
 from router.token_cache import Lineage
 from router.workers import Workers
@@ -44,17 +44,6 @@ def _placement(**extra: object) -> tuple[Placement, PrefixIndex, Workers]:
     for w in workers.values():
         w.healthy = True
     return Placement(config, index, workers), index, workers
-
-
-@dataclass
-class _Ended:
-    """The fields of a request's record that `IndexHealth.observe` reads."""
-
-    decision: Decision
-    cached: int
-    status: int = 200
-    prompt_tokens: int = 0
-    latency_s: float = 0.01
 
 
 def _hold(index: PrefixIndex, worker: str, block_size: int, blocks: int, first: int) -> None:
@@ -365,6 +354,7 @@ def test_a_decision_keeps_what_the_index_predicted_before_health_cut_it() -> Non
     _hold(index, "a", 4, 8, 1)  # 32 tokens
     d = completed(placement.choose(TOKENS))
     assert (d.worker.name, d.predicted_cached, d.index_cached) == ("a", 32, 32)
-    health.observe(_Ended(d, cached=8))  # a quarter held: now degraded, a quarter kept
+    # a quarter held: now degraded, a quarter kept
+    health.observe(RequestRecord(d, status=200, latency_s=0.01, cached=8))
     d = completed(placement.choose(TOKENS))
     assert (d.matched_blocks, d.predicted_cached, d.index_cached) == (2, 8, 32)

@@ -33,6 +33,14 @@ class RequestRecord:
     ttft_s: float | None = None
     """When (since receipt) the stream's first event arrived."""
 
+    def prefill_leg(self, decision: Decision) -> tuple[Decision, int | None]:
+        """The leg of `decision` that prefilled the prompt (a hand-off's prefill worker, else
+        the answering worker) and the cached tokens its engine reported: a decode after a
+        hand-off reports the prefill's hit."""
+        if decision.prefill is not None:
+            return decision.prefill, self.prefill_cached
+        return decision, self.cached
+
     @property
     def decode_first_token_s(self) -> float | None:
         """Answer request sent → first event: KV transfer and first decode step (streams)."""

@@ -64,15 +64,13 @@ class RouterMetrics:
         prompt = rec.prompt_tokens
         reason = d.local_reason or ("remote" if d.prefill is not None else "")
         s.child(s.decisions, d.mode, reason).inc()
-        leg = d.prefill
-        if leg is not None:  # handed off: the prefill worker computed, the decode worker pulled
-            self._computed(leg.worker, prompt, leg.predicted_cached, rec.prefill_cached)
+        leg, cached = rec.prefill_leg(d)
+        self._computed(leg.worker, prompt, leg.predicted_cached, cached)
+        if d.prefill is not None:  # handed off: the prefill worker computed, the decode pulled
             self.stats.handoff(d.worker.name, prompt, d.predicted_cached)
             pool = d.worker.pool.name
             s.child(s.handoff_prompt_tokens, pool).inc(prompt)
             s.child(s.handoff_held_tokens, pool).inc(d.predicted_cached)
-        else:
-            self._computed(d.worker, prompt, d.predicted_cached, rec.cached)
         if rec.prefill_failure:
             s.child(s.prefill_failures, rec.prefill_failure).inc()
         self.stats.decided(d.mode, d.local_reason, rec.prefill_failure)
