@@ -1,7 +1,9 @@
 """Side by side on two real vLLM CPU engines: warply-router vs sglang-router 0.3.2 vs an oracle.
 
 One run, one pair of engines, one multi-turn workload (the demo's: conversation chains from the
-Mooncake trace as text prompts), prefix caches reset before every row. Rows:
+Mooncake trace as text prompts), prefix caches reset before every row, then one warm-up request
+per engine through the row's path and a pause (`--settle-s`), so a router just started serves
+the timed requests settled, as a long-running one would. Rows:
 
   * sticky oracle       each conversation pinned to one engine, conversations alternated over
                         the two engines in order of first appearance; the client sends straight
@@ -237,6 +239,7 @@ async def _main(args: argparse.Namespace, workdir: Path) -> int:
                     if make is None:
                         own = [e.url for e, _ in engines]
                         await demo.replay(lambda it, o=own: o[-1 - it["conversation"]], warm, 1)
+                        await asyncio.sleep(args.settle_s)
                         before = [_metrics(e) for e, _ in engines]
                         wall, done = await asyncio.wait_for(
                             demo.replay(lambda it: pin[it["conversation"]], items, args.in_flight),
@@ -248,6 +251,7 @@ async def _main(args: argparse.Namespace, workdir: Path) -> int:
                                 _wait_registered(router, engines)
                             _log(f"{name} (pid {router.pid}) up; replaying")
                             await demo.replay(lambda it, u=router.url: u, warm, 1)
+                            await asyncio.sleep(args.settle_s)
                             before = [_metrics(e) for e, _ in engines]
                             wall, done = await asyncio.wait_for(
                                 demo.replay(lambda it, u=router.url: u, items, args.in_flight),
@@ -411,6 +415,8 @@ def main() -> int:
                     help="KV blocks per engine as a fraction of the distinct context")
     ap.add_argument("--num-blocks", type=int, default=0, help="KV blocks per engine (overrides)")
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--settle-s", type=float, default=3.0,
+                    help="pause after each row's warm-up, before its timed requests (default 3)")
     ap.add_argument("--latency-samples", type=int, default=40,
                     help="pairs for the router-added latency at 1 in flight (0: skip)")
     ap.add_argument("--timeout-s", type=float, default=300, help="per row")
