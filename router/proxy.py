@@ -360,6 +360,7 @@ class Proxy:
         if not prompt.complete:
             prompt = await self._finish(prompt)
         return list(prompt.tokens), prep.namespace, prep.prefix_reuse
+
     def _check_counts(self, body: dict[str, Any]) -> None:
         """400 before any tokenizing when the body holds more messages, prompts or token ids
         than `limits` allow."""

@@ -40,6 +40,7 @@ _log = logging.getLogger(__name__)
 def _env_token() -> str:
     return os.environ.get(CONTROL_TOKEN_ENV, "")
 
+
 DEFAULT_ENDPOINTS = {
     "events_endpoint": "tcp://127.0.0.1:5557",
     "events_bind": True,
