@@ -30,7 +30,7 @@ def cached_tokens(usage: Mapping[str, Any] | None) -> int | None:
 class RequestAccount:
     """Load and measurements of one request, across its attempts."""
 
-    __slots__ = ("_answer", "_metrics", "_prefill", "_record", "decision", "t0")
+    __slots__ = ("_answer", "_delivered", "_metrics", "_prefill", "_record", "decision", "t0")
 
     def __init__(self, metrics: RouterMetrics, t0: float) -> None:
         self._metrics = metrics
@@ -41,6 +41,7 @@ class RequestAccount:
         self._record = RequestRecord()
         self._answer: Booking | None = None
         self._prefill: Booking | None = None
+        self._delivered = False
 
     def _now(self) -> float:
         return time.perf_counter() - self.t0
@@ -107,6 +108,11 @@ class RequestAccount:
         """The answering engine's usage block (its cached-token count)."""
         self._record.cached = cached_tokens(usage)
 
+    def delivered(self) -> None:
+        """The stream's last event (`data: [DONE]`) was sent: the client has the whole answer,
+        so a hang-up before the stream's end is not a client abort."""
+        self._delivered = True
+
     def _release_prefill(self) -> None:
         if self._prefill is not None:
             self._prefill.release()
@@ -139,8 +145,11 @@ class RequestAccount:
             self._answer = None
 
     def closed(self, status: int) -> None:
-        """The request ended with HTTP `status`: record it."""
+        """The request ended with HTTP `status` (499, the client gone, counts as 200 once the
+        whole answer was delivered): record it."""
         self.released()
+        if status == 499 and self._delivered:
+            status = 200
         rec = self._record
         rec.status, rec.latency_s, rec.decision = status, self._now(), self.decision
         self._metrics.request(rec)

@@ -479,7 +479,6 @@ class Dispatcher:
         wants_usage = call.prep.client_wants_usage
         resp = web.StreamResponse(headers=_SSE_HEADERS)
         resp.headers.update(placed_headers(decision))
-        usage: dict[str, Any] | None = None
         buf = b""
         status = 200
         try:
@@ -493,19 +492,26 @@ class Dispatcher:
                         started.set()
                         account.first_event()
                         await resp.prepare(request)
-                    out = []
+                    out, done = [], False
                     for event in events:
                         if b'"usage"' in event and event.startswith(b"data: {"):
                             parsed = _chunk(event[6:])
                             if parsed is not None and parsed.usage is not None:
-                                usage = parsed.usage
+                                # Recorded now: a client that stops reading at `[DONE]` (the
+                                # OpenAI SDK closes its response there) cancels this handler
+                                # before the engine's stream ends.
+                                account.usage(parsed.usage)
                                 if not parsed.choices and not wants_usage:
                                     continue
                         elif event.startswith(b"data: {"):
                             account.generated(1)
+                        elif event == b"data: [DONE]":
+                            done = True
                         out.append(event)
                     if out:  # the events of one upstream read in one write
                         await resp.write(b"\n\n".join(out) + b"\n\n")
+                        if done:
+                            account.delivered()
                 if not started.is_set():
                     started.set()
                     await resp.prepare(request)
@@ -521,5 +527,4 @@ class Dispatcher:
             await resp.write_eof()
         except ConnectionResetError:  # aiohttp: a write to a client that closed mid-stream
             status = 499  # leaving `up` unread closes its connection: the engine aborts
-        account.usage(usage)
         return Answer(resp, status)

@@ -95,6 +95,8 @@ class FakeEngine:
     """What its usage reports cached (None: no `prompt_tokens_details`, as vLLM without
     `--enable-prompt-tokens-details`)."""
     hang: bool = False
+    linger_s: float = 0.0
+    """How long its stream stays open after `data: [DONE]`."""
     down: bool = False
     """Not served: its port refuses connections."""
     max_model_len: int = 64
@@ -150,6 +152,7 @@ class FakeEngine:
             final = {"choices": [], "usage": usage}
             await resp.write(f"data: {json.dumps(final)}\n\n".encode())
         await resp.write(b"data: [DONE]\n\n")
+        await asyncio.sleep(self.linger_s)
         return resp
 
 
@@ -483,6 +486,29 @@ def test_streaming_hides_usage_unless_asked(tokenizer_dir: Path) -> None:
             stats = await router.cache_stats()
             assert stats.engine_cached_tokens == 16
             assert stats.ttft_s.n == 2
+
+    _run(scenario())
+
+
+def test_a_client_that_stops_at_done_is_counted_whole(tokenizer_dir: Path) -> None:
+    """The OpenAI SDK closes a stream's response once it reads `[DONE]`, before the engine's
+    stream ends: the request still counts as answered (200) with its engine's cached tokens."""
+
+    async def scenario() -> None:
+        engine = FakeEngine("a", cached_tokens=8, linger_s=0.5)
+        async with running(tokenizer_dir, [engine]) as (router, _c, session, base):
+            req = {"prompt": "the cache", "stream": True, "stream_options": {"include_usage": True}}
+            async with session.post(base + "/v1/completions", json=req) as r:
+                await r.content.readuntil(b"data: [DONE]\n\n")
+                r.close()
+            for _ in range(50):
+                stats = await router.cache_stats()
+                if stats.requests:
+                    break
+                await asyncio.sleep(0.05)
+            assert stats.requests == 1 and stats.engine_cached_tokens == 8
+            text = await (await session.get(base + "/metrics")).text()
+            assert 'warply_router_requests_total{status="200",worker="a"} 1.0' in text
 
     _run(scenario())
 
