@@ -1,8 +1,9 @@
 """Warply's SDK example, the README's main command (`bash scripts/demo.sh` runs it).
 
-Two vLLM CPU engines (one per core) with an LMCache cpu tier each, behind the Warply router;
-two tenants' conversations from the Mooncake trace (scripts/data/, shipped) go through the
-OpenAI client with their own `cache_key`; then `cache_stats()` and everything stops.
+Two vLLM CPU engines (one per core) with an LMCache cpu tier each, behind the Warply router
+(its default strategy, `adaptive`, no knobs); two tenants' conversations from the Mooncake trace
+(scripts/data/, shipped) go through the OpenAI client with their own `cache_key`; then
+`cache_stats()` and everything stops.
 
     .venvs/core/bin/python examples/quickstart.py --model DIR [--vllm .venvs/lmcache/bin/vllm]
 """
@@ -19,7 +20,7 @@ import warply as wp
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "scripts"))
-from demo import KNOBS, TRACE, workload  # noqa: E402  (scripts/ is not a package)
+from demo import TRACE, workload  # noqa: E402  (scripts/ is not a package)
 
 TENANTS = ("tenant:acme:rag-v3", "tenant:globex:support")
 
@@ -28,8 +29,7 @@ def run(model: str, vllm: str | None, conversations: int, turns: int) -> None:
     engine = wp.Engine(
         model=model, backend="vllm",
         pool=wp.Pool("cpu", replicas=2, engine_args=["--max-model-len", "4096"]),
-        routing=wp.CacheRouting(strategy="prefix_affinity", knobs=KNOBS["prefix_affinity"],
-                                tiering=wp.KVTier(l1="gpu", l2="cpu", l2_size_gb=0.5)),
+        routing=wp.CacheRouting(tiering=wp.KVTier(l1="gpu", l2="cpu", l2_size_gb=0.5)),
     )  # fmt: skip
     items = workload(TRACE, conversations, turns, words_per_id=24, max_ids=48)
     with engine.up(vllm=vllm):
