@@ -274,9 +274,16 @@ class _Suspending(IndexStore):
         self.calls[name] += 1
         await asyncio.sleep(0)
 
-    async def add(self, worker: str, tier: Tier, keys: Sequence[int], chain: bool = False) -> None:
+    async def add(
+        self,
+        worker: str,
+        tier: Tier,
+        keys: Sequence[int],
+        chain: bool = False,
+        after: int | None = None,
+    ) -> None:
         await self._hop("add")
-        await self.inner.add(worker, tier, keys, chain)
+        await self.inner.add(worker, tier, keys, chain, after)
 
     async def remove(self, worker: str, tier: Tier | None, keys: Sequence[int]) -> list[bool]:
         await self._hop("remove")
@@ -441,6 +448,7 @@ def test_remembered_runs_match_and_order_like_a_block_walk_under_random_conversa
     if log is not None:
         monkeypatch.setattr(memory, "_LOG", log)
     rng = random.Random(5)
+    parents = random.Random(6)  # whether a stored run names its parent (may extend a run)
     store, plain = MemoryStore(max_entries=2500), _PlainStore(2500)
     workers = ["a", "b", "c"]
     tiers = list(Tier)
@@ -468,7 +476,8 @@ def test_remembered_runs_match_and_order_like_a_block_walk_under_random_conversa
                 start = rng.randrange(len(chain))
             while start < len(chain):
                 end = min(len(chain), start + rng.randint(1, 30))
-                completed(store.add(w, tier, chain[start:end], chain=True))
+                after = chain[start - 1] if start and parents.random() < 0.8 else None
+                completed(store.add(w, tier, chain[start:end], chain=True, after=after))
                 plain.add(w, tier, chain[start:end])
                 stored[w].update(chain[start:end])
                 start = end
@@ -540,6 +549,32 @@ def test_a_next_turn_looks_up_its_new_blocks_not_its_history() -> None:
     _CountingBlocks.lookups = 0
     assert completed(store.match(turn, ["a"]))["a"] == m["a"]
     assert _CountingBlocks.lookups <= 40 + 1
+
+
+def test_a_prefill_stored_in_steps_and_its_decode_blocks_make_one_run() -> None:
+    """Ingested as an engine publishes them (a 2,048-block prompt in 16 chained steps, then 12
+    decode blocks one event each), the worker's blocks form one remembered run: the first
+    match of the next turn skips the whole history at once and looks up only its new blocks,
+    and a block removed inside the run is still seen."""
+    store = MemoryStore()
+    index = PrefixIndex(MODEL, store)
+    store._blocks = _CountingBlocks()
+    tokens = [random.Random(1).randrange(1000) for _ in range(2060 * BS)]
+    events, parent = [], None
+    for start in range(0, 2048, 128):  # prefill steps
+        events.append(_stored(tokens[start * BS : (start + 128) * BS], 10_000 + start, parent))
+        parent = 10_000 + start + 127
+    for i in range(2048, 2060):  # decode fills one block per step
+        events.append(_stored(tokens[i * BS : (i + 1) * BS], 10_000 + i, parent))
+        parent = 10_000 + i
+    completed(index.apply("a", events))
+    assert len(store._runs[store._shift["a"]]) == 1
+    turn = prefix_keys(tokens + [7] * 40 * BS, BS, MODEL)
+    _CountingBlocks.lookups = 0
+    assert completed(store.match(turn, ["a"]))["a"] == WorkerMatch(2060, {Tier.GPU: 2060})
+    assert _CountingBlocks.lookups <= 1 + 40  # the first block (every worker's), the new ones
+    completed(index.apply("a", [BlockRemoved([10_000 + 1500])]))
+    assert completed(store.match(turn, ["a"]))["a"] == WorkerMatch(1500, {Tier.GPU: 1500})
 
 
 def test_a_changed_block_inside_a_remembered_run_is_never_skipped() -> None:

@@ -100,7 +100,14 @@ class IndexStore(abc.ABC):
     the terms and the guarantees every method keeps."""
 
     @abc.abstractmethod
-    async def add(self, worker: str, tier: Tier, keys: Sequence[int], chain: bool = False) -> None:
+    async def add(
+        self,
+        worker: str,
+        tier: Tier,
+        keys: Sequence[int],
+        chain: bool = False,
+        after: int | None = None,
+    ) -> None:
         """
         Record that `worker` now holds each of `keys` on `tier`.
 
@@ -116,6 +123,11 @@ class IndexStore(abc.ABC):
                 as ingestion computes them): each commits to every block before it, so a store
                 may remember the run and let a later `match` of a chain through its first and
                 last key take it whole (the memory store does). Ignoring it is allowed.
+            after: with `chain`, the canonical key of the block `keys[0]` chains from (its
+                parent), when known: a store may extend a remembered run of the worker that
+                ends there, so that a prefill stored in steps, and the blocks its decode fills
+                one by one, are taken whole by one skip (the memory store does). Ignoring it
+                is allowed.
 
         Effects:
             Each key counts as used (most recent first to survive a bound). A bounded store

@@ -61,9 +61,10 @@ class Ingest:
         store = self.store
         for ev in events:
             if isinstance(ev, BlockStored):
-                keys = self._keys(hashes, ev)
-                if keys:
-                    await store.add(worker, ev.tier, keys, chain=True)
+                chained = self._keys(hashes, ev)
+                if chained is not None and chained[0]:
+                    keys, parent = chained
+                    await store.add(worker, ev.tier, keys, chain=True, after=parent)
                     if len(hashes) > self.max_hashes // len(self._engine):
                         await self._shed(worker, hashes)
             elif isinstance(ev, BlockRemoved):
@@ -76,9 +77,10 @@ class Ingest:
             elif isinstance(ev, AllCleared):
                 await self._remove(worker, hashes, list(hashes), ev.tier)
 
-    def _keys(self, hashes: dict[int, int], ev: BlockStored) -> list[int] | None:
-        """The canonical keys of a stored event's blocks (recorded in the worker's map), or None
-        when its parent is unknown."""
+    def _keys(self, hashes: dict[int, int], ev: BlockStored) -> tuple[list[int], int | None] | None:
+        """The canonical keys of a stored event's blocks (recorded in the worker's map) and its
+        parent's key (None for a root block), or None when its parent is unknown."""
+        parent: int | None = None
         if ev.parent_hash is None:
             seed = root_seed(self.model, ev.namespace or "")
         else:
@@ -91,7 +93,7 @@ class Ingest:
             seed = parent
         keys = chain_keys(ev.token_ids, ev.block_size, seed)  # one per hash: BlockStored checks
         hashes.update(zip(ev.block_hashes, keys, strict=True))
-        return keys
+        return keys, parent
 
     def hashes(self) -> int:
         """Engine hashes held in all workers' maps."""

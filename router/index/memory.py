@@ -10,9 +10,11 @@ million entries). Per (worker, fastest tier) entry counts are kept as entries ch
 A long conversation's next turn matches a chain whose history the worker already held at the
 last match, or stored in a few `add` calls since: walking it block by block (a lookup and an
 LRU move each) costs the request time in proportion to its history. So each worker's chained
-runs are remembered (`add(chain=True)`: the stored run; `match`: the run walked from a
-remembered one on, merged), by first key, with the worker's change count when they were known
-held, and a few of their last keys (0, 1, 2, 4, ... blocks before the end). A match meeting a
+runs are remembered (`add(chain=True)`: the stored run, or the run it extends when its parent
+ends one (`after`): a prefill stored in steps and the blocks its decode fills make one run;
+`match`: the run walked from a remembered one on, merged), by first key, with the worker's
+change count when they were known held, and a few of their last keys (about 0, 1, 2, 4, ...
+blocks before the end, one per power of two). A match meeting a
 run's first key skips the run up to the last of those keys the chain shares (chained keys:
 equal keys, equal prefixes), unless one of its blocks changed for that worker since (removed,
 moved, a new tier, evicted: each change recorded per worker; when any was, the skip first
@@ -31,7 +33,7 @@ from array import array
 from collections import Counter, OrderedDict, deque
 from collections.abc import Collection, Coroutine, Iterable, Iterator, Sequence
 from itertools import islice, repeat
-from typing import Any, TypeAlias, TypeVar
+from typing import Any, NamedTuple, TypeVar
 
 from router.index.contract import IndexStats, IndexStore, WorkerMatch
 from warply.protocol import Tier
@@ -61,9 +63,30 @@ _DEFERRED = 1 << 14
 million-entry index (measured: 262,144 moves 98 ms, 32,768 moves 17 ms): this bounds the stall
 a stretch of matches without writes (no events) puts on the one match that flushes them."""
 
-_Run: TypeAlias = "tuple[array[int], int, int, tuple[int, ...]]"
-"""A remembered run: (its keys 0, 1, 2, 4, 8, ... blocks before its end, blocks, the worker's
-change count when it was known held, blocks per fastest tier index)."""
+
+
+class _Run(NamedTuple):
+    """A run of chained blocks a worker holds, remembered by its first key."""
+
+    backs: array[int]
+    """Blocks before the run's end of each of `marks`, ascending from 0, one per power of two."""
+    marks: array[int]
+    """The run's keys at those places: a chain sharing one shares the run up to there."""
+    length: int
+    stamp: int
+    """The worker's change count when the run was last known held."""
+    counts: tuple[int, ...]
+    """Blocks per fastest tier index."""
+
+
+def _marks(keys: Sequence[int], start: int, end: int) -> tuple[array[int], array[int]]:
+    """The backs 0, 1, 2, 4, ... of keys[start:end] and the keys there."""
+    backs, marks, back = array("Q"), array("Q"), 0
+    while back < end - start:
+        backs.append(back)
+        marks.append(keys[end - 1 - back])
+        back = back * 2 or 1
+    return backs, marks
 
 
 def completed(coro: Coroutine[Any, Any, _T]) -> _T:
@@ -115,6 +138,9 @@ class MemoryStore(IndexStore):
         self._held: Counter[tuple[str, int]] = Counter()
         self._runs: dict[int, dict[int, _Run]] = {}
         """Slot offset -> first key -> the worker's remembered run from it (oldest used first)."""
+        self._ends: dict[int, dict[int, int]] = {}
+        """Slot offset -> last key -> first key of a run that ended there when it was remembered
+        (checked against `_runs` on use; rebuilt from it past twice its bound)."""
         self._changed_at: dict[int, dict[int, int]] = {}
         """Slot offset -> key -> the number of the slot's last change to that key's entry
         (removed, moved, new tier, evicted), since its runs were last all dropped."""
@@ -136,6 +162,7 @@ class MemoryStore(IndexStore):
                 self._workers.append(worker)
             self._shift[worker] = shift
             self._runs[shift], self._changed_at[shift], self._count[shift] = {}, {}, 0
+            self._ends[shift] = {}
         return shift
 
     def _changed(self, shift: int, key: int) -> None:
@@ -157,26 +184,52 @@ class MemoryStore(IndexStore):
         for key in old:
             del changed_at[key]
         runs = self._runs[shift]
-        for first in [first for first, run in runs.items() if run[2] < floor]:
+        for first in [first for first, run in runs.items() if run.stamp < floor]:
             del runs[first]
 
     def _forget_runs(self, shift: int) -> None:
         self._changed_at[shift].clear()
         self._runs[shift].clear()
+        self._ends[shift].clear()
 
     def _remember(
         self, shift: int, keys: Sequence[int], start: int, end: int, counts: Sequence[int]
     ) -> None:
         """The slot holds keys[start:end] (chained), with `counts` blocks per fastest tier."""
-        marks, back = array("Q"), 0
-        while back < end - start:
-            marks.append(keys[end - 1 - back])
-            back = back * 2 or 1
-        runs = self._runs[shift]
-        runs.pop(keys[start], None)
-        runs[keys[start]] = (marks, end - start, self._count[shift], tuple(counts))
+        backs, marks = _marks(keys, start, end)
+        self._keep(shift, keys[start], _Run(backs, marks, end - start, self._count[shift],
+                                            tuple(counts)))
+
+    def _keep(self, shift: int, first: int, run: _Run) -> None:
+        """Remember `run` from `first` as the slot's most recently used run."""
+        runs, ends = self._runs[shift], self._ends[shift]
+        runs.pop(first, None)
+        runs[first] = run
         if len(runs) > _RUNS:
             del runs[next(iter(runs))]
+        ends[run.marks[0]] = first
+        if len(ends) > 2 * _RUNS:
+            self._ends[shift] = {r.marks[0]: f for f, r in runs.items()}
+
+    def _extend(self, shift: int, after: int, keys: Sequence[int], counts: Sequence[int]) -> bool:
+        """Extend the slot's run that ends at `after` by `keys` (chained from it, every one new
+        to the slot), if one is remembered. The run keeps its stamp: a key of either part
+        changed since then is found by the next skip's check, as for any run."""
+        first = self._ends[shift].get(after)
+        run = self._runs[shift].get(first) if first is not None else None
+        if first is None or run is None or run.marks[0] != after:
+            return False
+        n = len(keys)
+        backs, marks = _marks(keys, 0, n)
+        taken = {b.bit_length() for b in backs}
+        for back, mark in zip(run.backs, run.marks, strict=True):
+            if (n + back).bit_length() not in taken:  # one back per power of two
+                taken.add((n + back).bit_length())
+                backs.append(n + back)
+                marks.append(mark)
+        total = tuple(a + b for a, b in zip(run.counts, counts, strict=True))
+        self._keep(shift, first, _Run(backs, marks, run.length + n, run.stamp, total))
+        return True
 
     def _flush(self) -> None:
         """Apply the deferred LRU moves of earlier matches, oldest first."""
@@ -186,7 +239,14 @@ class MemoryStore(IndexStore):
         self._deferred.clear()
         self._deferred_keys = 0
 
-    async def add(self, worker: str, tier: Tier, keys: Sequence[int], chain: bool = False) -> None:
+    async def add(
+        self,
+        worker: str,
+        tier: Tier,
+        keys: Sequence[int],
+        chain: bool = False,
+        after: int | None = None,
+    ) -> None:
         if self._deferred:
             self._flush()
         shift = self._shift.get(worker)
@@ -214,10 +274,12 @@ class MemoryStore(IndexStore):
         fresh += len(new)
         self._entries += fresh
         self._held[(worker, _fastest(bit))] += fresh
-        if chain and fresh == len(keys) >= _MIN_RUN:  # every key new to the worker, on `tier`
+        if chain and fresh == len(keys):  # every key new to the worker, on `tier`
             counts = [0] * len(_TIERS)
             counts[_fastest(bit)] = fresh
-            self._remember(shift, keys, 0, fresh, counts)
+            extended = after is not None and self._extend(shift, after, keys, counts)
+            if not extended and fresh >= _MIN_RUN:
+                self._remember(shift, keys, 0, fresh, counts)
         if self._entries > self.max_entries:
             self._enforce_cap()
 
@@ -405,7 +467,8 @@ class MemoryStore(IndexStore):
             pos += end
             if end < len(part):
                 break
-        if first >= 0 and pos - first > runs.get(keys[first], (None, 0))[1]:
+        known = runs.get(keys[first]) if first >= 0 else None
+        if first >= 0 and pos - first > (known.length if known is not None else 0):
             total = [a - b for a, b in zip(counts, before, strict=True)]
             self._remember(shift, keys, first, pos, total)
         return pos, counts
@@ -418,13 +481,11 @@ class MemoryStore(IndexStore):
         run = runs.get(keys[pos])
         if run is None:
             return None
-        marks, length, stamp, counts = run
-        back = 0
-        for mark in marks:
+        length, stamp, counts = run.length, run.stamp, run.counts
+        for back, mark in zip(run.backs, run.marks, strict=True):
             end = pos + length - back
             if end <= len(keys) and keys[end - 1] == mark:
                 break
-            back = back * 2 or 1
         else:
             return None
         if back and max(counts) != length:  # tiers mixed: only the whole run has known counts
@@ -441,7 +502,7 @@ class MemoryStore(IndexStore):
                     del runs[keys[pos]]
                 return None
             if not back:  # checked whole: later checks start from now
-                runs[keys[pos]] = (marks, length, now, counts)
+                runs[keys[pos]] = run._replace(stamp=now)
         if not back:
             return length, counts
         return end - pos, [n and end - pos for n in counts]

@@ -439,7 +439,14 @@ class RedisStore(IndexStore):
                 results[i] = result
         return results
 
-    async def add(self, worker: str, tier: Tier, keys: Sequence[int], chain: bool = False) -> None:
+    async def add(
+        self,
+        worker: str,
+        tier: Tier,
+        keys: Sequence[int],
+        chain: bool = False,
+        after: int | None = None,
+    ) -> None:
         if keys:
             await self._write(self._add, worker, _INDEX[tier], self.max_entries, _pack(keys))
 
