@@ -46,6 +46,21 @@ async def _a_run_ends_at_the_first_missing_key(s: IndexStore) -> None:
     assert (await s.match([1, 2, 3, 4, 5], ["a"]))["a"].blocks == 2  # one candidate alone too
 
 
+async def _chained_adds_naming_their_parent_match_as_one_chain(s: IndexStore) -> None:
+    await s.add("a", GPU, [11, 12, 13, 14, 15], chain=True)
+    await s.add("a", GPU, [16], chain=True, after=15)  # a decode step's block
+    await s.add("a", CPU, [17, 18, 19, 20], chain=True, after=16)
+    await s.add("a", GPU, [30, 31], chain=True, after=99)  # no run ends there
+    assert (await s.match([11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21], ["a"]))[
+        "a"
+    ] == WorkerMatch(10, {GPU: 6, CPU: 4})
+    assert await s.remove("a", None, [18]) == [False]
+    assert (await s.match([11, 12, 13, 14, 15, 16, 17, 18, 19, 20], ["a"]))[
+        "a"
+    ] == WorkerMatch(7, {GPU: 6, CPU: 1})
+    assert (await s.match([30, 31], ["a"]))["a"] == WorkerMatch(2, {GPU: 2})
+
+
 async def _entries_count_once_under_their_fastest_tier(s: IndexStore) -> None:
     await s.add("a", CPU, [1, 2, 3])
     await s.add("a", GPU, [2, 3, 4])
@@ -193,6 +208,7 @@ async def _agrees_with_a_model_under_random_calls(s: IndexStore) -> None:
 CHECKS: tuple[Check, ...] = (
     _add_then_match,
     _a_run_ends_at_the_first_missing_key,
+    _chained_adds_naming_their_parent_match_as_one_chain,
     _entries_count_once_under_their_fastest_tier,
     _remove_reports_what_the_worker_still_holds,
     _move_changes_tiers_of_held_keys_only,
