@@ -64,7 +64,6 @@ million-entry index (measured: 262,144 moves 98 ms, 32,768 moves 17 ms): this bo
 a stretch of matches without writes (no events) puts on the one match that flushes them."""
 
 
-
 class _Run(NamedTuple):
     """A run of chained blocks a worker holds, remembered by its first key."""
 
