@@ -275,11 +275,7 @@ class _Suspending(IndexStore):
         await asyncio.sleep(0)
 
     async def add(
-        self,
-        worker: str,
-        tier: Tier,
-        keys: Sequence[int],
-        chain: bool = False,
+        self, worker: str, tier: Tier, keys: Sequence[int], chain: bool = False,
         after: int | None = None,
     ) -> None:
         await self._hop("add")

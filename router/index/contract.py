@@ -101,11 +101,7 @@ class IndexStore(abc.ABC):
 
     @abc.abstractmethod
     async def add(
-        self,
-        worker: str,
-        tier: Tier,
-        keys: Sequence[int],
-        chain: bool = False,
+        self, worker: str, tier: Tier, keys: Sequence[int], chain: bool = False,
         after: int | None = None,
     ) -> None:
         """

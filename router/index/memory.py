@@ -239,11 +239,7 @@ class MemoryStore(IndexStore):
         self._deferred_keys = 0
 
     async def add(
-        self,
-        worker: str,
-        tier: Tier,
-        keys: Sequence[int],
-        chain: bool = False,
+        self, worker: str, tier: Tier, keys: Sequence[int], chain: bool = False,
         after: int | None = None,
     ) -> None:
         if self._deferred:

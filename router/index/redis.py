@@ -440,11 +440,7 @@ class RedisStore(IndexStore):
         return results
 
     async def add(
-        self,
-        worker: str,
-        tier: Tier,
-        keys: Sequence[int],
-        chain: bool = False,
+        self, worker: str, tier: Tier, keys: Sequence[int], chain: bool = False,
         after: int | None = None,
     ) -> None:
         if keys:
