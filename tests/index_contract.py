@@ -51,13 +51,10 @@ async def _chained_adds_naming_their_parent_match_as_one_chain(s: IndexStore) ->
     await s.add("a", GPU, [16], chain=True, after=15)  # a decode step's block
     await s.add("a", CPU, [17, 18, 19, 20], chain=True, after=16)
     await s.add("a", GPU, [30, 31], chain=True, after=99)  # no run ends there
-    assert (await s.match([11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21], ["a"]))[
-        "a"
-    ] == WorkerMatch(10, {GPU: 6, CPU: 4})
+    chain = list(range(11, 21))
+    assert (await s.match([*chain, 21], ["a"]))["a"] == WorkerMatch(10, {GPU: 6, CPU: 4})
     assert await s.remove("a", None, [18]) == [False]
-    assert (await s.match([11, 12, 13, 14, 15, 16, 17, 18, 19, 20], ["a"]))[
-        "a"
-    ] == WorkerMatch(7, {GPU: 6, CPU: 1})
+    assert (await s.match(chain, ["a"]))["a"] == WorkerMatch(7, {GPU: 6, CPU: 1})
     assert (await s.match([30, 31], ["a"]))["a"] == WorkerMatch(2, {GPU: 2})
 
 

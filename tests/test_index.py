@@ -555,7 +555,8 @@ def test_a_prefill_stored_in_steps_and_its_decode_blocks_make_one_run() -> None:
     store = MemoryStore()
     index = PrefixIndex(MODEL, store)
     store._blocks = _CountingBlocks()
-    tokens = [random.Random(1).randrange(1000) for _ in range(2060 * BS)]
+    rng = random.Random(1)
+    tokens = [rng.randrange(1000) for _ in range(2060 * BS)]
     events, parent = [], None
     for start in range(0, 2048, 128):  # prefill steps
         events.append(_stored(tokens[start * BS : (start + 128) * BS], 10_000 + start, parent))

@@ -62,8 +62,10 @@ class Ingest:
         for ev in events:
             if isinstance(ev, BlockStored):
                 chained = self._keys(hashes, ev)
-                if chained is not None and chained[0]:
-                    keys, parent = chained
+                if chained is None:
+                    continue
+                keys, parent = chained
+                if keys:
                     await store.add(worker, ev.tier, keys, chain=True, after=parent)
                     if len(hashes) > self.max_hashes // len(self._engine):
                         await self._shed(worker, hashes)

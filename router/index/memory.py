@@ -462,10 +462,11 @@ class MemoryStore(IndexStore):
             pos += end
             if end < len(part):
                 break
-        known = runs.get(keys[first]) if first >= 0 else None
-        if first >= 0 and pos - first > (known.length if known is not None else 0):
-            total = [a - b for a, b in zip(counts, before, strict=True)]
-            self._remember(shift, keys, first, pos, total)
+        if first >= 0:
+            known = runs.get(keys[first])
+            if known is None or pos - first > known.length:
+                total = [a - b for a, b in zip(counts, before, strict=True)]
+                self._remember(shift, keys, first, pos, total)
         return pos, counts
 
     def _skip(self, keys: Sequence[int], pos: int, shift: int) -> tuple[int, Sequence[int]] | None:
