@@ -93,7 +93,7 @@ def _prefill(tokens: Sequence[int], first_hash: int) -> list[BlockStored]:
 
 def _q(samples: list[float]) -> str:
     q = statistics.quantiles(samples, n=100)
-    return f"p50 {q[49] * 1e3:7.3f} ms  p99 {q[98] * 1e3:7.3f} ms"
+    return f"p50 {q[49] * 1e3:7.3f} ms  p99 {q[98] * 1e3:7.3f} ms  max {max(samples) * 1e3:7.3f} ms"
 
 
 def _newest_tiny() -> Path | None:
@@ -141,7 +141,8 @@ async def _tokenized(proxy: Proxy, tok: RouterTokenizer, index: PrefixIndex,
                      rng: random.Random, args: argparse.Namespace) -> None:
     for n_tokens in args.sizes:
         rows: dict[str, list[float]] = {"warm": [], "warm whole": [], "cold": [], "cold whole": []}
-        for i in range(min(args.samples, 100 if n_tokens <= 32768 else 40)):
+        turns = args.turn_samples or min(args.samples, 100 if n_tokens <= 32768 else 40)
+        for i in range(turns):
             before, body = _conversation(tok, rng, n_tokens, min(args.new_turn, n_tokens // 2))
             prep = await proxy.prepare(dict(before), "chat")  # the earlier turn, as routed
             await proxy.place(prep, set())
@@ -157,7 +158,7 @@ async def _tokenized(proxy: Proxy, tok: RouterTokenizer, index: PrefixIndex,
                 chosen, whole = await _timed(proxy, b)
                 rows[kind].append(chosen)
                 rows[f"{kind} whole"].append(whole)
-        print(f"{n_tokens:6d} tokens")
+        print(f"{n_tokens:6d} tokens ({turns} conversations)")
         for name, samples in rows.items():
             print(f"{'':6s}         + tokenization, {name:10s} {_q(samples)}")
 
@@ -173,9 +174,15 @@ def main() -> None:
     ap.add_argument("--tokenizer", type=Path, default=_newest_tiny())
     ap.add_argument("--sizes", type=int, nargs="+", default=[1024, 8192, 32768, 131072],
                     help="prompt lengths in tokens (40 tokenized samples above 32k)")
+    ap.add_argument("--turn-samples", type=int, default=0,
+                    help="conversations per size in the tokenized rows (default: 100 up to 32k "
+                         "tokens, 40 above); a p99 needs 200 or more, below that it is the "
+                         "largest sample or close to it")
     ap.add_argument("--dynamic-malloc", action="store_true",
                     help="keep glibc's dynamic mmap threshold (warply-router fixes it at 128 KiB)")
     args = ap.parse_args()
+    if args.turn_samples < 0:
+        ap.error("--turn-samples must be 0 (the default counts) or more")
     if not args.dynamic_malloc:
         fixed_mmap_threshold()  # as warply-router does at start (router/__main__.py)
     asyncio.run(_run(args))

@@ -431,14 +431,17 @@ def _order(store: MemoryStore) -> list[tuple[int, frozenset[str]]]:
     return [(k, frozenset(ws)) for k, ws in by_key.items()]
 
 
-@pytest.mark.parametrize("log", [None, 16])
+@pytest.mark.parametrize(
+    ("log", "changes"), [(None, True), (16, True), (None, False), (16, False)]
+)
 def test_remembered_runs_match_and_order_like_a_block_walk_under_random_conversations(
-    log: int | None, monkeypatch: pytest.MonkeyPatch
+    log: int | None, changes: bool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Conversations that grow turn by turn, stored in chained runs on three workers, with
     removals, tier moves, new tiers, drops and cap evictions between matches: every match and
     the LRU order equal a store that walks and moves block by block (also with a change log
-    so short that it is trimmed over and over)."""
+    so short that it is trimmed over and over, and with cap evictions the only changes, which
+    runs settle by their LRU bound)."""
     from router.index import memory
 
     if log is not None:
@@ -477,6 +480,8 @@ def test_remembered_runs_match_and_order_like_a_block_walk_under_random_conversa
                 plain.add(w, tier, chain[start:end])
                 stored[w].update(chain[start:end])
                 start = end
+        elif not changes:
+            pass
         elif op < 0.75 and any(stored.values()):  # removals, moves, new tiers of a few blocks
             w = rng.choice([w for w in workers if stored[w]])
             keys = rng.sample(sorted(stored[w]), min(len(stored[w]), rng.randint(1, 3)))
@@ -594,6 +599,57 @@ def test_a_changed_block_inside_a_remembered_run_is_never_skipped() -> None:
     assert completed(small.match(chain[1:], ["a"]))["a"].blocks == 99
     completed(store.drop_worker("a", chain))
     assert completed(store.match(chain, ["a"]))["a"].blocks == 0
+
+
+class _CountingLog(dict[int, int]):
+    """A worker's change log, counting the membership passes made over it."""
+
+    passes = 0
+
+    def keys(self) -> Any:
+        type(self).passes += 1
+        return super().keys()
+
+
+def test_evictions_short_of_a_run_are_settled_without_its_keys_and_one_inside_is_seen(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Under cap churn the only changes are evictions: a run with more blocks before it than
+    blocks evicted, deleted or moved since it was known held is skipped without a look-up of
+    its keys, even once the change log dropped the records since (a run is only dropped with
+    them when a change since was not an eviction); an eviction that reaches inside it (its
+    head was used again, so its middle is oldest) is still seen."""
+    from router.index import memory
+
+    monkeypatch.setattr(memory, "_LOG", 8)
+    unrelated = chain_keys([9] * 300 * BS, BS, root_seed("other"))
+    run = chain_keys(list(range(100 * BS)), BS, root_seed(MODEL))
+    store = MemoryStore(max_entries=150)
+    completed(store.add("a", Tier.GPU, unrelated[:40]))
+    completed(store.add("a", Tier.GPU, run, chain=True))  # 40 blocks before the run's
+    shift = store._shift["a"]
+    store._changed_at[shift] = _CountingLog()
+    completed(store.add("b", Tier.GPU, unrelated[40:60]))  # 10 of the 40 evicted
+    assert store._count[shift] == 10 and store._floor[shift] > 0  # the log was trimmed
+    assert run[0] in store._runs[shift]  # kept: only evictions since
+    _CountingLog.passes = 0
+    assert completed(store.match(run, ["a"]))["a"].blocks == 100
+    assert _CountingLog.passes == 0
+    completed(store.add("b", Tier.GPU, unrelated[60:65]))  # 5 more: the run was checked since
+    completed(store.remove("a", None, [unrelated[30]]))  # not an eviction: the keys are looked up
+    assert completed(store.match(run, ["a"]))["a"].blocks == 100
+    assert _CountingLog.passes == 1
+    completed(store.add("b", Tier.GPU, unrelated[65:75]))  # the log trimmed past the removal
+    completed(store.remove("a", None, [run[60]]))
+    assert completed(store.match(run, ["a"]))["a"].blocks == 60
+
+    store = MemoryStore(max_entries=150)
+    completed(store.add("a", Tier.GPU, unrelated[:40]))
+    completed(store.add("a", Tier.GPU, run, chain=True))
+    assert completed(store.match(run[:5], ["a"]))["a"].blocks == 5  # the head moves to the end
+    completed(store.add("b", Tier.GPU, unrelated[40:91]))  # evicts the 40 and run[5]
+    assert completed(store.match(run, ["a"]))["a"].blocks == 5
+    assert completed(store.match(run[6:], ["a"]))["a"].blocks == 94
 
 
 def test_remembered_runs_and_change_records_stay_bounded() -> None:

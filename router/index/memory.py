@@ -18,9 +18,15 @@ blocks before the end, one per power of two). A match meeting a
 run's first key skips the run up to the last of those keys the chain shares (chained keys:
 equal keys, equal prefixes), unless one of its blocks changed for that worker since (removed,
 moved, a new tier, evicted: each change recorded per worker; when any was, the skip first
-looks the run's keys up among them, one pass in C). The walk's LRU moves are deferred to the
-next call that changes or reads the order (every write, `entries`), which applies them in the
-order taken: the index holds and evicts exactly what per-block moves would have left.
+looks the run's keys up among them, one pass in C). Evictions alone are settled without that
+pass: a run known held had all its blocks at the LRU order's recent end, F blocks before them,
+and each eviction, removal or move since brought a block at most one place nearer the front;
+fewer than F of those, and none of the run's blocks can have been evicted (under cap churn a
+long history's next turn then costs no look-up per history block, and its run outlives the
+change log's trim). The walk's LRU moves are
+deferred to the next call that changes or reads the order (every write, `entries`), which
+applies them in the order taken: the index holds and evicts exactly what per-block moves would
+have left.
 
 No method suspends: synchronous code (the trace replayer, tests, benches) drives the async
 contract with `completed`.
@@ -55,9 +61,9 @@ _RUNS = 4096
 """Runs remembered per worker, least recently used dropped first."""
 _LOG = 1 << 12
 """Changed keys kept per worker (`MemoryStore._changed_at`); past that the older half goes, with
-the runs known held before the last change dropped (they can no longer be checked; dropping a
-run is always safe: the walk goes block by block). ~110 bytes per key: at 1 << 16, 32 churning
-workers held ~210 MiB of change records beside a 65k-entry index."""
+the runs known held before the last change dropped that only the records could check (dropping
+a run is always safe: the walk goes block by block). ~110 bytes per key: at 1 << 16, 32
+churning workers held ~210 MiB of change records beside a 65k-entry index."""
 _DEFERRED = 1 << 14
 """Keys whose LRU move may wait for the next write. A flush costs ~0.4 µs a key in a
 million-entry index (measured: 262,144 moves 98 ms, 32,768 moves 17 ms): this bounds the stall
@@ -76,6 +82,14 @@ class _Run(NamedTuple):
     """The worker's change count when the run was last known held."""
     counts: tuple[int, ...]
     """Blocks per fastest tier index."""
+    explicit: int
+    """The worker's count of changes other than evictions, then."""
+    reorders: int
+    """The store's count of reorders (`MemoryStore._reorders`), then."""
+    front: int
+    """Blocks before all of the run's in the LRU order once its keys were last put at the
+    recent end (inserted, or moved there by the match that checked it): with fewer reorders
+    since than that, no block of the run was evicted."""
 
 
 def _marks(keys: Sequence[int], start: int, end: int) -> tuple[array[int], array[int]]:
@@ -145,6 +159,14 @@ class MemoryStore(IndexStore):
         (removed, moved, new tier, evicted), since its runs were last all dropped."""
         self._count: dict[int, int] = {}
         """Slot offset -> changes so far (a run's validity stamp)."""
+        self._explicit: dict[int, int] = {}
+        """Slot offset -> changes so far other than evictions."""
+        self._floor: dict[int, int] = {}
+        """Slot offset -> the number of the last change record dropped (`_trim`): a run known
+        held before it can no longer be checked against the records."""
+        self._reorders = 0
+        """Blocks evicted, deleted or moved to the recent end so far: each brings any other block
+        at most one place nearer the front of the LRU order."""
         self._deferred: list[Sequence[int]] = []
         """Matched runs whose LRU moves wait, in match order (`_flush`)."""
         self._deferred_keys = 0
@@ -161,13 +183,16 @@ class MemoryStore(IndexStore):
                 self._workers.append(worker)
             self._shift[worker] = shift
             self._runs[shift], self._changed_at[shift], self._count[shift] = {}, {}, 0
+            self._explicit[shift], self._floor[shift] = 0, 0
             self._ends[shift] = {}
         return shift
 
-    def _changed(self, shift: int, key: int) -> None:
+    def _changed(self, shift: int, key: int, evicted: bool = False) -> None:
         """The slot's entry for `key` lost or changed a tier: runs holding it are stale."""
         changed_at = self._changed_at[shift]
         self._count[shift] += 1
+        if not evicted:
+            self._explicit[shift] += 1
         changed_at.pop(key, None)  # kept in the order of their last change
         changed_at[key] = self._count[shift]
         if len(changed_at) > _LOG:
@@ -175,15 +200,16 @@ class MemoryStore(IndexStore):
 
     def _trim(self, shift: int) -> None:
         """Drop the older half of the slot's change records, and the runs known held before the
-        last change dropped: a run's check needs every change since it was known held. Under
-        eviction churn the runs used recently (checked, so re-stamped) stay."""
+        last change dropped that only the records could check (a change since them was not an
+        eviction): a run's check needs every change since it was known held, or its LRU bound.
+        Under eviction churn the runs used recently (checked, so re-stamped) stay."""
         changed_at = self._changed_at[shift]
         old = list(islice(changed_at, len(changed_at) - _LOG // 2))
-        floor = changed_at[old[-1]]
+        floor = self._floor[shift] = changed_at[old[-1]]
         for key in old:
             del changed_at[key]
-        runs = self._runs[shift]
-        for first in [first for first, run in runs.items() if run.stamp < floor]:
+        runs, explicit = self._runs[shift], self._explicit[shift]
+        for first in [f for f, r in runs.items() if r.stamp < floor and r.explicit != explicit]:
             del runs[first]
 
     def _forget_runs(self, shift: int) -> None:
@@ -194,10 +220,12 @@ class MemoryStore(IndexStore):
     def _remember(
         self, shift: int, keys: Sequence[int], start: int, end: int, counts: Sequence[int]
     ) -> None:
-        """The slot holds keys[start:end] (chained), with `counts` blocks per fastest tier."""
+        """The slot holds keys[start:end] (chained), with `counts` blocks per fastest tier; the
+        keys are at the LRU order's recent end, or moved there before the next write."""
         backs, marks = _marks(keys, start, end)
-        self._keep(shift, keys[start], _Run(backs, marks, end - start, self._count[shift],
-                                            tuple(counts)))
+        self._keep(shift, keys[start], _Run(
+            backs, marks, end - start, self._count[shift], tuple(counts), self._explicit[shift],
+            self._reorders, len(self._blocks) - (end - start)))
 
     def _keep(self, shift: int, first: int, run: _Run) -> None:
         """Remember `run` from `first` as the slot's most recently used run."""
@@ -227,7 +255,9 @@ class MemoryStore(IndexStore):
                 backs.append(n + back)
                 marks.append(mark)
         total = tuple(a + b for a, b in zip(run.counts, counts, strict=True))
-        self._keep(shift, first, _Run(backs, marks, run.length + n, run.stamp, total))
+        # The new keys went in behind the run's older ones: its LRU bound holds for them too.
+        self._keep(shift, first, run._replace(backs=backs, marks=marks, length=run.length + n,
+                                              counts=total))
         return True
 
     def _flush(self) -> None:
@@ -235,6 +265,7 @@ class MemoryStore(IndexStore):
         touch = self._blocks.move_to_end
         for keys in self._deferred:
             deque(map(touch, keys), maxlen=0)
+        self._reorders += self._deferred_keys
         self._deferred.clear()
         self._deferred_keys = 0
 
@@ -257,6 +288,7 @@ class MemoryStore(IndexStore):
                     continue
                 holders = blocks[key]
                 blocks.move_to_end(key)
+                self._reorders += 1
                 old = holders >> shift & _NIBBLE
                 if not old:
                     fresh += 1
@@ -294,6 +326,7 @@ class MemoryStore(IndexStore):
             self._blocks[key] = rest
         else:
             del self._blocks[key]
+            self._reorders += 1
         if not new:
             self._entries -= 1
 
@@ -358,8 +391,9 @@ class MemoryStore(IndexStore):
     def _enforce_cap(self) -> None:
         while self._entries > self.max_entries:
             key, holders = self._blocks.popitem(last=False)
+            self._reorders += 1
             for worker, bits in self._holders(holders):
-                self._changed(self._shift[worker], key)
+                self._changed(self._shift[worker], key, evicted=True)
                 self._held[(worker, _fastest(bits))] -= 1
                 self._entries -= 1
                 self._evictions += 1
@@ -487,7 +521,12 @@ class MemoryStore(IndexStore):
         if back and max(counts) != length:  # tiers mixed: only the whole run has known counts
             return None
         now = self._count[shift]
-        if stamp != now:  # a membership pass over the run's keys, in C
+        if stamp != now and (  # evictions alone, none reaching the run: see `_Run.front`
+            run.explicit != self._explicit[shift] or self._reorders - run.reorders >= run.front
+        ):  # a membership pass over the run's keys, in C
+            if stamp < self._floor[shift]:  # changes since it are no longer all recorded
+                del runs[keys[pos]]
+                return None
             changed_at = self._changed_at[shift]
             part = keys[pos:end]
             # Most runs hold no changed key at all: a set test, ~40 % cheaper than the lookups.
@@ -497,8 +536,10 @@ class MemoryStore(IndexStore):
                 if not back:
                     del runs[keys[pos]]
                 return None
-            if not back:  # checked whole: later checks start from now
-                runs[keys[pos]] = run._replace(stamp=now)
+        if stamp != now and not back:  # checked whole: later checks start from now
+            runs[keys[pos]] = run._replace(
+                stamp=now, explicit=self._explicit[shift], reorders=self._reorders,
+                front=len(self._blocks) - length)
         if not back:
             return length, counts
         return end - pos, [n and end - pos for n in counts]
