@@ -223,9 +223,17 @@ class MemoryStore(IndexStore):
         """The slot holds keys[start:end] (chained), with `counts` blocks per fastest tier; the
         keys are at the LRU order's recent end, or moved there before the next write."""
         backs, marks = _marks(keys, start, end)
-        self._keep(shift, keys[start], _Run(
-            backs, marks, end - start, self._count[shift], tuple(counts), self._explicit[shift],
-            self._reorders, len(self._blocks) - (end - start)))
+        run = self._known_held(shift, backs, marks, end - start, tuple(counts))
+        self._keep(shift, keys[start], run)
+
+    def _known_held(
+        self, shift: int, backs: array[int], marks: array[int], length: int,
+        counts: tuple[int, ...],
+    ) -> _Run:
+        """A run the slot holds now, its keys at the LRU order's recent end (or moved there
+        before the next write): stamped with the counts its later checks start from."""
+        return _Run(backs, marks, length, self._count[shift], counts, self._explicit[shift],
+                    self._reorders, len(self._blocks) - length)
 
     def _keep(self, shift: int, first: int, run: _Run) -> None:
         """Remember `run` from `first` as the slot's most recently used run."""
@@ -537,9 +545,7 @@ class MemoryStore(IndexStore):
                     del runs[keys[pos]]
                 return None
         if stamp != now and not back:  # checked whole: later checks start from now
-            runs[keys[pos]] = run._replace(
-                stamp=now, explicit=self._explicit[shift], reorders=self._reorders,
-                front=len(self._blocks) - length)
+            runs[keys[pos]] = self._known_held(shift, run.backs, run.marks, length, counts)
         if not back:
             return length, counts
         return end - pos, [n and end - pos for n in counts]
