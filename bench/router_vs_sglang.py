@@ -21,7 +21,8 @@ with the model's tokenizer), so where a conversation lands decides whether its p
 
 Per row: engine-reported hit rate, twice (usage.prompt_tokens_details.cached_tokens over
 prompt_tokens as the client got them; vLLM's own vllm:prefix_cache_hits/queries counters),
-client TTFT p50/p90/mean, wall time, requests per engine (vllm:request_success), and the
+client TTFT p50/p90/mean, wall time, requests per engine (vllm:request_success), prefill
+tokens per engine (vllm:prefix_cache_queries - hits: the tokens each computed), and the
 client-minus-engine TTFT gap (client mean TTFT - vllm:time_to_first_token_seconds mean) and
 `router+` = gap - the oracle's gap (its path has no router); under load this also holds the
 engines' API-server queueing, which depends on placement. Warply rows also show the router's
@@ -160,6 +161,7 @@ def _row(wall: float, done: list[dict[str, Any]], before: list[dict[str, float]]
     ttft = [d["ttft_s"] for d in done]
     delta = [{k: a[k] - b[k] for k in a} for a, b in zip(after, before, strict=True)]
     served = [d["served"] for d in delta]
+    computed = [d["pc_queries"] - d["pc_hits"] for d in delta]  # prefill each engine did
     q, h = sum(d["pc_queries"] for d in delta), sum(d["pc_hits"] for d in delta)
     n_eng = sum(d["ttft_count"] for d in delta)
     eng_ttft = sum(d["ttft_sum"] for d in delta) / n_eng if n_eng else float("nan")
@@ -175,6 +177,8 @@ def _row(wall: float, done: list[dict[str, Any]], before: list[dict[str, float]]
         "wall": wall,
         "served": served,
         "max_share": max(served) / max(1.0, sum(served)),
+        "computed": computed,
+        "max_computed_share": max(computed) / max(1.0, sum(computed)),
     }
 
 
@@ -314,8 +318,8 @@ def _print(args: argparse.Namespace, items: list[dict[str, Any]], prompt_tokens:
           f"{blocks} blocks per engine ({blocks / distinct:.2f} of the distinct context); "
           f"{args.in_flight} in flight; mean of {args.repeats} run(s)")
     head = (f"{'row':34s}{'hit':>7s}{'hit ctr':>8s}{'p50 ms':>8s}{'p90 ms':>8s}{'mean ms':>8s}"
-            f"{'wall s':>7s}{'req/engine':>11s}{'gap ms':>7s}{'router+':>8s}{'ovh p50':>8s}"
-            f"{'pred':>6s}")
+            f"{'wall s':>7s}{'req/engine':>11s}{'prefill/engine':>15s}{'gap ms':>7s}"
+            f"{'router+':>8s}{'ovh p50':>8s}{'pred':>6s}")
     print(head)
     oracle_gap = agg.get(ORACLE, {}).get("gap")
     for n, r in agg.items():
@@ -323,12 +327,15 @@ def _print(args: argparse.Namespace, items: list[dict[str, Any]], prompt_tokens:
         ovh = "-" if r["overhead"] is None else f"{r['overhead']:.2f}"
         pred = "-" if r["predicted"] is None else f"{r['predicted']:.3f}"
         split = "/".join(f"{x:.0f}" for x in r["served"])
+        work = "/".join(f"{x:.0f}" for x in r["computed"])
         print(f"{n:34s}{r['hit']:7.3f}{r['hit_counters']:8.3f}{r['p50']:8.1f}{r['p90']:8.1f}"
-              f"{r['mean']:8.1f}{r['wall']:7.1f}{split:>11s}{r['gap']:7.1f}{plus:>8s}{ovh:>8s}{pred:>6s}")
+              f"{r['mean']:8.1f}{r['wall']:7.1f}{split:>11s}{work:>15s}{r['gap']:7.1f}{plus:>8s}"
+              f"{ovh:>8s}{pred:>6s}")
     for n, msg in errors.items():
         print(f"{n:34s} FAILED: {msg}")
     print("hit: engine-reported cached_tokens / prompt_tokens (usage); hit ctr: vLLM "
-          "prefix_cache hits/queries; gap: client mean TTFT - engine mean TTFT; router+: gap - "
+          "prefix_cache hits/queries; prefill/engine: prompt tokens each engine computed "
+          "(prefix_cache queries - hits); gap: client mean TTFT - engine mean TTFT; router+: gap - "
           "oracle gap; ovh p50: warply's own receipt->upstream overhead; pred: warply's "
           "router-predicted hit rate (its index's view when it placed)")
     if added:
@@ -370,7 +377,8 @@ def _print(args: argparse.Namespace, items: list[dict[str, Any]], prompt_tokens:
             best_rr = min(x["mean"] for x in runs[RR])
             checks.append((f"slowest round {worst:.1f} < round_robin's fastest {best_rr:.1f} ms",
                            worst < best_rr))
-        checks.append((f"busiest engine {r['max_share']:.0%} <= 60% of requests",
+        checks.append((f"busiest engine {r['max_share']:.0%} <= 60% of requests (prefill "
+                       f"tokens: {r['max_computed_share']:.0%} on the busiest)",
                        r["max_share"] <= 0.6))
         for text, ok in checks:
             all_ok = all_ok and ok
