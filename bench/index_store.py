@@ -97,7 +97,7 @@ async def _decisions(
 
 
 def _q(samples: list[float]) -> tuple[float, float]:
-    q = statistics.quantiles(samples, n=100)
+    q = statistics.quantiles(samples, n=100, method="inclusive")
     return q[49] * 1e3, q[98] * 1e3
 
 

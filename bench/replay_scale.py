@@ -91,7 +91,7 @@ def _replay(trace: ExpandedTrace, workers: int, store: IndexStore, loop: Any) ->
 
 
 def _q(xs: list[float], q: int) -> float:
-    return statistics.quantiles(xs, n=100)[q - 1] * 1e3
+    return statistics.quantiles(xs, n=100, method="inclusive")[q - 1] * 1e3
 
 
 def main() -> None:

@@ -126,7 +126,7 @@ def _spread(xs: list[int]) -> int:
 
 
 def _q(xs: list[float], q: int) -> float:
-    return statistics.quantiles(xs, n=100)[q - 1] * 1e3
+    return statistics.quantiles(xs, n=100, method="inclusive")[q - 1] * 1e3
 
 
 def main() -> None:

@@ -92,7 +92,9 @@ def _prefill(tokens: Sequence[int], first_hash: int) -> list[BlockStored]:
 
 
 def _q(samples: list[float]) -> str:
-    q = statistics.quantiles(samples, n=100)
+    # "inclusive" interpolates between samples; the default ("exclusive") extrapolates past the
+    # largest one when there are fewer than 100, so its p99 could exceed the max.
+    q = statistics.quantiles(samples, n=100, method="inclusive")
     return f"p50 {q[49] * 1e3:7.3f} ms  p99 {q[98] * 1e3:7.3f} ms  max {max(samples) * 1e3:7.3f} ms"
 
 
@@ -176,8 +178,8 @@ def main() -> None:
                     help="prompt lengths in tokens (40 tokenized samples above 32k)")
     ap.add_argument("--turn-samples", type=int, default=0,
                     help="conversations per size in the tokenized rows (default: 100 up to 32k "
-                         "tokens, 40 above); a p99 needs 200 or more, below that it is the "
-                         "largest sample or close to it")
+                         "tokens, 40 above); a p99 needs 200 or more: over 100 it is the "
+                         "second-largest sample, over 40 it lies between the two largest")
     ap.add_argument("--dynamic-malloc", action="store_true",
                     help="keep glibc's dynamic mmap threshold (warply-router fixes it at 128 KiB)")
     args = ap.parse_args()
