@@ -22,7 +22,8 @@ with the model's tokenizer), so where a conversation lands decides whether its p
 Per row: engine-reported hit rate, twice (usage.prompt_tokens_details.cached_tokens over
 prompt_tokens as the client got them; vLLM's own vllm:prefix_cache_hits/queries counters),
 client TTFT p50/p90/mean, wall time, requests per engine (vllm:request_success), prefill
-tokens per engine (vllm:prefix_cache_queries - hits: the tokens each computed), and the
+tokens per engine (vllm:prefix_cache_queries - hits: the tokens each computed), the mean count
+of other requests in flight on a request's engine when it was sent (`co-run`), and the
 client-minus-engine TTFT gap (client mean TTFT - vllm:time_to_first_token_seconds mean) and
 `router+` = gap - the oracle's gap (its path has no router); under load this also holds the
 engines' API-server queueing, which depends on placement. Warply rows also show the router's
@@ -156,6 +157,19 @@ def _quantile(xs: list[float], q: float) -> float:
     return xs[min(len(xs) - 1, int(q * len(xs)))]
 
 
+def _co_running(done: list[dict[str, Any]], engines: list[str] | None) -> float | None:
+    """Mean count of other requests in flight on a request's engine when it was sent (None
+    where the row does not say which engine served each request: sglang-router's)."""
+    if engines is None:
+        return None
+    total = 0
+    for i, d in enumerate(done):
+        t = d["sent_s"]
+        total += sum(1 for j, o in enumerate(done)
+                     if j != i and engines[j] == engines[i] and o["sent_s"] < t < o["ended_s"])
+    return total / len(done)
+
+
 def _row(wall: float, done: list[dict[str, Any]], before: list[dict[str, float]],
          after: list[dict[str, float]]) -> dict[str, Any]:
     ttft = [d["ttft_s"] for d in done]
@@ -272,6 +286,10 @@ async def _main(args: argparse.Namespace, workdir: Path) -> int:
                 await asyncio.sleep(0.5)  # let the engines' counters settle
                 after = [_metrics(e) for e, _ in engines]
                 row = _row(wall, done, before, after)
+                row["co_running"] = _co_running(
+                    done,
+                    [pin[it["conversation"]] for it in items] if make is None
+                    else [d["worker"] for d in done] if name.startswith("warply") else None)
                 row["overhead"] = None if overhead is None else overhead * 1e3
                 row["predicted"] = predicted
                 prompt_tokens = sum(d["prompt"] for d in done)
@@ -318,8 +336,8 @@ def _print(args: argparse.Namespace, items: list[dict[str, Any]], prompt_tokens:
           f"{blocks} blocks per engine ({blocks / distinct:.2f} of the distinct context); "
           f"{args.in_flight} in flight; mean of {args.repeats} run(s)")
     head = (f"{'row':34s}{'hit':>7s}{'hit ctr':>8s}{'p50 ms':>8s}{'p90 ms':>8s}{'mean ms':>8s}"
-            f"{'wall s':>7s}{'req/engine':>11s}{'prefill/engine':>15s}{'gap ms':>7s}"
-            f"{'router+':>8s}{'ovh p50':>8s}{'pred':>6s}")
+            f"{'wall s':>7s}{'req/engine':>11s}{'prefill/engine':>15s}{'co-run':>7s}"
+            f"{'gap ms':>7s}{'router+':>8s}{'ovh p50':>8s}{'pred':>6s}")
     print(head)
     oracle_gap = agg.get(ORACLE, {}).get("gap")
     for n, r in agg.items():
@@ -328,14 +346,16 @@ def _print(args: argparse.Namespace, items: list[dict[str, Any]], prompt_tokens:
         pred = "-" if r["predicted"] is None else f"{r['predicted']:.3f}"
         split = "/".join(f"{x:.0f}" for x in r["served"])
         work = "/".join(f"{x:.0f}" for x in r["computed"])
+        co = "-" if r["co_running"] is None else f"{r['co_running']:.2f}"
         print(f"{n:34s}{r['hit']:7.3f}{r['hit_counters']:8.3f}{r['p50']:8.1f}{r['p90']:8.1f}"
-              f"{r['mean']:8.1f}{r['wall']:7.1f}{split:>11s}{work:>15s}{r['gap']:7.1f}{plus:>8s}"
-              f"{ovh:>8s}{pred:>6s}")
+              f"{r['mean']:8.1f}{r['wall']:7.1f}{split:>11s}{work:>15s}{co:>7s}{r['gap']:7.1f}"
+              f"{plus:>8s}{ovh:>8s}{pred:>6s}")
     for n, msg in errors.items():
         print(f"{n:34s} FAILED: {msg}")
     print("hit: engine-reported cached_tokens / prompt_tokens (usage); hit ctr: vLLM "
           "prefix_cache hits/queries; prefill/engine: prompt tokens each engine computed "
-          "(prefix_cache queries - hits); gap: client mean TTFT - engine mean TTFT; router+: gap - "
+          "(prefix_cache queries - hits); co-run: other requests in flight on a request's engine "
+          "when it was sent, mean; gap: client mean TTFT - engine mean TTFT; router+: gap - "
           "oracle gap; ovh p50: warply's own receipt->upstream overhead; pred: warply's "
           "router-predicted hit rate (its index's view when it placed)")
     if added:

@@ -93,8 +93,9 @@ def workload(
 
 
 async def send(session: aiohttp.ClientSession, url: str, item: dict[str, Any]) -> dict[str, Any]:
-    """One streamed completion; returns TTFT and cached tokens as the client sees them, and the
-    router's worker and predicted cached tokens (-1 without a Warply router)."""
+    """One streamed completion; returns TTFT and cached tokens as the client sees them, the
+    router's worker and predicted cached tokens (-1 without a Warply router), and when it was
+    sent and when it ended (`time.perf_counter()` seconds: what was in flight at once)."""
     body = {"model": MODEL_NAME, "prompt": item["prompt"], "max_tokens": item["max_tokens"],
             "temperature": 0, "ignore_eos": True, "stream": True,
             "stream_options": {"include_usage": True}}
@@ -113,7 +114,8 @@ async def send(session: aiohttp.ClientSession, url: str, item: dict[str, Any]) -
     return {"ttft_s": ttft, "cached": details.get("cached_tokens") or 0,
             "prompt": usage.get("prompt_tokens") or 0,
             "worker": r.headers.get("X-Warply-Worker", "?"),
-            "predicted": int(r.headers.get("X-Warply-Predicted-Cached", -1))}
+            "predicted": int(r.headers.get("X-Warply-Predicted-Cached", -1)),
+            "sent_s": t0, "ended_s": time.perf_counter()}
 
 
 async def replay(
