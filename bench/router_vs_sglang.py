@@ -159,7 +159,7 @@ def _quantile(xs: list[float], q: float) -> float:
 
 def _co_running(done: list[dict[str, Any]], engines: list[str] | None) -> float | None:
     """Mean count of other requests in flight on a request's engine when it was sent (None
-    where the row does not say which engine served each request: sglang-router's)."""
+    where the row does not say which engine served each request)."""
     if engines is None:
         return None
     total = 0
@@ -286,10 +286,12 @@ async def _main(args: argparse.Namespace, workdir: Path) -> int:
                 await asyncio.sleep(0.5)  # let the engines' counters settle
                 after = [_metrics(e) for e, _ in engines]
                 row = _row(wall, done, before, after)
-                row["co_running"] = _co_running(
-                    done,
-                    [pin[it["conversation"]] for it in items] if make is None
-                    else [d["worker"] for d in done] if name.startswith("warply") else None)
+                served_by: list[str] | None = None  # sglang-router names no engine
+                if make is None:
+                    served_by = [pin[it["conversation"]] for it in items]
+                elif name.startswith("warply"):
+                    served_by = [d["worker"] for d in done]
+                row["co_running"] = _co_running(done, served_by)
                 row["overhead"] = None if overhead is None else overhead * 1e3
                 row["predicted"] = predicted
                 prompt_tokens = sum(d["prompt"] for d in done)
