@@ -22,6 +22,7 @@ import time
 import tracemalloc
 
 import msgspec
+from _percentiles import percentiles
 
 from router.index import MemoryStore, PrefixIndex, completed
 from warply.protocol import StreamDecoder, prefix_keys
@@ -119,7 +120,7 @@ def main() -> None:
             t2 = time.perf_counter()
             t_keys.append(t1 - t0)
             t_match.append(t2 - t1)
-        q = statistics.quantiles(t_match, n=100, method="inclusive")
+        q = percentiles(t_match)
         print(
             f"match {prompt_len:6d} tokens: p50 {q[49] * 1e6:7.1f} us  p99 {q[98] * 1e6:7.1f} us"
             f"  (+ keys p50 {statistics.median(t_keys) * 1e6:7.1f} us)"

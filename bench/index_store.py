@@ -20,7 +20,6 @@ import argparse
 import asyncio
 import gc
 import random
-import statistics
 import tempfile
 import time
 import tracemalloc
@@ -30,6 +29,7 @@ from pathlib import Path
 
 import _one_pool
 import redis
+from _percentiles import percentiles
 
 from router.index import IndexStore, MemoryStore, PrefixIndex
 from router.index.redis import RedisStore
@@ -97,7 +97,7 @@ async def _decisions(
 
 
 def _q(samples: list[float]) -> tuple[float, float]:
-    q = statistics.quantiles(samples, n=100, method="inclusive")
+    q = percentiles(samples)
     return q[49] * 1e3, q[98] * 1e3
 
 

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import statistics
 import sys
 import tempfile
 import time
@@ -30,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 import redis
+from _percentiles import percentiles
 
 from replay.engine import EngineConfig
 from replay.sim import ReplayResult, SimPool, simulate_pools
@@ -91,7 +91,7 @@ def _replay(trace: ExpandedTrace, workers: int, store: IndexStore, loop: Any) ->
 
 
 def _q(xs: list[float], q: int) -> float:
-    return statistics.quantiles(xs, n=100, method="inclusive")[q - 1] * 1e3
+    return percentiles(xs)[q - 1] * 1e3
 
 
 def main() -> None:

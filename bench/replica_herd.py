@@ -28,13 +28,13 @@ import argparse
 import asyncio
 import heapq
 import random
-import statistics
 import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
 import _one_pool
+from _percentiles import percentiles
 
 from router.index import PrefixIndex, StoreOutage
 from router.index.redis import RedisStore
@@ -126,7 +126,7 @@ def _spread(xs: list[int]) -> int:
 
 
 def _q(xs: list[float], q: int) -> float:
-    return statistics.quantiles(xs, n=100, method="inclusive")[q - 1] * 1e3
+    return percentiles(xs)[q - 1] * 1e3
 
 
 def main() -> None:

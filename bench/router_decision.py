@@ -31,13 +31,13 @@ from __future__ import annotations
 import argparse
 import asyncio
 import random
-import statistics
 import time
 from array import array
 from collections.abc import Sequence
 from pathlib import Path
 
 import _one_pool
+from _percentiles import percentiles
 
 from router.__main__ import collect_less, fixed_mmap_threshold
 from router.config import RouterConfig
@@ -92,9 +92,7 @@ def _prefill(tokens: Sequence[int], first_hash: int) -> list[BlockStored]:
 
 
 def _q(samples: list[float]) -> str:
-    # "inclusive" interpolates between samples; the default ("exclusive") extrapolates past the
-    # largest one when there are fewer than 100, so its p99 could exceed the max.
-    q = statistics.quantiles(samples, n=100, method="inclusive")
+    q = percentiles(samples)
     return f"p50 {q[49] * 1e3:7.3f} ms  p99 {q[98] * 1e3:7.3f} ms  max {max(samples) * 1e3:7.3f} ms"
 
 

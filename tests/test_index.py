@@ -480,7 +480,7 @@ def test_remembered_runs_match_and_order_like_a_block_walk_under_random_conversa
                 plain.add(w, tier, chain[start:end])
                 stored[w].update(chain[start:end])
                 start = end
-        elif not changes:
+        elif not changes:  # cap evictions the only changes: no removals, moves or drops
             pass
         elif op < 0.75 and any(stored.values()):  # removals, moves, new tiers of a few blocks
             w = rng.choice([w for w in workers if stored[w]])
