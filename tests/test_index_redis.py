@@ -8,12 +8,13 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import sys
 from pathlib import Path
 
 import pytest
 from index_contract import check_store_contract
 
-from router.config import IndexConfig, RouterConfig
+from router.config import ConfigError, IndexConfig, RouterConfig
 from router.index import (
     MemoryStore,
     PrefixIndex,
@@ -127,6 +128,17 @@ def test_open_store_reaches_the_server_or_fails_at_start_up(redis_server: RedisS
     asyncio.run(store.close())
     with pytest.raises(StoreUnavailable, match="refused"):
         open_store(IndexConfig(store="redis", url=f"redis://127.0.0.1:{free_port()}/0"))
+
+
+def test_a_redis_store_without_its_client_package_is_a_config_error(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """An install without the `redis` extra names the missing package, no traceback."""
+    monkeypatch.delitem(sys.modules, "router.index.redis", raising=False)
+    monkeypatch.setitem(sys.modules, "redis", None)  # `import redis` fails as if not installed
+    config = IndexConfig(store="redis", url="redis://127.0.0.1:1/0")
+    with pytest.raises(ConfigError, match=r"needs the `redis` package \(pip install"):
+        open_store(config)
 
 
 def test_placement_keeps_serving_while_the_store_is_down(tmp_path: Path) -> None:

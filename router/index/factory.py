@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from router.config import IndexConfig
+from router.config import ConfigError, IndexConfig
 from router.index.contract import IndexStore
 from router.index.memory import MemoryStore
 
@@ -13,7 +13,12 @@ def open_store(config: IndexConfig) -> IndexStore:
     if config.store == "memory":
         return MemoryStore(config.max_entries)
     # Imported here: only a router configured for it loads the Redis client.
-    from router.index.redis import RedisStore
+    try:
+        from router.index.redis import RedisStore
+    except ModuleNotFoundError as exc:
+        raise ConfigError(
+            f"index.store: redis needs the `{exc.name}` package (pip install 'warply[redis]')"
+        ) from None
 
     assert config.url is not None  # IndexConfig requires it for this store
     store = RedisStore(config.url, config.prefix, config.max_entries, config.timeout_s)
