@@ -5,6 +5,8 @@ protocol. A gap the subscriber cannot recover drops that worker's entries (`on_s
 `LoadSnapshot` events update the worker's load (what the strategies see, and the engine's own
 queues and capacity on /warply/workers); removals count as engine evictions; `PrefixHit`
 events (the engine's own record of a request reusing its cache) count as engine-confirmed hits.
+Each applied batch is marked in the store (a shared store keeps the newest, so a router started
+later can tell a stream it continues from one that restarted meanwhile: `StateSubscriber`).
 Every batch, resync and replay also tells the worker's `IndexHealth`; a `BlockStored` whose
 block size is not its pool's puts the worker in `fallback` (its keys could never match).
 
@@ -58,6 +60,7 @@ class IndexFeed:
             self.on_batch,
             self.resync,
             replay_endpoint=worker.config.replay,
+            applied=self._index.marked,
             topic=worker.config.topic.encode(),
             bind=worker.config.bind,
         )
@@ -117,6 +120,7 @@ class IndexFeed:
         if worker not in self._lost:
             try:
                 await self._index.apply(worker, batch.events)
+                await self._index.mark(worker, batch.seq, batch.ts)
             except StoreUnavailable as exc:
                 self._index.outage.failed("apply", exc)
                 self._lost.add(worker)

@@ -38,7 +38,7 @@ from tests.test_router_api import (  # noqa: F401
     serve_engines,
     tokenizer_dir,
 )
-from warply.launch import free_port
+from warply.launch import RedisServer, free_port
 from warply.protocol import BlockStored, DecodedBatch, LoadSnapshot, Tier, prefix_keys
 from warply.protocol.publisher import StatePublisher
 
@@ -246,6 +246,50 @@ def test_a_lost_batch_is_replayed_and_a_restarted_publisher_resyncs(
             assert (sub.gaps, sub.replayed) == (2, 3)
             await _until(lambda: router.health.view("a").state == "exact", "exact again")
             pub.close()
+
+    _run(scenario())
+
+
+def test_a_router_restarted_over_a_shared_index_drops_what_a_restarted_engine_left(
+    tokenizer_dir: Path,  # noqa: F811
+    redis_server: RedisServer,
+) -> None:
+    """The index on a shared store outlives the router process. A router started later checks
+    the last batch an earlier one applied against the publisher's history: the same publisher
+    (it still holds that batch) keeps the entries, no resync; a publisher restarted while no
+    router ran (its history ends before that batch) left them stale: they are dropped before
+    its history is applied, so a prompt only the old engine process held is credited nowhere."""
+    events, replay = f"tcp://{HOST}:{free_port()}", f"tcp://{HOST}:{free_port()}"
+    prompts = [f"{word} {PROMPT}" for word in ("alpha", "beta", "gamma")]
+    streams = {"a": {"events": events, "replay": replay, "topic": "kv"}}
+    index = {"store": "redis", "url": redis_server.url, "prefix": f"restart{free_port()}"}
+
+    async def scenario() -> None:
+        tok = RouterTokenizer(tokenizer_dir)
+        keys = [prefix_keys(tok.encode(p, True), BS, "m") for p in prompts]
+
+        async def router_sees(n: int) -> tuple[list[int], int]:
+            """A router process started now, once it took the history: (blocks of each prompt
+            held by "a", its stream's resyncs)."""
+            async with running(tokenizer_dir, [FakeEngine("a")], streams, index=index) as (
+                router, _call, _s, _b
+            ):
+                sub = router.feed.subscribers["a"]
+                await _until(lambda: sub.last_seq == n - 1, "the history")
+                held = [(await router.index.match(k, ["a"]))["a"].blocks for k in keys]
+                return held, sub.resyncs
+
+        pub = _publisher(events, replay)
+        pub.publish([_stored(tokenizer_dir, prompts[0], 100)])
+        pub.publish([_stored(tokenizer_dir, prompts[1], 200)])
+        full = [len(k) for k in keys]
+        assert await router_sees(2) == ([full[0], full[1], 0], 0)
+        assert await router_sees(2) == ([full[0], full[1], 0], 0)  # the same publisher
+        pub.close()
+        pub = _publisher(events, replay)  # the engine restarted while no router ran
+        pub.publish([_stored(tokenizer_dir, prompts[2], 300)])
+        assert await router_sees(1) == ([0, 0, full[2]], 1)
+        pub.close()
 
     _run(scenario())
 

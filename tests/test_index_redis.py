@@ -121,6 +121,35 @@ def test_a_new_router_matches_what_another_ingested(redis_server: RedisServer) -
     asyncio.run(run())
 
 
+def test_marks_keep_each_workers_newest_batch_until_it_is_dropped(
+    redis_server: RedisServer,
+) -> None:
+    """Every replica marks the batches it applies: the newest by the publisher's time stays
+    (a replica taking the history again never moves it back, a restarted publisher's lower
+    numbers do), exactly as published; `drop_worker` clears it; the memory store keeps none."""
+
+    async def run() -> None:
+        store, memory = _store(redis_server), MemoryStore()
+        ts = 1_764_900_000.123_456_7
+        await store.mark("a", 7, ts)
+        await store.mark("a", 3, ts - 1)  # an older batch applied again
+        await store.mark("a", 7, ts)
+        await store.mark("a", 2, float("nan"))  # no usable time: not marked
+        await store.mark("b", 1, 5.0)
+        assert (await store.marked("a"), await store.marked("b")) == ((7, ts), (1, 5.0))
+        await store.mark("a", 0, ts + 1)  # the publisher restarted: its first batch is newer
+        assert await store.marked("a") == (0, ts + 1)
+        await store.add("a", GPU, [1, 2])
+        await store.drop_worker("a", [1, 2])
+        assert (await store.marked("a"), await store.marked("b")) == (None, (1, 5.0))
+        assert await store.marked("never-seen") is None
+        await memory.mark("a", 7, ts)
+        assert await memory.marked("a") is None
+        await store.close()
+
+    asyncio.run(run())
+
+
 def test_open_store_reaches_the_server_or_fails_at_start_up(redis_server: RedisServer) -> None:
     assert isinstance(open_store(IndexConfig()), MemoryStore)
     store = open_store(IndexConfig(store="redis", url=redis_server.url, prefix="open"))

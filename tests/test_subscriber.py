@@ -111,20 +111,37 @@ async def _late_joiner(
     """A publisher that sent `published` batches before a replay-capable subscriber started."""
     port, rport = free_port(), free_port()
     publisher = StatePublisher(
-        f"tcp://*:{port}", replay_endpoint=f"tcp://127.0.0.1:{rport}", buffer_steps=buffer_steps
+        f"tcp://127.0.0.1:{port}",
+        replay_endpoint=f"tcp://127.0.0.1:{rport}",
+        buffer_steps=buffer_steps,
+        bind=True,
     )
     for i in range(published):
         publisher.publish(_load(i))
     await asyncio.sleep(0.3)  # published before anyone listened
+    return (publisher, *await _join(publisher))
+
+
+async def _join(
+    publisher: StatePublisher, applied: tuple[int, float] | None = None
+) -> tuple[StateSubscriber, _Sink, asyncio.Task[None]]:
+    """A replay-capable subscriber started on `publisher`; `applied`: the last batch an earlier
+    reader applied, as a shared index would give it."""
+
+    async def earlier(worker: str) -> tuple[int, float] | None:
+        return applied
+
     sink = _Sink()
+    assert publisher.replay_endpoint is not None
     sub = StateSubscriber(
         "w0",
-        f"tcp://127.0.0.1:{port}",
+        publisher.endpoint,
         sink.on_batch,
         sink.on_stale,
-        replay_endpoint=f"tcp://127.0.0.1:{rport}",
+        replay_endpoint=publisher.replay_endpoint,
+        applied=earlier,
     )
-    return publisher, sub, sink, await _start(sub)
+    return sub, sink, await _start(sub)
 
 
 def test_late_joiner_recovers_history_from_replay() -> None:
@@ -167,5 +184,68 @@ def test_unrecoverable_gap_and_restart_mark_the_worker_stale() -> None:
         pub.close(linger=0)
         assert sink.stale == ["w7", "w7"] and sub.gaps == 1 and sub.resyncs == 2
         assert [b.seq for b in sink.batches] == [0, 1, 5, 0]
+
+    asyncio.run(main())
+
+
+def test_a_later_reader_checks_the_applied_batch_against_the_publishers_history() -> None:
+    """The history holds the batch an earlier reader applied: continued, no resync. It holds
+    another batch under that number, ends before it, or is empty: the publisher restarted, the
+    entries are dropped (once) before the history is applied. A rotated history cannot tell:
+    kept."""
+
+    async def main() -> None:
+        publisher, _, first, task = await _late_joiner(3, buffer_steps=100)
+        await _until(lambda: len(first.batches) == 3)
+        task.cancel()
+        ts = [b.ts for b in first.batches]
+        for applied, stale in (((2, ts[2]), []), ((1, ts[1] + 1), ["w0"]), ((7, ts[2]), ["w0"])):
+            sub, sink, task = await _join(publisher, applied)
+            await _until(lambda sink=sink: len(sink.batches) == 3)  # type: ignore[misc]
+            task.cancel()
+            assert (sink.stale, sub.resyncs, sub.replayed) == (stale, len(stale), 3), applied
+        publisher.close()
+        publisher, _, _, task = await _late_joiner(0, buffer_steps=100)  # started, sent nothing
+        task.cancel()
+        sub, sink, task = await _join(publisher, (2, ts[2]))
+        await _until(sub.ready.is_set)
+        task.cancel()
+        publisher.close()
+        assert (sink.stale, sink.batches) == (["w0"], [])
+        publisher, _, first, task = await _late_joiner(5, buffer_steps=2)  # keeps 3 and 4
+        await _until(lambda: len(first.batches) == 2)
+        task.cancel()
+        sub, sink, task = await _join(publisher, (1, first.batches[0].ts - 1))
+        await _until(lambda: len(sink.batches) == 2)
+        task.cancel()
+        publisher.close()
+        assert (sink.stale, sub.resyncs) == ([], 0)
+
+    asyncio.run(main())
+
+
+def test_without_history_the_live_stream_must_go_on_from_the_applied_batch() -> None:
+    """No replay socket: the next live batch after the applied one continues; a batch whose
+    number is not newer but whose time is (a restarted publisher) resyncs."""
+
+    async def main() -> None:
+        for seq, stale in ((5, []), (0, ["w0"])):
+            port = free_port()
+            pub = zmq.Context.instance().socket(zmq.PUB)
+            pub.bind(f"tcp://127.0.0.1:{port}")
+            sink = _Sink()
+
+            async def earlier(worker: str) -> tuple[int, float]:
+                return (4, 1.0)
+
+            sub = StateSubscriber(
+                "w0", f"tcp://127.0.0.1:{port}", sink.on_batch, sink.on_stale, applied=earlier
+            )
+            task = await _start(sub)
+            pub.send_multipart([b"", seq.to_bytes(8, "big"), encode_batch(_load(seq), 2.0)])
+            await _until(lambda sink=sink: len(sink.batches) == 1)  # type: ignore[misc]
+            task.cancel()
+            pub.close(linger=0)
+            assert (sink.stale, sub.gaps, sub.last_seq) == (stale, 0, seq)
 
     asyncio.run(main())

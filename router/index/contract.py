@@ -17,6 +17,9 @@ The primitives, by caller:
         move()        - a worker moved blocks from one tier to another.
         drop_worker() - forget everything a worker holds (a stream gap that could not be
                         recovered, or a publisher restart: the stream rebuilds it).
+        mark()        - the last batch of a worker's stream that was applied (optional).
+    Start-up: once per worker stream, before its history is taken (`StateSubscriber`).
+        marked()      - that batch, as an earlier router process left it (optional).
     Placement: once per pool per request, on the request's path (`Placement.choose`).
         match()       - per worker, the leading run of a key chain it holds, by tier.
     Metrics: on every /metrics scrape and /warply/cache_stats call.
@@ -190,8 +193,30 @@ class IndexStore(abc.ABC):
                 the memory store walks it instead of its whole key space.
 
         Effects:
-            Afterwards `match` reports no block for the worker until the next `add`.
+            Afterwards `match` reports no block for the worker until the next `add`, and
+            `marked` reports no batch for it until the next `mark`.
         """
+
+    async def mark(self, worker: str, seq: int, ts: float) -> None:  # noqa: B027 - optional
+        """
+        Record that the batch `seq` of `worker`'s state stream, published at `ts`, is applied.
+
+        Called by the router after each batch it applied. Only a store that outlives a router
+        process needs it (a shared one): a router started later checks the mark against the
+        publisher's history (`marked`), to tell a stream it can continue from one that
+        restarted meanwhile, whose entries here are stale. The default keeps nothing.
+
+        Effects:
+            The newest mark by `ts` (then `seq`) is kept: replicas marking the same stream, or
+            one taking the history a second time, never move it back.
+        """
+
+    async def marked(self, worker: str) -> tuple[int, float] | None:
+        """
+        The (seq, ts) of the newest batch `mark`ed for `worker` since its last `drop_worker`;
+        None when there is none (the default: a store that keeps no marks).
+        """
+        return None
 
     @abc.abstractmethod
     async def match(self, keys: Sequence[int], workers: Collection[str]) -> dict[str, WorkerMatch]:

@@ -31,6 +31,21 @@ class PrefixIndex:
         """Apply one worker's state events, in stream order (`Ingest.apply`; await it)."""
         return self.ingest.apply(worker, events)
 
+    def mark(self, worker: str, seq: int, ts: float) -> Coroutine[Any, Any, None]:
+        """Record the last batch of `worker`'s stream applied (`IndexStore.mark`; await it)."""
+        return self.store.mark(worker, seq, ts)
+
+    async def marked(self, worker: str) -> tuple[int, float] | None:
+        """The last batch of `worker`'s stream an earlier router applied to a shared store
+        (`IndexStore.marked`); None when there is none, or the store cannot answer (counted)."""
+        try:
+            found = await self.store.marked(worker)
+        except StoreUnavailable as exc:
+            self.outage.failed("marked", exc)
+            return None
+        self.outage.recovered()
+        return found
+
     async def drop_worker(self, worker: str) -> None:
         """Forget everything a worker holds (stream gap it could not recover, or worker gone)."""
         await self.ingest.drop_worker(worker)

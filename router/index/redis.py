@@ -15,6 +15,8 @@ Data model (P = the deployment's prefix, K = a canonical key as 8 bytes big-endi
     P l     zset    every block (member K) by last use (score: a logical clock): the LRU.
     P w N   set     the blocks worker slot N holds (members K), for `drop_worker`.
     P s     hash    worker name -> slot (given on first sight, kept for the deployment's life).
+    P m     hash    worker name -> "seq ts": the newest batch of its stream a router applied
+                    (`mark`), cleared by `drop_worker`.
     P c     hash    counters: `n` entries, `x` evictions, `k` the clock, `m` slots given,
                     `N.T` entries of slot N under fastest tier index T (so `stats` never walks).
 
@@ -33,6 +35,7 @@ keeps placing without prefix matches meanwhile (`router.placement`, `router.feed
 from __future__ import annotations
 
 import asyncio
+import math
 import struct
 from collections import Counter
 from collections.abc import Collection, Iterable, Sequence
@@ -253,7 +256,21 @@ flush(0, 0)
 return absent
 """
 
+_MARK = """
+local M = P .. 'm'
+local seq, ts = tonumber(ARGV[3]), tonumber(ARGV[4])
+local cur = redis.call('HGET', M, ARGV[2])
+if cur then
+  local s, t = string.match(cur, '^(%S+) (%S+)$')
+  local oseq, ots = tonumber(s), tonumber(t)
+  if ts < ots or (ts == ots and seq <= oseq) then return 0 end
+end
+redis.call('HSET', M, ARGV[2], ARGV[3] .. ' ' .. ARGV[4])
+return 1
+"""
+
 _DROP = """
+redis.call('HDEL', P .. 'm', ARGV[2])
 local slot = redis.call('HGET', S, ARGV[2])
 if not slot then return 0 end
 slot = tonumber(slot)
@@ -371,6 +388,7 @@ class RedisStore(IndexStore):
         self._remove = script(_PRELUDE + _REMOVE)
         self._move = script(_PRELUDE + _MOVE)
         self._drop = script(_PRELUDE + _DROP)
+        self._mark = script(_PRELUDE + _MARK)
         self._match = script(_PRELUDE + _MATCH)
         self._pending: list[tuple[Any, tuple[Any, ...], asyncio.Future[Any]]] = []
         """Writes waiting for the next pipeline: (script, arguments, the caller's future)."""
@@ -462,6 +480,20 @@ class RedisStore(IndexStore):
     async def drop_worker(self, worker: str, keys: Iterable[int]) -> None:
         # The worker's own set names its entries, including those other replicas added.
         await self._write(self._drop, worker)
+
+    async def mark(self, worker: str, seq: int, ts: float) -> None:
+        if math.isfinite(ts):  # a publisher's clock alone orders marks (the script compares)
+            await self._write(self._mark, worker, seq, repr(ts))  # repr: the float read back
+
+    async def marked(self, worker: str) -> tuple[int, float] | None:
+        try:
+            raw = await self._redis.hget(self._prefix + b"m", worker)
+        except _ERRORS as exc:
+            raise StoreUnavailable(f"index store {self.url}: {exc}") from None
+        if raw is None:
+            return None
+        seq, ts = raw.split()
+        return int(seq), float(ts)
 
     async def match(self, keys: Sequence[int], workers: Collection[str]) -> dict[str, WorkerMatch]:
         names = list(dict.fromkeys(workers))

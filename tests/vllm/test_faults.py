@@ -13,7 +13,10 @@ One stack serves the module and the tests run in order, each leaving it as the n
   4. the engine restarted on the same ports: parity checked again, and a prompt its old
      process held is predicted cached nowhere (stale blocks attract nothing);
   5. zero lost requests: every request sent since the router restart is completed or failed
-     with an error at the client, and the counts equal the router's `warply_router_requests`.
+     with an error at the client, and the counts equal the router's `warply_router_requests`;
+  6. a second router over a shared index (`index.store: redis`), stopped while an engine
+     restarts: started again, it keeps what the other engine holds and drops what the
+     restarted one's old process left.
 
 ~5 min on 2 cores shared with other jobs.
 """
@@ -38,7 +41,7 @@ from typing import Any
 import pytest
 from conftest import free_port
 
-from warply.launch import KvEvents, RouterServer, VllmServer
+from warply.launch import KvEvents, RedisServer, RouterServer, VllmServer
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -100,7 +103,7 @@ def stack(tiny_model: str, server_logs: Path) -> Iterator[dict[str, Any]]:
         router.start()
         router.wait_healthy(60)
         yield {"router": router, "url": router.url, "engines": engines, "logs": server_logs,
-               "held": {}}  # fmt: skip
+               "held": {}, "config": config}  # fmt: skip
     finally:
         router.stop()
         for e in engines:
@@ -356,3 +359,61 @@ def test_no_request_is_lost(stack: dict[str, Any]) -> None:
     print(f"\nclient ledger {dict(LEDGER)}, router counter {dict(router)}")
     assert LEDGER["failed"] >= BREAKER_FAILURES + 1  # the timeouts and the broken stream
     assert router == LEDGER
+
+
+def _holders(url: str, prompt: str) -> dict[str, int]:
+    """Per worker, the prompt's tokens the router's index has it hold."""
+    where = _get(url + "/warply/where?" + urllib.parse.urlencode({"prompt": prompt}))
+    return {w["name"]: w["cached_tokens"] for pool in where["pools"] for w in pool["workers"]}
+
+
+def test_a_router_over_a_shared_index_drops_what_a_restarted_engine_left(
+    stack: dict[str, Any],
+) -> None:
+    """After the ledger's count (its requests go to another router): a router with its index
+    on a redis-server learns one prompt on each engine; it is stopped, w1 restarted while no
+    router of that index runs, and the router started again. It checks the last batch it
+    applied per worker against each publisher's history: w0's prompt is still credited to w0,
+    w1's is credited to no worker (its old process's entries dropped, one resync), and a
+    request for each is predicted exactly what its engine reports cached."""
+    engines, logs = stack["engines"], stack["logs"]
+    redis = RedisServer(log_path=logs / "faults-redis.log")
+    index = {**stack["config"]["index"], "store": "redis", "url": redis.url}
+    config = {**stack["config"], "port": free_port(), "index": index}
+    router = RouterServer(config, logs, name="shared-router", env={"PYTHONPATH": str(ROOT)})
+    prompts = {"w0": _prompt(300), "w1": _prompt(301)}
+    try:
+        redis.start()
+        redis.wait_ready()
+        router.start()
+        router.wait_healthy(60)
+        url = router.url
+        for worker, prompt in prompts.items():
+            other = "w1" if worker == "w0" else "w0"
+            _enable(url, other, False)
+            try:
+                assert _complete(url, prompt)["worker"] == worker
+            finally:
+                _enable(url, other, True)
+            _wait(lambda p=prompt, w=worker: _holders(url, p)[w] > 0, 30, f"{worker}'s blocks")
+        router.stop()
+        w1 = engines[1]
+        w1.stop()
+        w1.log_path = logs / "vllm1-restarted.log"
+        w1.start()
+        w1.wait_healthy(240)
+        router.start()
+        router.wait_healthy(60)
+        w0_held, w1_held = _holders(url, prompts["w0"]), _holders(url, prompts["w1"])
+        streams = {name: w["stream"] for name, w in _workers(url).items()}
+        print(f"\nshared index after w1's restart: w0's prompt {w0_held}, w1's prompt {w1_held}, "
+              f"resyncs {({n: s['resyncs'] for n, s in streams.items()})}")  # fmt: skip
+        assert w0_held["w0"] > 0 and w0_held["w1"] == 0, w0_held
+        assert set(w1_held.values()) == {0}, w1_held
+        assert (streams["w0"]["resyncs"], streams["w1"]["resyncs"]) == (0, 1), streams
+        for prompt in prompts.values():
+            out = _complete(url, prompt)
+            assert out["status"] == 200 and out["predicted"] == out["cached"], out
+    finally:
+        router.stop()
+        redis.stop()

@@ -9,6 +9,14 @@ index to drop them so the stream rebuilds them. A batch numbered at or below the
 duplicate (a live copy of a replayed batch) when its timestamp is not newer than the last one
 applied; otherwise its publisher restarted (and its first batches may have been lost while the
 socket reconnected: they are replayed from the new publisher like any gap).
+
+A router started after another one fed a shared index holds no sequence of its own: `applied`
+gives the last batch that router applied (seq, ts), and the publisher's history must still
+hold that very batch. When it holds another batch under that number, or ends before it, the
+publisher restarted in between: the entries are stale and dropped before the history is
+applied (so does an empty history: a publisher keeps its latest batches). A history that
+starts after it (rotated) cannot tell, and is taken as continuous. Without a replay socket, the
+live stream must go on from that batch (a restart or a gap there resyncs).
 """
 
 from __future__ import annotations
@@ -40,6 +48,7 @@ class StateSubscriber:
         on_stale: Callable[[str], Awaitable[None]],
         *,
         replay_endpoint: str | None = None,
+        applied: Callable[[str], Awaitable[tuple[int, float] | None]] | None = None,
         topic: bytes = b"",
         bind: bool = False,
         replay_timeout_s: float = 1.0,
@@ -60,6 +69,8 @@ class StateSubscriber:
         self.resyncs = 0
         self._on_batch = on_batch
         self._on_stale = on_stale
+        self._applied = applied
+        """The (seq, ts) of the last batch an earlier reader applied for this worker, or None."""
         self._topic = topic
         self._bind = bind
         self._replay_timeout_s = replay_timeout_s
@@ -80,7 +91,7 @@ class StateSubscriber:
             self.open()
         assert self._sub is not None
         try:
-            if self.replay_endpoint and self.last_seq is None:
+            if self.last_seq is None:
                 await self._catch_up()
             self.ready.set()
             while True:
@@ -142,11 +153,18 @@ class StateSubscriber:
     async def _catch_up(self) -> None:
         """On start, take the publisher's whole buffered history (from its oldest batch) instead
         of waiting for the next batch to reveal a gap: the index knows what the worker holds
-        before the first request is placed."""
+        before the first request is placed. Checked first against the batch an earlier reader
+        applied, if any (module docstring)."""
+        mark = await self._applied(self.worker) if self._applied is not None else None
         batches = await self._fetch(0, None)
         if batches is None:
-            _log.info("state stream %s: no replay history; starting from live", self.worker)
+            if self.replay_endpoint:
+                _log.info("state stream %s: no replay history; starting from live", self.worker)
+            if mark is not None:
+                self.last_seq, self._last_ts = mark
             return
+        if mark is not None and _restarted_since(mark, batches):
+            await self._stale(f"its publisher restarted after batch {mark[0]}, which was applied")
         for batch in batches:
             await self._deliver(batch)
         self.replayed += len(batches)
@@ -186,3 +204,17 @@ class StateSubscriber:
         if stop is not None and (got is None or got < stop):
             return None
         return batches
+
+
+def _restarted_since(mark: tuple[int, float], history: list[DecodedBatch]) -> bool:
+    """Whether the publisher of `history` (its buffered batches, consecutive, oldest first)
+    restarted after publishing batch `mark` (seq, ts): the history holds another batch under
+    that number, or ends before it, or is empty (a publisher keeps its latest batches, so one
+    that holds none has published nothing since it started)."""
+    seq, ts = mark
+    if not history:
+        return True
+    first = history[0].seq
+    if first <= seq <= history[-1].seq:
+        return history[seq - first].ts != ts
+    return history[-1].seq < seq
