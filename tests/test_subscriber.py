@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Awaitable, Callable
 
 import msgspec
 import zmq
@@ -12,6 +13,9 @@ from warply.launch import free_port
 from warply.protocol import PROTOCOL_VERSION, DecodedBatch, LoadSnapshot, Rejection, encode_batch
 from warply.protocol.publisher import StatePublisher
 from warply.protocol.subscriber import StateSubscriber
+
+Applied = tuple[int, float] | None
+"""The (seq, ts) of the last batch an earlier reader applied, or None."""
 
 
 def _load(i: int) -> list[LoadSnapshot]:
@@ -44,15 +48,26 @@ async def _start(sub: StateSubscriber) -> asyncio.Task[None]:
     return task
 
 
+def _earlier(applied: tuple[int, float] | None) -> Callable[[str], Awaitable[Applied]]:
+    """What a shared index gives a subscriber: the last batch an earlier reader applied."""
+
+    async def earlier(worker: str) -> Applied:
+        return applied
+
+    return earlier
+
+
 async def _bare(
-    worker: str = "w0",
+    worker: str = "w0", applied: Applied = None
 ) -> tuple[zmq.Socket[bytes], StateSubscriber, _Sink, asyncio.Task[None]]:
     """A bare PUB socket (an engine's stream, no replay socket) and a subscriber started on it."""
     port = free_port()
     pub = zmq.Context.instance().socket(zmq.PUB)
     pub.bind(f"tcp://127.0.0.1:{port}")
     sink = _Sink()
-    sub = StateSubscriber(worker, f"tcp://127.0.0.1:{port}", sink.on_batch, sink.on_stale)
+    sub = StateSubscriber(
+        worker, f"tcp://127.0.0.1:{port}", sink.on_batch, sink.on_stale, applied=_earlier(applied)
+    )
     return pub, sub, sink, await _start(sub)
 
 
@@ -123,14 +138,10 @@ async def _late_joiner(
 
 
 async def _join(
-    publisher: StatePublisher, applied: tuple[int, float] | None = None
+    publisher: StatePublisher, applied: Applied = None
 ) -> tuple[StateSubscriber, _Sink, asyncio.Task[None]]:
     """A replay-capable subscriber started on `publisher`; `applied`: the last batch an earlier
     reader applied, as a shared index would give it."""
-
-    async def earlier(worker: str) -> tuple[int, float] | None:
-        return applied
-
     sink = _Sink()
     assert publisher.replay_endpoint is not None
     sub = StateSubscriber(
@@ -139,7 +150,7 @@ async def _join(
         sink.on_batch,
         sink.on_stale,
         replay_endpoint=publisher.replay_endpoint,
-        applied=earlier,
+        applied=_earlier(applied),
     )
     return sub, sink, await _start(sub)
 
@@ -201,7 +212,7 @@ def test_a_later_reader_checks_the_applied_batch_against_the_publishers_history(
         ts = [b.ts for b in first.batches]
         for applied, stale in (((2, ts[2]), []), ((1, ts[1] + 1), ["w0"]), ((7, ts[2]), ["w0"])):
             sub, sink, task = await _join(publisher, applied)
-            await _until(lambda sink=sink: len(sink.batches) == 3)  # type: ignore[misc]
+            await _until(lambda sink=sink: len(sink.batches) == 3)
             task.cancel()
             assert (sink.stale, sub.resyncs, sub.replayed) == (stale, len(stale), 3), applied
         publisher.close()
@@ -230,20 +241,9 @@ def test_without_history_the_live_stream_must_go_on_from_the_applied_batch() -> 
 
     async def main() -> None:
         for seq, stale in ((5, []), (0, ["w0"])):
-            port = free_port()
-            pub = zmq.Context.instance().socket(zmq.PUB)
-            pub.bind(f"tcp://127.0.0.1:{port}")
-            sink = _Sink()
-
-            async def earlier(worker: str) -> tuple[int, float]:
-                return (4, 1.0)
-
-            sub = StateSubscriber(
-                "w0", f"tcp://127.0.0.1:{port}", sink.on_batch, sink.on_stale, applied=earlier
-            )
-            task = await _start(sub)
+            pub, sub, sink, task = await _bare(applied=(4, 1.0))
             pub.send_multipart([b"", seq.to_bytes(8, "big"), encode_batch(_load(seq), 2.0)])
-            await _until(lambda sink=sink: len(sink.batches) == 1)  # type: ignore[misc]
+            await _until(lambda sink=sink: len(sink.batches) == 1)
             task.cancel()
             pub.close(linger=0)
             assert (sink.stale, sub.gaps, sub.last_seq) == (stale, 0, seq)

@@ -119,10 +119,15 @@ def _workers(url: str) -> dict[str, dict[str, Any]]:
     return {w["name"]: w for w in _get(url + "/warply/workers")["workers"]}
 
 
+def _holders(url: str, prompt: str) -> dict[str, int]:
+    """Per worker, the prompt's tokens the router's index has it hold."""
+    where = _get(url + "/warply/where?" + urllib.parse.urlencode({"prompt": prompt}))
+    return {w["name"]: w["cached_tokens"] for pool in where["pools"] for w in pool["workers"]}
+
+
 def _held(url: str, prompt: str) -> int:
     """The most of `prompt`'s tokens any worker holds, as the router's index has it."""
-    where = _get(url + "/warply/where?" + urllib.parse.urlencode({"prompt": prompt}))
-    return max(w["cached_tokens"] for pool in where["pools"] for w in pool["workers"])
+    return max(_holders(url, prompt).values())
 
 
 def _wait(cond: Callable[[], bool], timeout_s: float, what: str) -> None:
@@ -359,12 +364,6 @@ def test_no_request_is_lost(stack: dict[str, Any]) -> None:
     print(f"\nclient ledger {dict(LEDGER)}, router counter {dict(router)}")
     assert LEDGER["failed"] >= BREAKER_FAILURES + 1  # the timeouts and the broken stream
     assert router == LEDGER
-
-
-def _holders(url: str, prompt: str) -> dict[str, int]:
-    """Per worker, the prompt's tokens the router's index has it hold."""
-    where = _get(url + "/warply/where?" + urllib.parse.urlencode({"prompt": prompt}))
-    return {w["name"]: w["cached_tokens"] for pool in where["pools"] for w in pool["workers"]}
 
 
 def test_a_router_over_a_shared_index_drops_what_a_restarted_engine_left(
