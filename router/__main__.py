@@ -26,7 +26,7 @@ import uvloop
 from aiohttp import web
 
 from router.app import Router
-from router.config import CLI_FIELDS, ConfigError, RouterConfig, load_config
+from router.config import CLI_FIELDS, ConfigError, IndexConfig, RouterConfig, load_config
 from router.index import StoreUnavailable
 
 _WORKER_KEYS = {"name", "events", "replay", "topic", "control", "bind"}
@@ -73,17 +73,34 @@ def collect_less() -> None:
     gc.set_threshold(10_000, 10, 10)
 
 
+def _field_help(name: str) -> str | None:
+    """A flag's help: the first sentence of its config field's description."""
+    if name == "index_max_entries":
+        field = IndexConfig.model_fields["max_entries"]
+    else:
+        field = RouterConfig.model_fields[name]
+    sentence = " ".join((field.description or "").split()).split(". ")[0].rstrip(".")
+    return sentence.replace("%", "%%") or None
+
+
 def _parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(
-        prog="warply-router", description=__doc__, formatter_class=argparse.RawTextHelpFormatter
+        prog="warply-router",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     ap.add_argument("--config", type=Path, help="YAML (.yaml/.yml) or TOML (.toml) config file")
     for name, kind in CLI_FIELDS.items():
-        ap.add_argument(f"--{name.replace('_', '-')}", dest=name, type=kind)
+        ap.add_argument(f"--{name.replace('_', '-')}", dest=name, type=kind, help=_field_help(name))
     ap.add_argument("--strategy", help="builtin name, warply.strategies entry point, module:Class")
     ap.add_argument("--knobs", help="strategy knobs as a JSON object")
     ap.add_argument("--min-hit-ratio", type=float, help="alert below this windowed hit rate")
-    ap.add_argument("--worker", action="append", default=[], help="URL[,name=,events=,replay=]")
+    ap.add_argument(
+        "--worker",
+        action="append",
+        default=[],
+        help="URL[,name=,events=,replay=,topic=,control=,bind=] (repeatable)",
+    )
     ap.add_argument(
         "--lora-adapter",
         action="append",
@@ -93,7 +110,13 @@ def _parser() -> argparse.ArgumentParser:
     )
     ap.add_argument("--block-size", type=int, help="block size of the --worker pool")
     ap.add_argument("--kv-bytes-per-token", type=int, default=0, help="for bytes-cached metrics")
-    ap.add_argument("--log-level", default="INFO")
+    ap.add_argument(
+        "--log-level",
+        default="INFO",
+        type=str.upper,
+        choices=["DEBUG", "INFO", "WARNING", "ERROR"],
+        help="level of the log on stderr",
+    )
     return ap
 
 
@@ -144,7 +167,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"warply-router: index.url: cannot reach the shared store: {exc}", file=sys.stderr)
         return 2
     logging.basicConfig(
-        level=args.log_level.upper(),
+        level=args.log_level,
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
     logging.getLogger("warply.router").info(

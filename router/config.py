@@ -28,7 +28,9 @@ TOKEN_ENV = "WARPLY_AUTH_TOKEN"
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    # Attribute docstrings become field descriptions: the `--help` of warply-router's flags
+    # and the OpenAPI document's WorkerConfig schema read them.
+    model_config = ConfigDict(extra="forbid", frozen=True, use_attribute_docstrings=True)
 
 
 class WorkerConfig(_Strict):
@@ -311,7 +313,9 @@ class RouterConfig(_Strict):
     dropped first; remembered whole prompts get half as much again. Several minutes of a busy
     router's new prompt text, or ~30 conversations of 128k tokens each."""
     host: str = "127.0.0.1"
+    """Address the HTTP server binds (loopback unless told otherwise)."""
     port: int = Field(8000, ge=0, le=65535)
+    """HTTP port for clients, admins and Prometheus."""
     pools: list[PoolConfig] = Field(min_length=1)
     strategy: StrategyConfig = StrategyConfig()
     auth_token: str | None = Field(
@@ -329,7 +333,7 @@ class RouterConfig(_Strict):
     limits: LimitsConfig = LimitsConfig()
     index: IndexConfig = IndexConfig()
     max_model_len: int | None = Field(None, gt=0)
-    """Longest prompt accepted (None: ask the workers' /v1/models at start-up)."""
+    """Longest prompt accepted (unset: ask the workers' /v1/models at start-up)."""
     alerts: AlertConfig = AlertConfig()
     health_interval_s: float = Field(2.0, gt=0)
     health_timeout_s: float = Field(2.0, gt=0)
