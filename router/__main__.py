@@ -126,6 +126,11 @@ def config_from_args(args: argparse.Namespace) -> RouterConfig:
     if args.lora_adapter:
         overrides["lora_adapters"] = args.lora_adapter
     if args.worker:
+        if args.block_size is None:
+            raise ConfigError(
+                "--worker needs --block-size: the engines' KV block size (vLLM --block-size, "
+                "SGLang --page-size)"
+            )
         overrides["pools"] = [
             {
                 "name": "default",

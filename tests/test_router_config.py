@@ -87,6 +87,10 @@ def test_flags_override_and_build_a_pool(tmp_path: Path) -> None:
     assert cfg.alerts.min_hit_ratio == 0.3
     with pytest.raises(ConfigError, match="--worker"):
         config_from_args(_parser().parse_args(["--worker", "http://h:1,colour=red"]))
+    with pytest.raises(ConfigError, match="--worker needs --block-size"):
+        config_from_args(
+            _parser().parse_args(["--config", str(_write(tmp_path, GOOD)), "--worker", "http://h:1"])
+        )
 
 
 def _flags_without_help(parser: argparse.ArgumentParser, path: str) -> list[str]:
