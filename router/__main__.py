@@ -1,6 +1,7 @@
 """`warply-router` / `python -m router`: the router process.
 
     warply-router --config router.yaml
+    warply-router --config router.yaml --check    # validate and build it, print a summary, exit
     warply-router --model tiny --tokenizer MODEL_DIR --block-size 32 \\
         --worker http://127.0.0.1:8001,events=tcp://127.0.0.1:5557,replay=tcp://127.0.0.1:5558 \\
         --worker http://127.0.0.1:8002,events=tcp://127.0.0.1:5567 --strategy prefix_affinity
@@ -18,6 +19,7 @@ import gc
 import json
 import logging
 import os
+import re
 import sys
 from pathlib import Path
 from typing import Any
@@ -111,6 +113,13 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--block-size", type=int, help="block size of the --worker pool")
     ap.add_argument("--kv-bytes-per-token", type=int, default=0, help="for bytes-cached metrics")
     ap.add_argument(
+        "--check",
+        action="store_true",
+        help="validate the configuration and build what it names (tokenizer, strategies, tier "
+        "policy, shared store), print a summary and exit: 0 when it would serve, 2 when not; "
+        "workers are not contacted",
+    )
+    ap.add_argument(
         "--log-level",
         default="INFO",
         type=str.upper,
@@ -156,8 +165,30 @@ def config_from_args(args: argparse.Namespace) -> RouterConfig:
     )
 
 
+def _summary(config: RouterConfig) -> str:
+    """What a valid configuration serves, one line per part (`--check`)."""
+    index = config.index
+    # The store's url may carry a password (redis://:secret@host): never printed.
+    url = re.sub(r"//[^@/]*@", "//***@", index.url or "")
+    shared = f" {url} prefix {index.prefix!r}" if url else ""
+    lines = [
+        f"ok: {config.model} on http://{config.host}:{config.port}, tokenizer {config.tokenizer}",
+        f"strategy {config.strategy.name} {json.dumps(config.strategy.knobs)}",
+        f"index {index.store}{shared}, max {index.max_entries} entries",
+    ]
+    for pool in config.pools:
+        names = ", ".join(f"{w.name} {w.url}" for w in pool.workers)
+        lines.append(f"pool {pool.name} ({pool.role}, block {pool.block_size}): {names}")
+    if config.tiering is not None:
+        lines.append(f"tiering {config.tiering.policy.name} every {config.tiering.interval_s} s")
+    auth = "admin token" if config.auth_token else "no admin token"
+    control = "signed directives" if config.control_token else "unsigned directives"
+    lines.append(f"{auth}, {control}")
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> int:
-    """Validate, build, serve until SIGINT/SIGTERM."""
+    """Validate, build, serve until SIGINT/SIGTERM (with `--check`: validate, build, exit)."""
     args = _parser().parse_args(argv)
     try:
         config = config_from_args(args)
@@ -171,6 +202,9 @@ def main(argv: list[str] | None = None) -> int:
     except StoreUnavailable as exc:
         print(f"warply-router: index.url: cannot reach the shared store: {exc}", file=sys.stderr)
         return 2
+    if args.check:
+        print(_summary(config))
+        return 0
     logging.basicConfig(
         level=args.log_level,
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",

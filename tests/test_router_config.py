@@ -11,15 +11,17 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from test_router_api import tokenizer_dir
 
 import warply.common.loading as loading
-from router.__main__ import _parser, config_from_args
+from router.__main__ import _parser, _summary, config_from_args
 from router.config import TOKEN_ENV, ConfigError, RouterConfig, StrategyConfig, load_config
 from router.strategies import LeastLoaded, PrefixAffinity, make_strategy, strategy_class
 from router.workers import Workers
 from warply.cli import _parser as warply_parser
 
 ROOT = Path(__file__).resolve().parents[1]
+__all__ = ["tokenizer_dir"]
 GOOD = """
 model: tiny
 tokenizer: /models/tiny
@@ -145,6 +147,31 @@ def test_cli_bad_config_exits_2_without_traceback(tmp_path: Path) -> None:
         cwd=ROOT, capture_output=True, text=True, timeout=60,
     )
     assert out.returncode == 2 and "strategy.name" in out.stderr and "Traceback" not in out.stderr
+
+
+def test_check_builds_the_config_prints_it_and_exits(tmp_path: Path, tokenizer_dir: Path) -> None:
+    """`--check` loads what the config names and exits without serving: 0 and a summary, or 2
+    and the one-line error (a missing tokenizer here)."""
+    good = _write(tmp_path, GOOD.replace("/models/tiny", str(tokenizer_dir)))
+    check = [sys.executable, "-m", "router", "--config", str(good), "--check"]
+    out = subprocess.run(check, cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.startswith("ok: tiny on http://127.0.0.1:8000")
+    assert "pool decode (both, block 32): a http://127.0.0.1:8001, b http://127.0.0.1:8002" in (
+        out.stdout
+    )
+    assert 'strategy prefix_affinity {"balance_abs": 8}' in out.stdout
+    check[4] = str(_write(tmp_path, GOOD))
+    out = subprocess.run(check, cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2 and "tokenizer" in out.stderr and "Traceback" not in out.stderr
+    assert out.stdout == ""
+
+
+def test_the_check_summary_hides_the_stores_password(tmp_path: Path) -> None:
+    url = "redis://:hunter2@127.0.0.1:6379/0"
+    config = load_config(_write(tmp_path, GOOD + f"index: {{store: redis, url: '{url}'}}\n"))
+    summary = _summary(config)
+    assert "hunter2" not in summary and "redis://***@127.0.0.1:6379/0" in summary
 
 
 def _config_text(roles: list[str]) -> str:
