@@ -173,7 +173,7 @@ def _summary(config: RouterConfig) -> str:
     shared = f" {url} prefix {index.prefix!r}" if url else ""
     lines = [
         f"ok: {config.model} on http://{config.host}:{config.port}, tokenizer {config.tokenizer}",
-        f"strategy {config.strategy.name} {json.dumps(config.strategy.knobs)}",
+        f"strategy {config.strategy.name} {json.dumps(config.strategy.knobs, default=str)}",
         f"index {index.store}{shared}, max {index.max_entries} entries",
     ]
     for pool in config.pools:
