@@ -35,10 +35,11 @@ keeps placing without prefix matches meanwhile (`router.placement`, `router.feed
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import math
 import struct
 from collections import Counter
-from collections.abc import Collection, Iterable, Sequence
+from collections.abc import Collection, Iterable, Iterator, Sequence
 from typing import Any
 
 import redis
@@ -404,12 +405,18 @@ class RedisStore(IndexStore):
         finally:
             client.close()
 
-    async def _run(self, script: Any, *args: Any) -> Any:
-        """One script run on its own (match: a reader does not wait behind writes)."""
+    @contextlib.contextmanager
+    def _reaching(self) -> Iterator[None]:
+        """Around a direct call to the server: its connection errors become `StoreUnavailable`."""
         try:
-            return await script(args=[self._prefix, *args])
+            yield
         except _ERRORS as exc:
             raise StoreUnavailable(f"index store {self.url}: {exc}") from None
+
+    async def _run(self, script: Any, *args: Any) -> Any:
+        """One script run on its own (match: a reader does not wait behind writes)."""
+        with self._reaching():
+            return await script(args=[self._prefix, *args])
 
     async def _write(self, script: Any, *args: Any) -> Any:
         """One write script run, sent in the next pipeline; its result once applied."""
@@ -486,10 +493,8 @@ class RedisStore(IndexStore):
             await self._write(self._mark, worker, seq, repr(ts))  # repr: the float read back
 
     async def marked(self, worker: str) -> tuple[int, float] | None:
-        try:
+        with self._reaching():
             raw = await self._redis.hget(self._prefix + b"m", worker)
-        except _ERRORS as exc:
-            raise StoreUnavailable(f"index store {self.url}: {exc}") from None
         if raw is None:
             return None
         seq, ts = raw.split()
@@ -507,13 +512,11 @@ class RedisStore(IndexStore):
         return out
 
     async def stats(self) -> IndexStats:
-        try:
+        with self._reaching():
             async with self._redis.pipeline(transaction=True) as pipe:
                 pipe.hgetall(self._prefix + b"c")
                 pipe.hgetall(self._prefix + b"s")
                 counters, slots = await pipe.execute()
-        except _ERRORS as exc:
-            raise StoreUnavailable(f"index store {self.url}: {exc}") from None
         names = {int(slot): name.decode() for name, slot in slots.items()}
         by_worker: Counter[tuple[str, Tier]] = Counter()
         for field, value in counters.items():
