@@ -133,19 +133,20 @@ def test_strategy_lookup(monkeypatch: pytest.MonkeyPatch) -> None:
         make_strategy(StrategyConfig(name="round_robin", knobs={"colour": 1}))
 
 
+def _router_cli(*args: str) -> subprocess.CompletedProcess[str]:
+    """`python -m router ARGS` as a user runs it, its output captured."""
+    return subprocess.run(
+        [sys.executable, "-m", "router", *args], cwd=ROOT, capture_output=True, text=True,
+        timeout=60,
+    )
+
+
 def test_cli_bad_config_exits_2_without_traceback(tmp_path: Path) -> None:
     bad = _write(tmp_path, GOOD.replace("block_size: 32", "block_size: -1"))
-    out = subprocess.run(
-        [sys.executable, "-m", "router", "--config", str(bad)],
-        cwd=ROOT, capture_output=True, text=True, timeout=60,
-    )
+    out = _router_cli("--config", str(bad))
     assert out.returncode == 2
     assert "pools.0.block_size" in out.stderr and "Traceback" not in out.stderr
-    out = subprocess.run(
-        [sys.executable, "-m", "router", "--config", str(_write(tmp_path, GOOD)),
-         "--strategy", "nope"],
-        cwd=ROOT, capture_output=True, text=True, timeout=60,
-    )
+    out = _router_cli("--config", str(_write(tmp_path, GOOD)), "--strategy", "nope")
     assert out.returncode == 2 and "strategy.name" in out.stderr and "Traceback" not in out.stderr
 
 
@@ -153,16 +154,14 @@ def test_check_builds_the_config_prints_it_and_exits(tmp_path: Path, tokenizer_d
     """`--check` loads what the config names and exits without serving: 0 and a summary, or 2
     and the one-line error (a missing tokenizer here)."""
     good = _write(tmp_path, GOOD.replace("/models/tiny", str(tokenizer_dir)))
-    check = [sys.executable, "-m", "router", "--config", str(good), "--check"]
-    out = subprocess.run(check, cwd=ROOT, capture_output=True, text=True, timeout=60)
+    out = _router_cli("--config", str(good), "--check")
     assert out.returncode == 0, out.stderr
     assert out.stdout.startswith("ok: tiny on http://127.0.0.1:8000")
     assert "pool decode (both, block 32): a http://127.0.0.1:8001, b http://127.0.0.1:8002" in (
         out.stdout
     )
     assert 'strategy prefix_affinity {"balance_abs": 8}' in out.stdout
-    check[4] = str(_write(tmp_path, GOOD))
-    out = subprocess.run(check, cwd=ROOT, capture_output=True, text=True, timeout=60)
+    out = _router_cli("--config", str(_write(tmp_path, GOOD)), "--check")
     assert out.returncode == 2 and "tokenizer" in out.stderr and "Traceback" not in out.stderr
     assert out.stdout == ""
 
