@@ -61,14 +61,14 @@ def _row(trace: ExpandedTrace, args: argparse.Namespace, label: str, name: str,
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    ap.add_argument("--trace", type=Path, default=TRACE)
-    ap.add_argument("--trace-block", type=int, default=512)
+    ap.add_argument("--trace", type=Path, default=TRACE, help="request trace (Mooncake JSONL)")
+    ap.add_argument("--trace-block", type=int, default=512, help="tokens per trace hash id")
     ap.add_argument("--limit", type=int, help="first N requests (default: the whole trace)")
     ap.add_argument("--workers", type=int, default=4, help="workers per pool")
     ap.add_argument("--fast-price", type=float, default=4.0, help="per worker-hour")
     ap.add_argument("--slow-price", type=float, default=1.2, help="per worker-hour")
     ap.add_argument("--slow-speed", type=float, default=0.5, help="the cheap pool's speed")
-    ap.add_argument("--ttft-target-ms", type=float, default=1000.0)
+    ap.add_argument("--ttft-target-ms", type=float, default=1000.0, help="cost_aware's TTFT target")
     ap.add_argument("--json", type=Path, help="write the rows here")
     args = ap.parse_args()
     t0 = time.perf_counter()

@@ -55,8 +55,8 @@ def _frames(
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--blocks", type=int, default=1_000_000, help="blocks to ingest")
-    ap.add_argument("--workers", type=int, default=8)
-    ap.add_argument("--blocks-per-event", type=int, default=32)
+    ap.add_argument("--workers", type=int, default=8, help="workers publishing")
+    ap.add_argument("--blocks-per-event", type=int, default=32, help="blocks per BlockStored")
     ap.add_argument(
         "--replicas", type=int, default=1, help="workers holding each block (shared prefixes)"
     )

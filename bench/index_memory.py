@@ -112,9 +112,9 @@ async def _run(args: argparse.Namespace) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    ap.add_argument("--seconds", type=float, default=120.0)
+    ap.add_argument("--seconds", type=float, default=120.0, help="seconds of ingest")
     ap.add_argument("--every", type=float, default=5.0, help="seconds between samples")
-    ap.add_argument("--workers", type=int, default=8)
+    ap.add_argument("--workers", type=int, default=8, help="workers publishing")
     ap.add_argument("--engine-blocks", type=int, default=10_000, help="each engine's cache")
     ap.add_argument("--max-entries", type=int, default=50_000, help="the index's entry cap")
     ap.add_argument("--chain-keys", type=int, default=100_000,

@@ -169,9 +169,9 @@ def _redis_bytes(url: str, prefix: str, entries: int) -> dict[str, float]:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    ap.add_argument("--entries", type=int, default=1_000_000)
-    ap.add_argument("--workers", type=int, default=8)
-    ap.add_argument("--samples", type=int, default=200)
+    ap.add_argument("--entries", type=int, default=1_000_000, help="blocks stored first")
+    ap.add_argument("--workers", type=int, default=8, help="workers holding them")
+    ap.add_argument("--samples", type=int, default=200, help="timed decisions")
     args = ap.parse_args()
     events = _events(args.entries, args.workers, seed=0)
     gc.freeze()

@@ -107,12 +107,12 @@ def _references(trace: ExpandedTrace, args: argparse.Namespace) -> None:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    ap.add_argument("--trace", type=Path, default=TRACE)
-    ap.add_argument("--trace-block", type=int, default=512)
+    ap.add_argument("--trace", type=Path, default=TRACE, help="request trace (Mooncake JSONL)")
+    ap.add_argument("--trace-block", type=int, default=512, help="tokens per trace hash id")
     ap.add_argument("--limit", type=int, help="first N requests (default: the whole trace)")
     ap.add_argument("--workers", type=int, default=8, help="aggregated workers")
-    ap.add_argument("--prefill", type=int, default=4)
-    ap.add_argument("--decode", type=int, default=4)
+    ap.add_argument("--prefill", type=int, default=4, help="prefill workers")
+    ap.add_argument("--decode", type=int, default=4, help="decode workers")
     ap.add_argument("-s", "--strategy", action="append", help="default: adaptive, prefix_affinity")
     ap.add_argument("--sweep", default="0,512,2048", help="floor thresholds (tokens)")
     ap.add_argument(
@@ -122,8 +122,9 @@ def main() -> int:
         help="references: the block telling conversations apart (8: the trace's second 512-token "
         "block at 64-token engine blocks; every request shares its first)",
     )
-    ap.add_argument("--bandwidth-gbps", type=float, default=PdSettings().bandwidth_gbps)
-    ap.add_argument("--jobs", type=int, default=1)
+    ap.add_argument("--bandwidth-gbps", type=float, default=PdSettings().bandwidth_gbps,
+                    help="P→D link per decode worker, Gbit/s")
+    ap.add_argument("--jobs", type=int, default=1, help="replays in parallel")
     ap.add_argument("--json", type=Path, help="write the rows here")
     args = ap.parse_args()
     t0 = time.perf_counter()

@@ -130,12 +130,14 @@ async def _measure(
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    ap.add_argument("--model", required=True)
-    ap.add_argument("--vllm", type=Path, default=Path(sys.executable).parent / "vllm")
-    ap.add_argument("--lengths", default="128,256,512,1024,2048,4096")
-    ap.add_argument("--reps", type=int, default=5)
-    ap.add_argument("--block-size", type=int, default=128)
-    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--model", required=True, help="model folder (scripts/tiny_model.py)")
+    ap.add_argument("--vllm", type=Path, default=Path(sys.executable).parent / "vllm",
+                    help="the vllm CLI (default: the one next to this python)")
+    ap.add_argument("--lengths", default="128,256,512,1024,2048,4096",
+                    help="prompt lengths in tokens, comma-separated")
+    ap.add_argument("--reps", type=int, default=5, help="prompts per length")
+    ap.add_argument("--block-size", type=int, default=128, help="the engines' KV block size")
+    ap.add_argument("--seed", type=int, default=0, help="seed of the random prompts")
     ap.add_argument("--json", type=Path, help="write the samples here")
     args = ap.parse_args(argv)
     logs = Path(tempfile.mkdtemp(prefix="pd-threshold-"))

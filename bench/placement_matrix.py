@@ -179,8 +179,10 @@ def main() -> int:
     ap.add_argument("--jobs", type=int, default=2, help="replays in parallel (default 2)")
     ap.add_argument("--workers", default="4,8,32", help="fleet sizes")
     ap.add_argument("--rates", default="1,2,4", help="arrival-rate multipliers")
-    ap.add_argument("--workloads", default="conversation,gsp,agent,rag,unique")
-    ap.add_argument("--conversation-limit", type=int, default=3000)
+    ap.add_argument("--workloads", default="conversation,gsp,agent,rag,unique",
+                    help="workloads, comma-separated (default: all five)")
+    ap.add_argument("--conversation-limit", type=int, default=3000,
+                    help="requests of the conversation trace")
     ap.add_argument("--requests", type=int, default=3000, help="requests per generated workload")
     ap.add_argument("--seed", type=int, default=0, help="seed of the generated workloads")
     ap.add_argument(

@@ -45,7 +45,7 @@ def _run(job: tuple[str, str, int]) -> dict[str, Any]:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    ap.add_argument("--jobs", type=int, default=1)
+    ap.add_argument("--jobs", type=int, default=1, help="replays in parallel")
     ap.add_argument(
         "--ours",
         action="append",

@@ -96,10 +96,10 @@ def _q(xs: list[float], q: int) -> float:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    ap.add_argument("--trace", type=Path, default=TRACE)
-    ap.add_argument("--workers", type=int, nargs="+", default=[64, 256])
+    ap.add_argument("--trace", type=Path, default=TRACE, help="request trace (Mooncake JSONL)")
+    ap.add_argument("--workers", type=int, nargs="+", default=[64, 256], help="fleet sizes")
     ap.add_argument("--per-worker", type=int, default=16, help="requests per worker")
-    ap.add_argument("--trace-block", type=int, default=512)
+    ap.add_argument("--trace-block", type=int, default=512, help="tokens per trace hash id")
     a = ap.parse_args()
     base = read_trace(a.trace, limit=a.per_worker * BASE_WORKERS)
     block = EngineConfig().block_size

@@ -233,8 +233,8 @@ def main() -> int:
         help="the vllm CLI of the engine venv",
     )
     ap.add_argument("--model", type=Path, help="tiny model folder (scripts/tiny_model.py)")
-    ap.add_argument("--trace", type=Path, default=demo.TRACE)
-    ap.add_argument("--conversations", type=int, default=14)
+    ap.add_argument("--trace", type=Path, default=demo.TRACE, help="conversation trace (JSONL)")
+    ap.add_argument("--conversations", type=int, default=14, help="conversations of the slice")
     ap.add_argument("--turns", type=int, default=4, help="turns kept per conversation")
     ap.add_argument("--min-turns", type=int, default=3, help="conversations with fewer: skipped")
     ap.add_argument("--max-ids", type=int, default=44, help="hash ids per prompt, at most")
@@ -243,7 +243,7 @@ def main() -> int:
     ap.add_argument("--gap-ms", type=float, default=400.0, help="arrival spacing in the slice")
     ap.add_argument("--speedup", type=float, default=1.0, help="live: arrivals at time/speedup")
     ap.add_argument("--concurrency", type=int, default=8, help="live: open requests at most")
-    ap.add_argument("--block-size", type=int, default=demo.BLOCK_SIZE)
+    ap.add_argument("--block-size", type=int, default=demo.BLOCK_SIZE, help="KV block size")
     ap.add_argument(
         "--num-blocks",
         type=int,
@@ -251,9 +251,9 @@ def main() -> int:
         help="KV blocks per worker, sim and --num-gpu-blocks-override "
         "(default: 55%% of the slice's unique blocks)",
     )
-    ap.add_argument("--max-model-len", type=int, default=2048)
-    ap.add_argument("--max-batched-tokens", type=int, default=2048)
-    ap.add_argument("--max-seqs", type=int, default=8)
+    ap.add_argument("--max-model-len", type=int, default=2048, help="the engines' --max-model-len")
+    ap.add_argument("--max-batched-tokens", type=int, default=2048, help="per scheduler pass")
+    ap.add_argument("--max-seqs", type=int, default=8, help="running sequences, sim and live")
     ap.add_argument("--rounds", type=int, default=1, help="live rounds (same engines)")
     ap.add_argument("--sim-only", action="store_true", help="skip the live part")
     ap.add_argument("--tie", type=float, default=0.02, help="reuse gap counted as a tie")

@@ -131,13 +131,13 @@ def _q(xs: list[float], q: int) -> float:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    ap.add_argument("--workers", type=int, default=8)
+    ap.add_argument("--workers", type=int, default=8, help="workers in the pool")
     ap.add_argument("--requests", type=int, default=32, help="new conversations in the burst")
-    ap.add_argument("--replicas", type=int, nargs="+", default=[2, 3, 4])
+    ap.add_argument("--replicas", type=int, nargs="+", default=[2, 3, 4], help="router replicas")
     ap.add_argument("--gap-ms", type=float, default=2.0, help="between arrivals (all replicas)")
     ap.add_argument("--prefill-rate", type=float, default=100_000.0, help="tokens/s per worker")
-    ap.add_argument("--decode-ms", type=float, default=50.0)
-    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--decode-ms", type=float, default=50.0, help="decode time per request")
+    ap.add_argument("--seed", type=int, default=0, help="seed of the burst")
     a = ap.parse_args()
     with tempfile.TemporaryDirectory() as tmp, RedisServer(log_path=Path(tmp) / "r.log") as srv:
         srv.wait_ready()

@@ -165,13 +165,13 @@ async def _tokenized(proxy: Proxy, tok: RouterTokenizer, index: PrefixIndex,
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    ap.add_argument("--entries", type=int, default=1_000_000)
-    ap.add_argument("--samples", type=int, default=200)
+    ap.add_argument("--entries", type=int, default=1_000_000, help="blocks in the index first")
+    ap.add_argument("--samples", type=int, default=200, help="timed decisions per size")
     ap.add_argument("--new-turn", type=int, default=512,
                     help="tokens of the new user message in the warm case (default 512)")
     ap.add_argument("--max-model-len", type=int, default=262144,
                     help="the engine's context limit the router checks prompts against")
-    ap.add_argument("--tokenizer", type=Path, default=_newest_tiny())
+    ap.add_argument("--tokenizer", type=Path, default=_newest_tiny(), help="model folder")
     ap.add_argument("--sizes", type=int, nargs="+", default=[1024, 8192, 32768, 131072],
                     help="prompt lengths in tokens (40 tokenized samples above 32k)")
     ap.add_argument("--turn-samples", type=int, default=0,

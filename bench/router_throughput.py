@@ -517,8 +517,10 @@ def main() -> int:
     ap.add_argument("--relay", nargs="+", metavar="PORT_THEN_URLS", help=argparse.SUPPRESS)
     ap.add_argument("--no-relay", dest="relay_target", action="store_false",
                     help="skip the relay target (warply's HTTP stack without routing)")
-    ap.add_argument("--streams", type=int, nargs="+", default=[1, 64, 100])
-    ap.add_argument("--modes", nargs="+", choices=["json", "stream"], default=["json", "stream"])
+    ap.add_argument("--streams", type=int, nargs="+", default=[1, 64, 100],
+                    help="concurrent client streams, one row each")
+    ap.add_argument("--modes", nargs="+", choices=["json", "stream"], default=["json", "stream"],
+                    help="JSON answers, SSE streams or both")
     ap.add_argument("--seconds", type=float, default=5.0, help="measured seconds per row")
     ap.add_argument("--warmup", type=float, default=1.0, help="unmeasured seconds per row")
     ap.add_argument("--max-requests", type=int, default=1_000_000,
@@ -527,7 +529,8 @@ def main() -> int:
     ap.add_argument("--upstreams", type=int, default=4, help="fake upstream workers")
     ap.add_argument("--paced", type=float, default=500.0,
                     help="req/s in all for paced rows at the largest stream count (0: none)")
-    ap.add_argument("--tokenizer", type=Path, default=_newest_tiny())
+    ap.add_argument("--tokenizer", type=Path, default=_newest_tiny(),
+                    help="model folder (default: the newest tiny model in the cache)")
     ap.add_argument("--sglang-python", default=str(ROOT / ".venvs/sglang/bin/python"),
                     help="interpreter with sglang-router installed ('' skips it)")
     ap.add_argument("--profile", type=Path, help="run warply-router under cProfile, stats here")

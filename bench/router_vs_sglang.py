@@ -435,16 +435,16 @@ def main() -> int:
     ap.add_argument("--sglang-tuned", action="append", metavar="ABS,REL",
                     help="cache_aware with --balance-abs-threshold ABS --balance-rel-threshold "
                     "REL (repeatable; default: 1,1.2 and 2,1.1)")
-    ap.add_argument("--trace", type=Path, default=demo.TRACE)
-    ap.add_argument("--conversations", type=int, default=32)
-    ap.add_argument("--turns", type=int, default=4)
-    ap.add_argument("--words-per-id", type=int, default=24)
+    ap.add_argument("--trace", type=Path, default=demo.TRACE, help="conversation trace (JSONL)")
+    ap.add_argument("--conversations", type=int, default=32, help="conversations sent")
+    ap.add_argument("--turns", type=int, default=4, help="turns kept per conversation")
+    ap.add_argument("--words-per-id", type=int, default=24, help="words per trace hash id")
     ap.add_argument("--max-ids", type=int, default=48, help="hash ids kept per prompt")
-    ap.add_argument("--in-flight", type=int, default=4)
+    ap.add_argument("--in-flight", type=int, default=4, help="requests open at once")
     ap.add_argument("--kv-fraction", type=float, default=0.55,
                     help="KV blocks per engine as a fraction of the distinct context")
     ap.add_argument("--num-blocks", type=int, default=0, help="KV blocks per engine (overrides)")
-    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--repeats", type=int, default=3, help="rounds of every row, averaged")
     ap.add_argument("--settle-s", type=float, default=3.0,
                     help="pause after each row's warm-up, before its timed requests (default 3)")
     ap.add_argument("--latency-samples", type=int, default=40,

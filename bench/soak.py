@@ -568,14 +568,14 @@ def main() -> int:
         default=_newest_tiny(),
         help="model folder (default: the newest tiny model in the cache)",
     )
-    ap.add_argument("--block-size", type=int, default=16)
+    ap.add_argument("--block-size", type=int, default=16, help="simulated KV block size")
     ap.add_argument(
         "--speed",
         type=float,
         default=0.25,
         help="simulated engine speed vs the reference model (0.25: ~25 ms/token)",
     )
-    ap.add_argument("--time-scale", type=float, default=1.0)
+    ap.add_argument("--time-scale", type=float, default=1.0, help="simulated s per real s")
     ap.add_argument(
         "--num-blocks",
         type=int,
@@ -604,9 +604,9 @@ def main() -> int:
     ap.add_argument("--systems", type=int, default=16, help="distinct system prompts")
     ap.add_argument("--ramp", type=float, default=10.0, help="seconds over which clients start")
     ap.add_argument("--warmup", type=float, help="seconds before the RSS fit (default: 1/5)")
-    ap.add_argument("--rss-interval", type=float, default=5.0)
-    ap.add_argument("--request-timeout", type=float, default=120.0)
-    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--rss-interval", type=float, default=5.0, help="seconds between RSS samples")
+    ap.add_argument("--request-timeout", type=float, default=120.0, help="per request, seconds")
+    ap.add_argument("--seed", type=int, default=0, help="seed of the conversations")
     ap.add_argument("--json", type=Path, help="write the report here")
     ap.add_argument("--workdir", type=Path, help="logs and config (default: a temp folder)")
     args = ap.parse_args()

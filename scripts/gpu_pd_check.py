@@ -58,6 +58,9 @@ def _requests(model: str) -> list[tuple[str, str, dict[str, Any]]]:
 
 
 def main(argv: list[str]) -> int:
+    if argv[1:] in (["-h"], ["--help"]):
+        print(__doc__)
+        return 0
     if len(argv) != 5 or argv[1] not in ("record", "check"):
         print(__doc__, file=sys.stderr)
         return 2

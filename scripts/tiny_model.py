@@ -247,14 +247,14 @@ def build(size: str, out: Path, seed: int) -> Path:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--size", choices=sorted(SIZES), default="tiny")
+    ap.add_argument("--size", choices=sorted(SIZES), default="tiny", help="model size")
     ap.add_argument(
         "--out",
         type=Path,
         default=None,
         help="output folder (default: $WARPLY_CACHE/models/<size>-<script hash>)",
     )
-    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--seed", type=int, default=0, help="seed of the weights and tokenizer")
     ap.add_argument("--force", action="store_true", help="rebuild even if complete")
     a = ap.parse_args()
     out = a.out

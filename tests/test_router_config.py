@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import argparse
 import json
 import subprocess
 import sys
@@ -18,7 +17,6 @@ from router.__main__ import _parser, _summary, config_from_args
 from router.config import TOKEN_ENV, ConfigError, RouterConfig, StrategyConfig, load_config
 from router.strategies import LeastLoaded, PrefixAffinity, make_strategy, strategy_class
 from router.workers import Workers
-from warply.cli import _parser as warply_parser
 
 ROOT = Path(__file__).resolve().parents[1]
 __all__ = ["tokenizer_dir"]
@@ -93,23 +91,6 @@ def test_flags_override_and_build_a_pool(tmp_path: Path) -> None:
         config_from_args(
             _parser().parse_args(["--config", str(_write(tmp_path, GOOD)), "--worker", "http://h:1"])
         )
-
-
-def _flags_without_help(parser: argparse.ArgumentParser, path: str) -> list[str]:
-    missing = []
-    for action in parser._actions:
-        if isinstance(action, argparse._SubParsersAction):
-            for name, sub in action.choices.items():
-                missing += _flags_without_help(sub, f"{path} {name}")
-        elif not action.help:
-            missing.append(f"{path} {'/'.join(action.option_strings) or action.dest}")
-    return missing
-
-
-def test_every_flag_of_both_commands_says_what_it_does() -> None:
-    assert _flags_without_help(_parser(), "warply-router") == []
-    assert _flags_without_help(warply_parser(), "warply") == []
-    assert "Served model name" in _parser().format_help()
 
 
 def test_strategy_lookup(monkeypatch: pytest.MonkeyPatch) -> None:
