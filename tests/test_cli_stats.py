@@ -47,7 +47,7 @@ def test_stats_tables_and_watch(tokenizer_dir: Path) -> None:
             assert code == 0, err
             assert "warply router: strategy adaptive" in out
             code, _, err = await warply("stats", "--router", base, "--interval", "0")
-            assert code == 2 and "--interval must be > 0" in err
+            assert code == 2 and "argument --interval: '0' must be > 0" in err
 
     _run(scenario())
 

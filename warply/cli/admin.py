@@ -10,6 +10,7 @@ import os
 from typing import Any, TypeVar
 
 from warply import admin
+from warply.common.argtypes import positive
 
 _T = TypeVar("_T")
 
@@ -41,7 +42,10 @@ def add_router_args(parser: argparse.ArgumentParser) -> None:
         help="the router's admin token, when it has one (default: $WARPLY_ADMIN_TOKEN)",
     )
     parser.add_argument(
-        "--timeout", type=float, default=10.0, help="seconds to wait for the router (default 10)"
+        "--timeout",
+        type=positive(float),
+        default=10.0,
+        help="seconds to wait for the router (default 10)",
     )
 
 

@@ -10,7 +10,8 @@ from rich.console import Console, Group
 from rich.live import Live
 from rich.table import Table
 
-from warply.cli.admin import USAGE, CliError, add_router_args, call
+from warply.cli.admin import add_router_args, call
+from warply.common.argtypes import non_negative, positive
 from warply.protocol.api import CacheStats, Quantiles
 
 
@@ -24,15 +25,19 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     )
     add_router_args(s)
     s.add_argument("--watch", action="store_true", help="keep the tables live")
-    s.add_argument("--interval", type=float, default=2.0, help="seconds between refreshes (2)")
-    s.add_argument("--count", type=int, default=0, help="with --watch: stop after N refreshes")
-    s.add_argument("--affinity", type=int, default=10, help="affinity rows shown (default 10)")
+    s.add_argument(
+        "--interval", type=positive(float), default=2.0, help="seconds between refreshes (2)"
+    )
+    s.add_argument(
+        "--count", type=non_negative(int), default=0, help="with --watch: stop after N refreshes"
+    )
+    s.add_argument(
+        "--affinity", type=non_negative(int), default=10, help="affinity rows shown (default 10)"
+    )
     s.set_defaults(func=_stats)
 
 
 def _stats(args: argparse.Namespace) -> int:
-    if args.interval <= 0 or args.count < 0 or args.affinity < 0:
-        raise CliError("--interval must be > 0, --count and --affinity >= 0", USAGE)
     console = Console()
     if not args.watch:
         console.print(render(call(args, "/warply/cache_stats", CacheStats), args.affinity))

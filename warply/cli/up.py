@@ -7,6 +7,8 @@ import argparse
 import sys
 from pathlib import Path
 
+from warply.common.argtypes import positive
+
 
 def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     """Add the `up` and `down` verbs."""
@@ -23,7 +25,9 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     u.add_argument("--sglang-python", help="the Python with SGLang (backend sglang)")
     u.add_argument("--run-dir", type=Path, help="folder for logs and state (default: "
                    "~/.cache/warply/runs/TIME-PID)")  # fmt: skip
-    u.add_argument("--timeout", type=float, default=600, help="seconds per stage (default 600)")
+    u.add_argument(
+        "--timeout", type=positive(float), default=600, help="seconds per stage (default 600)"
+    )
     u.set_defaults(func=_up)
     d = sub.add_parser(
         "down",

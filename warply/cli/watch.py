@@ -10,6 +10,7 @@ import sys
 from collections import Counter
 from typing import Any
 
+from warply.common.argtypes import non_negative
 from warply.protocol.plugin import LOCAL_EVENTS_ENDPOINT, LOCAL_REPLAY_ENDPOINT
 
 
@@ -36,8 +37,15 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     w.add_argument("--topic", default="", help="topic prefix to subscribe to (default: all)")
     w.add_argument("--name", default="worker", help="worker name used in logs")
     w.add_argument("--tokens", action="store_true", help="print token ids in full")
-    w.add_argument("--count", type=int, default=0, help="stop after this many events")
-    w.add_argument("--duration", type=float, default=0.0, help="stop after this many seconds")
+    w.add_argument(
+        "--count", type=non_negative(int), default=0, help="stop after this many events (0: never)"
+    )
+    w.add_argument(
+        "--duration",
+        type=non_negative(float),
+        default=0.0,
+        help="stop after this many seconds (0: never)",
+    )
     w.set_defaults(func=_watch)
 
 

@@ -20,11 +20,19 @@ def _number(kind: type[N], text: str) -> N:
 
 def positive(kind: type[N]) -> Callable[[str], N]:
     """Parser of a number > 0 of type `kind` (int or float)."""
+    return _at_least(kind, 0, strict=True)
 
+
+def non_negative(kind: type[N]) -> Callable[[str], N]:
+    """Parser of a number >= 0 of type `kind` (int or float), e.g. a count where 0 means none."""
+    return _at_least(kind, 0, strict=False)
+
+
+def _at_least(kind: type[N], bound: N, strict: bool) -> Callable[[str], N]:
     def parse(text: str) -> N:
         value = _number(kind, text)
-        if value <= 0:
-            raise argparse.ArgumentTypeError(f"{text!r} must be > 0")
+        if value < bound or (strict and value == bound):
+            raise argparse.ArgumentTypeError(f"{text!r} must be {'>' if strict else '>='} {bound}")
         return value
 
     return parse
