@@ -182,6 +182,11 @@ def test_what_cannot_be_laid_out_says_why(model_dir: str) -> None:
         manifests(local_store)
     with pytest.raises(ExportError, match="lowercase letters, digits and '-'"):
         manifests(_specs(model_dir)["cpu"], name="My_Release")
+    with pytest.raises(ExportError, match="namespace 'team a': lowercase letters, digits and '-'"):
+        manifests(_specs(model_dir)["cpu"], namespace="team a")
+    with pytest.raises(ExportError, match="model_pvc 'Models': lowercase letters, digits, '-' and"):
+        manifests(_specs(model_dir)["cpu"], model_pvc="Models")
+    assert manifests(_specs(model_dir)["cpu"], namespace="team-a", model_pvc="models.v2")
     with pytest.raises(ExportError, match="expected 'kubernetes' or 'dynamo'"):
         manifests(_specs(model_dir)["cpu"], "helm")  # type: ignore[arg-type]
 
@@ -210,6 +215,8 @@ def test_cli_export(model_dir: str, tmp_path: Path, capsys: pytest.CaptureFixtur
     assert [e for doc in docs for e in _errors(doc)] == []
     assert main(["export", str(spec), "--name", "Bad_Name"]) == 2
     assert "lowercase letters" in capsys.readouterr().err
+    assert main(["export", str(spec), "-o", str(tmp_path / "missing" / "k8s.yaml")]) == 2
+    assert "cannot write" in capsys.readouterr().err
     spec.write_text("kind: Engine\nmodel: /nonexistent/model\n")
     assert main(["export", str(spec)]) == 2
     assert "no such folder" in capsys.readouterr().err

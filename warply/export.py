@@ -39,6 +39,8 @@ _TOKEN_ENV = "WARPLY_AUTH_TOKEN"
 """The router reads its admin token from here (`router.config.TOKEN_ENV`; a test keeps them
 equal: the SDK does not import the router)."""
 _NAME = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
+"""A Kubernetes DNS-1123 label; a subdomain is such labels joined by dots."""
+_SUBDOMAIN = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$")
 
 
 class ExportError(ValueError):
@@ -101,6 +103,15 @@ def export_yaml(spec: Deployment, target: Target = "kubernetes", **options: Unpa
     return str(yaml.dump_all(docs, Dumper=_Dumper, sort_keys=False))
 
 
+def _check_name(what: str, value: str, pattern: re.Pattern[str], limit: int, why: str) -> None:
+    """Refuse a value Kubernetes would refuse as an object's name, saying what it may hold."""
+    if not pattern.match(value) or len(value) > limit:
+        dots = ", '-' and '.'" if pattern is _SUBDOMAIN else " and '-'"
+        raise ExportError(
+            f"{what} {value!r}: lowercase letters, digits{dots}, at most {limit} characters ({why})"
+        )
+
+
 class _Dumper(yaml.SafeDumper):  # type: ignore[misc]
     """Multi-line strings (the router's config in the ConfigMap) as literal blocks."""
 
@@ -119,14 +130,15 @@ def manifests(
     """The objects `export_yaml` writes, as dicts (in apply order)."""
     name = options.get("name", "warply")
     image, namespace = options.get("image"), options.get("namespace")
+    model_pvc = options.get("model_pvc")
     token, control_token = options.get("token"), options.get("control_token")
     if target not in ("kubernetes", "dynamo"):
         raise ExportError(f"target {target!r}: expected 'kubernetes' or 'dynamo'")
-    if not _NAME.match(name) or len(name) > 40:
-        raise ExportError(
-            f"name {name!r}: lowercase letters, digits and '-', at most 40 characters "
-            "(it prefixes every object's name)"
-        )
+    _check_name("name", name, _NAME, 40, "it prefixes every object's name")
+    if namespace:
+        _check_name("namespace", namespace, _NAME, 63, "a Kubernetes namespace")
+    if model_pvc:
+        _check_name("model_pvc", model_pvc, _SUBDOMAIN, 253, "a claim's name")
     tier = spec.tier
     if tier is not None and tier.object_store_url is not None and re.search(
         r"//(127\.0\.0\.1|localhost)[:/]", tier.object_store_url
@@ -145,7 +157,7 @@ def manifests(
     plan.router_config.pop("auth_token", None)
     pods = _Pods(
         spec, plan, layout, image or f"warply:{__version__}-{spec.backend}",
-        options.get("model_pvc") or f"{name}-models" if local_model else None,
+        model_pvc or f"{name}-models" if local_model else None,
     )
     meta = {"namespace": namespace} if namespace else {}
     docs: list[dict[str, Any]] = [

@@ -40,7 +40,11 @@ def _export(args: argparse.Namespace) -> int:
         return 2
     if args.output is None:
         sys.stdout.write(text)
-    else:
+        return 0
+    try:
         args.output.write_text(text)
-        print(f"wrote {args.output}", file=sys.stderr)
+    except OSError as exc:
+        print(f"warply export: cannot write {args.output}: {exc.strerror}", file=sys.stderr)
+        return 2
+    print(f"wrote {args.output}", file=sys.stderr)
     return 0
