@@ -25,6 +25,7 @@ from replay.sim import SimPool, simulate_pools
 from replay.trace import ExpandedTrace, read_trace
 from router.config import StrategyConfig
 from router.strategies import CostAware, Strategy, make_strategy
+from warply.common.argtypes import output_file
 
 TRACE = Path(__file__).resolve().parents[1] / "../shared/traces/mooncake/conversation_trace.jsonl"
 
@@ -69,7 +70,7 @@ def main() -> int:
     ap.add_argument("--slow-price", type=float, default=1.2, help="per worker-hour")
     ap.add_argument("--slow-speed", type=float, default=0.5, help="the cheap pool's speed")
     ap.add_argument("--ttft-target-ms", type=float, default=1000.0, help="cost_aware's TTFT target")
-    ap.add_argument("--json", type=Path, help="write the rows here")
+    ap.add_argument("--json", type=output_file, help="write the rows here")
     args = ap.parse_args()
     t0 = time.perf_counter()
     trace = ExpandedTrace(read_trace(args.trace, args.limit), args.trace_block, 64)

@@ -35,6 +35,7 @@ from replay.report import summarize
 from replay.sim import simulate_pools
 from replay.trace import ExpandedTrace, read_trace
 from router.config import PdConfig
+from warply.common.argtypes import output_file
 
 TRACE = Path(__file__).resolve().parents[1] / "../shared/traces/mooncake/conversation_trace.jsonl"
 _SHARED: dict[str, Any] = {}
@@ -125,7 +126,7 @@ def main() -> int:
     ap.add_argument("--bandwidth-gbps", type=float, default=PdSettings().bandwidth_gbps,
                     help="P→D link per decode worker, Gbit/s")
     ap.add_argument("--jobs", type=int, default=1, help="replays in parallel")
-    ap.add_argument("--json", type=Path, help="write the rows here")
+    ap.add_argument("--json", type=output_file, help="write the rows here")
     args = ap.parse_args()
     t0 = time.perf_counter()
     trace = ExpandedTrace(read_trace(args.trace, args.limit), args.trace_block, 64)

@@ -37,6 +37,7 @@ from typing import Any
 
 import aiohttp
 
+from warply.common.argtypes import output_file
 from warply.launch import HOST, VllmServer, free_port
 
 VOCAB = 8192
@@ -138,7 +139,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--reps", type=int, default=5, help="prompts per length")
     ap.add_argument("--block-size", type=int, default=128, help="the engines' KV block size")
     ap.add_argument("--seed", type=int, default=0, help="seed of the random prompts")
-    ap.add_argument("--json", type=Path, help="write the samples here")
+    ap.add_argument("--json", type=output_file, help="write the samples here")
     args = ap.parse_args(argv)
     logs = Path(tempfile.mkdtemp(prefix="pd-threshold-"))
     servers = [

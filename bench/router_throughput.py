@@ -54,6 +54,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from warply.common.argtypes import output_file
 from warply.launch import HOST, EngineProcess, free_port, http_json
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -533,7 +534,8 @@ def main() -> int:
                     help="model folder (default: the newest tiny model in the cache)")
     ap.add_argument("--sglang-python", default=str(ROOT / ".venvs/sglang/bin/python"),
                     help="interpreter with sglang-router installed ('' skips it)")
-    ap.add_argument("--profile", type=Path, help="run warply-router under cProfile, stats here")
+    ap.add_argument("--profile", type=output_file,
+                    help="run warply-router under cProfile, stats here")
     ap.add_argument("--baseline", type=Path, metavar="DIR",
                     help="also run the router of another checkout (e.g. `git archive` of an "
                          "earlier commit) as target 'base', for before/after in one run")

@@ -31,6 +31,7 @@ from replay.engine import EngineConfig
 from replay.sim import simulate
 from replay.trace import ExpandedTrace, TraceRequest, read_trace
 from replay.workloads import shift
+from warply.common.argtypes import output_file
 
 TRACE = Path(__file__).resolve().parents[1] / "../shared/traces/mooncake/conversation_trace.jsonl"
 STRATEGIES = (
@@ -106,7 +107,7 @@ def main() -> int:
     ap.add_argument("--workers", type=int, default=8, help="simulated workers")
     ap.add_argument("--window-s", type=float, default=30.0, help="window after the shift, s")
     ap.add_argument("--jobs", type=int, default=2, help="replays in parallel")
-    ap.add_argument("--json", type=Path, help="write the results here")
+    ap.add_argument("--json", type=output_file, help="write the results here")
     ap.add_argument("-s", "--strategy", action="append", help="strategies (default: see source)")
     args = ap.parse_args()
     t0 = time.perf_counter()

@@ -48,6 +48,7 @@ import numpy as np
 from prometheus_client.parser import text_string_to_metric_families
 
 from router.config import RouterConfig
+from warply.common.argtypes import output_file
 from warply.launch import EngineProcess, RouterServer, SimWorkers, free_port
 
 CACHE = Path(os.environ.get("WARPLY_CACHE", Path.home() / ".cache" / "warply")) / "models"
@@ -607,7 +608,7 @@ def main() -> int:
     ap.add_argument("--rss-interval", type=float, default=5.0, help="seconds between RSS samples")
     ap.add_argument("--request-timeout", type=float, default=120.0, help="per request, seconds")
     ap.add_argument("--seed", type=int, default=0, help="seed of the conversations")
-    ap.add_argument("--json", type=Path, help="write the report here")
+    ap.add_argument("--json", type=output_file, help="write the report here")
     ap.add_argument("--workdir", type=Path, help="logs and config (default: a temp folder)")
     args = ap.parse_args()
     if args.tokenizer is None or not (args.tokenizer / "tokenizer.json").is_file():

@@ -28,7 +28,7 @@ from replay.trace import ExpandedTrace, TraceError, read_trace
 from router.config import ConfigError, PdConfig, TieringConfig, TierPolicyConfig
 from router.strategies import Strategy, known_names, strategy_class
 from router.tiering import make_policy
-from warply.common.argtypes import positive
+from warply.common.argtypes import output_file, positive
 from warply.common.loading import LoadError, load_path
 
 DEFAULT_STRATEGIES = (
@@ -339,7 +339,7 @@ def _common(p: argparse.ArgumentParser) -> None:
         default=1.0,
         help="divide arrival times by this (2 = twice the arrival rate)",
     )
-    p.add_argument("--json", metavar="PATH", help="write the report as JSON")
+    p.add_argument("--json", metavar="PATH", type=output_file, help="write the report as JSON")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
 
 
@@ -428,7 +428,9 @@ def parser() -> argparse.ArgumentParser:
         help=f"strategy to replay (repeatable; default: {', '.join(DEFAULT_STRATEGIES)}); "
         f"known: {', '.join(known_names(BASELINES))}; or a `module:Class` path",
     )
-    r.add_argument("--plot", metavar="PATH", help="write a PNG plot (matplotlib)")
+    r.add_argument(
+        "--plot", metavar="PATH", type=output_file, help="write a PNG plot (matplotlib)"
+    )
     r.add_argument("--jobs", type=positive(int), default=1, help="replays run in parallel")
     r.add_argument("--num-blocks", type=int, default=16384, help="KV blocks per worker")
     r.add_argument(

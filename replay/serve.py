@@ -43,6 +43,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from replay.costmodel import ReferenceModel, Scaled
 from replay.engine import EngineConfig, SimEngine, SimRequest
 from router.tokenize import PromptError, RouterTokenizer
+from warply.common.argtypes import output_file
 from warply.launch import HOST
 from warply.protocol import LoadSnapshot, chain_keys, request_namespace, root_seed
 from warply.protocol.publisher import StatePublisher
@@ -552,7 +553,11 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--workers", type=int, default=1, help="simulated workers in this process")
     ap.add_argument("--port", type=int, default=0, help="first HTTP port (0: free ports)")
     ap.add_argument("--name-prefix", default="sim", help="worker names: PREFIX0, PREFIX1, ...")
-    ap.add_argument("--manifest", help="write the workers (router worker config) to this JSON")
+    ap.add_argument(
+        "--manifest",
+        type=output_file,
+        help="write the workers (router worker config) to this JSON",
+    )
     for name, default in EngineConfig().model_dump().items():
         ap.add_argument(
             f"--{name.replace('_', '-')}",

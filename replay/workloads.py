@@ -35,7 +35,7 @@ from pathlib import Path
 
 import numpy as np
 
-from warply.common.argtypes import positive
+from warply.common.argtypes import output_file, positive
 
 BLOCK = 512
 """Tokens per trace block (hash id) in the generated traces."""
@@ -198,7 +198,9 @@ def parser() -> argparse.ArgumentParser:
     sub = ap.add_subparsers(dest="shape", required=True)
     for name, fn in GENERATORS.items():
         p = sub.add_parser(name, help=(fn.__doc__ or "").splitlines()[0])
-        p.add_argument("-o", "--output", required=True, help="JSONL file to write")
+        p.add_argument(
+            "-o", "--output", required=True, type=output_file, help="JSONL file to write"
+        )
         p.add_argument("--seed", type=int, default=0, help="random seed (same seed, same trace)")
         p.add_argument("--requests", type=positive(int), default=3000, help="requests to write")
         p.add_argument(
@@ -208,7 +210,7 @@ def parser() -> argparse.ArgumentParser:
         )
     s = sub.add_parser("shift", help="raise a trace's arrival rate from a point on")
     s.add_argument("trace", help="Mooncake JSONL trace to read")
-    s.add_argument("-o", "--output", required=True, help="JSONL file to write")
+    s.add_argument("-o", "--output", required=True, type=output_file, help="JSONL file to write")
     s.add_argument("--at", type=float, default=0.5, help="fraction of requests before the shift")
     s.add_argument("--factor", type=positive(float), default=4.0, help="rate multiplier after")
     s.add_argument("--until", type=float, default=1.0, help="fraction where the rate returns")

@@ -114,6 +114,21 @@ def test_missing_trace_and_bad_numbers(capsys: pytest.CaptureFixture[str]) -> No
     assert "'two' is not an integer" in capsys.readouterr().err
 
 
+def test_an_output_that_cannot_be_written_is_refused_before_the_replay(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    trace = str(_trace_file(tmp_path))
+    for flag, path, message in [
+        ("--json", tmp_path / "missing" / "r.json", "there is no folder"),
+        ("--plot", tmp_path / "missing" / "r.png", "there is no folder"),
+        ("--json", tmp_path, "is a folder, not a file"),
+    ]:
+        with pytest.raises(SystemExit):
+            main(["replay", trace, "--quiet", "-s", "round_robin", flag, str(path)])
+        err = capsys.readouterr().err
+        assert f"argument {flag}" in err and message in err, err
+
+
 class Sticky(RoundRobin):
     """A user strategy, found by `module:Class` path or entry point like the router finds it."""
 

@@ -6,6 +6,8 @@ import argparse
 import sys
 from pathlib import Path
 
+from warply.common.argtypes import output_file
+
 
 def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     """Add the `export` verb."""
@@ -24,7 +26,9 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     e.add_argument("--image", help="engine + Warply image (default: warply:VERSION-BACKEND)")
     e.add_argument("--namespace", help="namespace of every object (default: none set)")
     e.add_argument("--model-pvc", help="claim holding a local model folder (default: NAME-models)")
-    e.add_argument("-o", "--output", type=Path, help="write here instead of standard output")
+    e.add_argument(
+        "-o", "--output", type=output_file, help="write here instead of standard output"
+    )
     e.set_defaults(func=_export)
 
 
@@ -40,11 +44,7 @@ def _export(args: argparse.Namespace) -> int:
         return 2
     if args.output is None:
         sys.stdout.write(text)
-        return 0
-    try:
+    else:
         args.output.write_text(text)
-    except OSError as exc:
-        print(f"warply export: cannot write {args.output}: {exc.strerror}", file=sys.stderr)
-        return 2
-    print(f"wrote {args.output}", file=sys.stderr)
+        print(f"wrote {args.output}", file=sys.stderr)
     return 0

@@ -4,7 +4,9 @@ tracebacks, for numbers out of range."""
 from __future__ import annotations
 
 import argparse
+import os
 from collections.abc import Callable
+from pathlib import Path
 from typing import TypeVar
 
 N = TypeVar("N", int, float)
@@ -36,6 +38,20 @@ def _at_least(kind: type[N], bound: N, strict: bool) -> Callable[[str], N]:
         return value
 
     return parse
+
+
+def output_file(text: str) -> Path:
+    """A file a command writes, checked when parsed so that a long run never ends unable to save
+    its result: not a folder, in a folder that exists and may be written."""
+    path = Path(text)
+    folder = path.parent
+    if path.is_dir():
+        raise argparse.ArgumentTypeError(f"{text!r} is a folder, not a file")
+    if not folder.is_dir():
+        raise argparse.ArgumentTypeError(f"{text!r}: there is no folder {str(folder)!r}")
+    if not os.access(folder, os.W_OK):
+        raise argparse.ArgumentTypeError(f"{text!r}: folder {str(folder)!r} is not writable")
+    return path
 
 
 def fraction(text: str) -> float:
