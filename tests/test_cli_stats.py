@@ -48,6 +48,8 @@ def test_stats_tables_and_watch(tokenizer_dir: Path) -> None:
             assert "warply router: strategy adaptive" in out
             code, _, err = await warply("stats", "--router", base, "--interval", "0")
             assert code == 2 and "argument --interval: '0' must be > 0" in err
+            code, _, err = await warply("stats", "--router", base, "--count", "-1")
+            assert code == 2 and "argument --count: '-1' must be >= 0" in err
 
     _run(scenario())
 
