@@ -103,12 +103,13 @@ def export_yaml(spec: Deployment, target: Target = "kubernetes", **options: Unpa
     return str(yaml.dump_all(docs, Dumper=_Dumper, sort_keys=False))
 
 
-def _check_name(what: str, value: str, pattern: re.Pattern[str], limit: int, why: str) -> None:
-    """Refuse a value Kubernetes would refuse as an object's name, saying what it may hold."""
+def _check_name(what: str, value: str, limit: int, why: str, dots: bool = False) -> None:
+    """Refuse a value Kubernetes would refuse as an object's name (a DNS-1123 label, or with
+    `dots` a subdomain), saying what it may hold."""
+    pattern, chars = (_SUBDOMAIN, "digits, '-' and '.'") if dots else (_NAME, "digits and '-'")
     if not pattern.match(value) or len(value) > limit:
-        dots = ", '-' and '.'" if pattern is _SUBDOMAIN else " and '-'"
         raise ExportError(
-            f"{what} {value!r}: lowercase letters, digits{dots}, at most {limit} characters ({why})"
+            f"{what} {value!r}: lowercase letters, {chars}, at most {limit} characters ({why})"
         )
 
 
@@ -134,11 +135,11 @@ def manifests(
     token, control_token = options.get("token"), options.get("control_token")
     if target not in ("kubernetes", "dynamo"):
         raise ExportError(f"target {target!r}: expected 'kubernetes' or 'dynamo'")
-    _check_name("name", name, _NAME, 40, "it prefixes every object's name")
+    _check_name("name", name, 40, "it prefixes every object's name")
     if namespace:
-        _check_name("namespace", namespace, _NAME, 63, "a Kubernetes namespace")
+        _check_name("namespace", namespace, 63, "a Kubernetes namespace")
     if model_pvc:
-        _check_name("model_pvc", model_pvc, _SUBDOMAIN, 253, "a claim's name")
+        _check_name("model_pvc", model_pvc, 253, "a claim's name", dots=True)
     tier = spec.tier
     if tier is not None and tier.object_store_url is not None and re.search(
         r"//(127\.0\.0\.1|localhost)[:/]", tier.object_store_url

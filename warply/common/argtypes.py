@@ -1,5 +1,5 @@
 """argparse value types shared by Warply's commands and engine flags: one-line errors, no
-tracebacks, for numbers out of range."""
+tracebacks, for numbers out of range and for files that could not be written."""
 
 from __future__ import annotations
 
@@ -22,19 +22,21 @@ def _number(kind: type[N], text: str) -> N:
 
 def positive(kind: type[N]) -> Callable[[str], N]:
     """Parser of a number > 0 of type `kind` (int or float)."""
-    return _at_least(kind, 0, strict=True)
+    return _signed(kind, zero=False)
 
 
 def non_negative(kind: type[N]) -> Callable[[str], N]:
     """Parser of a number >= 0 of type `kind` (int or float), e.g. a count where 0 means none."""
-    return _at_least(kind, 0, strict=False)
+    return _signed(kind, zero=True)
 
 
-def _at_least(kind: type[N], bound: N, strict: bool) -> Callable[[str], N]:
+def _signed(kind: type[N], zero: bool) -> Callable[[str], N]:
+    """Parser of a number > 0, or >= 0 when `zero`."""
+
     def parse(text: str) -> N:
         value = _number(kind, text)
-        if value < bound or (strict and value == bound):
-            raise argparse.ArgumentTypeError(f"{text!r} must be {'>' if strict else '>='} {bound}")
+        if value < 0 or (value == 0 and not zero):
+            raise argparse.ArgumentTypeError(f"{text!r} must be {'>=' if zero else '>'} 0")
         return value
 
     return parse
