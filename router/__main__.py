@@ -37,6 +37,15 @@ _WORKER_KEYS = {"name", "events", "replay", "topic", "control", "bind"}
 def _worker_flag(spec: str, n: int) -> dict[str, Any]:
     """`URL[,key=value...]` → a worker mapping (validated later with the rest)."""
     url, *parts = spec.split(",")
+    if not url.startswith(("http://", "https://")):
+        name, _, address = url.rpartition("=")
+        if not address.startswith(("http://", "https://")):
+            address = f"http://{address or '127.0.0.1:8001'}"
+        example = f"{address},name={name or f'w{n}'}"
+        raise ConfigError(
+            f"--worker {spec!r}: write the worker's URL (http://HOST:PORT) first, then "
+            f"key=value parts, e.g. {example}"
+        )
     worker: dict[str, Any] = {"name": f"w{n}", "url": url}
     for part in parts:
         key, sep, value = part.partition("=")

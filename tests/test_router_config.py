@@ -87,6 +87,10 @@ def test_flags_override_and_build_a_pool(tmp_path: Path) -> None:
     assert cfg.alerts.min_hit_ratio == 0.3
     with pytest.raises(ConfigError, match="--worker"):
         config_from_args(_parser().parse_args(["--worker", "http://h:1,colour=red"]))
+    with pytest.raises(ConfigError, match="URL .* first, then key=value parts, e.g. http://h:1,name=w0$"):
+        config_from_args(_parser().parse_args(["--worker", "w0=http://h:1", "--block-size", "16"]))
+    with pytest.raises(ConfigError, match="e.g. http://h:1,name=w0$"):
+        config_from_args(_parser().parse_args(["--worker", "h:1", "--block-size", "16"]))
     with pytest.raises(ConfigError, match="--worker needs --block-size"):
         config_from_args(
             _parser().parse_args(["--config", str(_write(tmp_path, GOOD)), "--worker", "http://h:1"])
