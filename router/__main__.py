@@ -19,7 +19,6 @@ import gc
 import json
 import logging
 import os
-import re
 import sys
 from pathlib import Path
 from typing import Any
@@ -29,7 +28,7 @@ from aiohttp import web
 
 from router.app import Router
 from router.config import CLI_FIELDS, ConfigError, IndexConfig, RouterConfig, load_config
-from router.index import StoreUnavailable
+from router.index import StoreUnavailable, shown_url
 
 _WORKER_KEYS = {"name", "events", "replay", "topic", "control", "bind"}
 
@@ -177,8 +176,7 @@ def config_from_args(args: argparse.Namespace) -> RouterConfig:
 def _summary(config: RouterConfig) -> str:
     """What a valid configuration serves, one line per part (`--check`)."""
     index = config.index
-    # The store's url may carry a password (redis://:secret@host): never printed.
-    url = re.sub(r"//[^@/]*@", "//***@", index.url or "")
+    url = shown_url(index.url or "")
     shared = f" {url} prefix {index.prefix!r}" if url else ""
     lines = [
         f"ok: {config.model} on http://{config.host}:{config.port}, tokenizer {config.tokenizer}",

@@ -158,6 +158,18 @@ def test_the_check_summary_hides_the_stores_password(tmp_path: Path) -> None:
     assert "hunter2" not in summary and "redis://***@127.0.0.1:6379/0" in summary
 
 
+def test_an_unreachable_stores_error_hides_its_password(tmp_path: Path) -> None:
+    """The start-up error (and every `StoreUnavailable`, logged by the outage counter) shows the
+    store's URL without its password."""
+    good = GOOD.replace("/models/tiny", str(tokenizer_dir))
+    url = "redis://:hunter2@127.0.0.1:1/0"  # port 1: nothing listens
+    config = _write(tmp_path, good + f"index: {{store: redis, url: '{url}'}}\n")
+    out = _router_cli("--config", str(config))
+    assert out.returncode == 2, out.stderr
+    assert "cannot reach the shared store: index store redis://***@127.0.0.1:1/0" in out.stderr
+    assert "hunter2" not in out.stderr
+
+
 def _config_text(roles: list[str]) -> str:
     pools = "".join(
         f"  - {{name: p{i}, role: {role}, block_size: 16, "

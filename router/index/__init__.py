@@ -9,7 +9,13 @@
 - `prefix`: `PrefixIndex`, ingestion in front of a store (what the router and replayer use).
 """
 
-from router.index.contract import IndexStats, IndexStore, StoreUnavailable, WorkerMatch
+from router.index.contract import (
+    IndexStats,
+    IndexStore,
+    StoreUnavailable,
+    WorkerMatch,
+    shown_url,
+)
 from router.index.factory import open_store
 from router.index.ingest import Ingest
 from router.index.memory import MemoryStore, completed
@@ -27,4 +33,5 @@ __all__ = [
     "WorkerMatch",
     "completed",
     "open_store",
+    "shown_url",
 ]

@@ -57,6 +57,7 @@ Guarantees every store gives:
 from __future__ import annotations
 
 import abc
+import re
 from collections import Counter
 from collections.abc import Collection, Iterable, Sequence
 from dataclasses import dataclass, field
@@ -96,6 +97,12 @@ class IndexStats:
 
 class StoreUnavailable(Exception):
     """A network store's server did not answer; the message names the store and the cause."""
+
+
+def shown_url(url: str) -> str:
+    """A store's URL as messages and logs show it: what precedes `@` (a user and password, as in
+    `redis://:secret@host`) replaced by `***`."""
+    return re.sub(r"//[^@/]*@", "//***@", url)
 
 
 class IndexStore(abc.ABC):

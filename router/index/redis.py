@@ -48,7 +48,13 @@ from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 from redis.exceptions import NoScriptError
 
-from router.index.contract import IndexStats, IndexStore, StoreUnavailable, WorkerMatch
+from router.index.contract import (
+    IndexStats,
+    IndexStore,
+    StoreUnavailable,
+    WorkerMatch,
+    shown_url,
+)
 from warply.protocol import Tier
 
 _TIERS = tuple(Tier)
@@ -401,7 +407,7 @@ class RedisStore(IndexStore):
         try:
             client.ping()
         except (*_ERRORS, redis.ResponseError) as exc:
-            raise StoreUnavailable(f"index store {self.url}: {exc}") from None
+            raise self._unavailable(exc) from None
         finally:
             client.close()
 
@@ -411,7 +417,11 @@ class RedisStore(IndexStore):
         try:
             yield
         except _ERRORS as exc:
-            raise StoreUnavailable(f"index store {self.url}: {exc}") from None
+            raise self._unavailable(exc) from None
+
+    def _unavailable(self, exc: Exception) -> StoreUnavailable:
+        """`exc`, a failure to reach the server, as the error callers get (no password shown)."""
+        return StoreUnavailable(f"index store {shown_url(self.url)}: {exc}")
 
     async def _run(self, script: Any, *args: Any) -> Any:
         """One script run on its own (match: a reader does not wait behind writes)."""
@@ -435,7 +445,7 @@ class RedisStore(IndexStore):
             except Exception as exc:  # every caller hears of it; none waits forever
                 failed = exc
                 if isinstance(exc, _ERRORS):
-                    failed = StoreUnavailable(f"index store {self.url}: {exc}")
+                    failed = self._unavailable(exc)
                 for _, _, done in batch:
                     if not done.done():
                         done.set_exception(failed)

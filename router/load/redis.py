@@ -34,7 +34,7 @@ import redis.asyncio
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 
-from router.index import StoreOutage, StoreUnavailable
+from router.index import StoreOutage, StoreUnavailable, shown_url
 from router.load.ledger import LoadLedger
 from router.strategies import WorkerLoad
 
@@ -141,7 +141,8 @@ class RedisLedger(LoadLedger):
         try:
             found = await self._read(args=[self._prefix, self.replica, *(w.name for w in local)])
         except _ERRORS as exc:
-            self._outage.failed("load_read", StoreUnavailable(f"load ledger {self.url}: {exc}"))
+            failed = StoreUnavailable(f"load ledger {shown_url(self.url)}: {exc}")
+            self._outage.failed("load_read", failed)
             return local
         self._outage.recovered()
         out = list(local)
@@ -166,7 +167,7 @@ class RedisLedger(LoadLedger):
     def start(self, every: Callable[[], Iterable[WorkerLoad]]) -> None:
         self._every = every
         self._beat = asyncio.get_running_loop().create_task(self._heartbeat())
-        _log.info("sharing bookings on %s as replica %s", self.url, self.replica)
+        _log.info("sharing bookings on %s as replica %s", shown_url(self.url), self.replica)
 
     async def _heartbeat(self) -> None:
         """Rewrite every figure each third of the ttl: renews the expiry, repairs failed writes."""
@@ -191,7 +192,7 @@ class RedisLedger(LoadLedger):
             try:
                 await self._publish(args=args)
             except _ERRORS as exc:
-                msg = f"load ledger {self.url}: {exc}"
+                msg = f"load ledger {shown_url(self.url)}: {exc}"
                 self._outage.failed("load_publish", StoreUnavailable(msg))
                 self._dirty.clear()
                 self._full = True  # the next write, whenever it comes, rewrites every figure
