@@ -31,14 +31,16 @@ from router.config import CLI_FIELDS, ConfigError, IndexConfig, RouterConfig, lo
 from router.index import StoreUnavailable, shown_url
 
 _WORKER_KEYS = {"name", "events", "replay", "topic", "control", "bind"}
+_SCHEMES = ("http://", "https://")
+"""What a worker's URL starts with (`WorkerConfig.url`'s pattern)."""
 
 
 def _worker_flag(spec: str, n: int) -> dict[str, Any]:
     """`URL[,key=value...]` → a worker mapping (validated later with the rest)."""
     url, *parts = spec.split(",")
-    if not url.startswith(("http://", "https://")):
+    if not url.startswith(_SCHEMES):
         name, _, address = url.rpartition("=")
-        if not address.startswith(("http://", "https://")):
+        if not address.startswith(_SCHEMES):
             address = f"http://{address or '127.0.0.1:8001'}"
         example = f"{address},name={name or f'w{n}'}"
         raise ConfigError(

@@ -158,7 +158,9 @@ def test_the_check_summary_hides_the_stores_password(tmp_path: Path) -> None:
     assert "hunter2" not in summary and "redis://***@127.0.0.1:6379/0" in summary
 
 
-def test_an_unreachable_stores_error_hides_its_password(tmp_path: Path) -> None:
+def test_an_unreachable_stores_error_hides_its_password(
+    tmp_path: Path, tokenizer_dir: Path
+) -> None:
     """The start-up error (and every `StoreUnavailable`, logged by the outage counter) shows the
     store's URL without its password."""
     good = GOOD.replace("/models/tiny", str(tokenizer_dir))
