@@ -198,6 +198,20 @@ def test_adaptive_new_conversations_go_where_less_work_was_routed(balance: float
     assert s.choose(REQ, _idle(0, 0), {}) == "w1"
 
 
+@pytest.mark.parametrize(("count_weight", "expected"), [(0.0, ["w1", "w1"]), (1.0, ["w1", "w0"])])
+def test_adaptive_count_weight_balances_conversations_not_only_tokens(
+    count_weight: float, expected: list[str]
+) -> None:
+    # A 160-token new conversation goes to w0, then two 16-token ones arrive (idle workers,
+    # so s(w) alone decides; decay d = 1 - 1/32). By tokens, w1 is still owed work after the
+    # first short one. By count, each placement adds u-bar (160, then 160d + 16(1 - d) =
+    # 155.5), and w0's 160 decayed once (155.0) is the smaller: the conversations alternate.
+    short = RequestView(keys=[7], prompt_tokens=16, block_size=16)
+    s = AdaptiveAffinity(AdaptiveAffinity.Knobs(count_weight=count_weight))
+    assert s.choose(REQ, _idle(0, 0), {}) == "w0"
+    assert [s.choose(short, _idle(0, 0), {}) for _ in range(2)] == expected
+
+
 def test_adaptive_replicates_a_hot_shared_prefix_but_keeps_a_private_one() -> None:
     held = {"w0": WorkerMatch(10, {Tier.GPU: 10})}
     private = AdaptiveAffinity()

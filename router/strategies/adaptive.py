@@ -9,7 +9,8 @@ Per request of P prompt tokens (B tokens per block) and per candidate worker w, 
     q(w)  = pending prefill tokens(w)  uncached prefill routed to w that has no first token yet
     ū     = mean u of recent placements (decayed), the fleet's typical prefill per request
     n(w)  = min(queue_cap, q(w) / ū)   w's queue, in requests of typical size
-    s(w)  = N · (decayed mean of the u routed to w per placement): ū when w got its fair share
+    s(w)  = N · (decayed mean of (1 − c) · u + c · ū routed to w per placement): ū when w got
+            its fair share; c = `count_weight` counts each placement as ū as well as by its u
 
     cost(w) = q(w) + u(w)                   this request's time to first token on w (prefill)
             + X(w) · (u(w) − u*)            the price of recomputing what another worker holds
@@ -39,7 +40,11 @@ The terms, and why:
             requests. A private conversation (h = 1) pays the full duplication price.
   s(w)      new conversations (u(w) = u* everywhere) go where little work was routed lately, so
             the workers' future load and cache churn stay even; a worker that keeps receiving
-            more than its share also loses the marginal continuations first.
+            more than its share also loses the marginal continuations first. Half of it counts
+            placements rather than their tokens: a conversation's later turns bring load and
+            cache in proportion to their number, not to its first prompt's length, so an even
+            split of tokens alone (13 conversations on one worker, 19 on the other) still left
+            one worker's cache fuller.
 
 Adaptation is bounded: 0 ≤ π ≤ 1, 0 ≤ n(w) ≤ queue_cap, so duplicate_floor ≤ X(w) · h ≤
 queue_cap · h + duplicate_floor + eviction_gain. The measured state (π, ū, the queue depth, the
@@ -83,6 +88,10 @@ class AdaptiveKnobs(Knobs):
     """Weight of s(w), the work routed to w lately (ū when it had its fair share)."""
     queue_cap: float = Field(16.0, ge=0)
     """Upper bound of n(w), the queue depth in requests that prices recomputing on w."""
+    count_weight: float = Field(0.5, ge=0, le=1)
+    """Fraction of s(w) that counts placements (each as ū) rather than their uncached tokens:
+    a conversation's later turns bring load in proportion to their count, not its first
+    prompt's length."""
     horizon: float = Field(16.0, gt=0)
     """Placements per worker over which ū, s(w) and π decay (1/e)."""
     heat_horizon: float = Field(256.0, gt=0)
@@ -195,7 +204,7 @@ class AdaptiveAffinity(Strategy):
         routed = self._routed
         for w in candidates:
             routed[w.name] = decay * routed.get(w.name, 0.0)
-        routed[name] += (1 - decay) * u
+        routed[name] += (1 - decay) * ((1 - k.count_weight) * u + k.count_weight * self._work)
         self.placements += 1
         if u > least:
             self.spills += 1
