@@ -40,11 +40,11 @@ The terms, and why:
             requests. A private conversation (h = 1) pays the full duplication price.
   s(w)      new conversations (u(w) = u* everywhere) go where little work was routed lately, so
             the workers' future load and cache churn stay even; a worker that keeps receiving
-            more than its share also loses the marginal continuations first. Half of it counts
-            placements rather than their tokens: a conversation's later turns bring load and
-            cache in proportion to their number, not to its first prompt's length, so an even
-            split of tokens alone (13 conversations on one worker, 19 on the other) still left
-            one worker's cache fuller.
+            more than its share also loses the marginal continuations first. A share c of it
+            (half by default) counts placements rather than their tokens: a conversation's
+            later turns bring load and cache in proportion to their number, not to its first
+            prompt's length, so an even split of tokens alone (13 conversations on one worker,
+            19 on the other) still left one worker's cache fuller.
 
 Adaptation is bounded: 0 ≤ π ≤ 1, 0 ≤ n(w) ≤ queue_cap, so duplicate_floor ≤ X(w) · h ≤
 queue_cap · h + duplicate_floor + eviction_gain. The measured state (π, ū, the queue depth, the
