@@ -37,6 +37,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import _one_pool
+from _models import newest_tiny
 from _percentiles import percentiles
 
 from router.__main__ import collect_less, fixed_mmap_threshold
@@ -52,7 +53,6 @@ from warply.protocol import BlockStored
 BS = 16
 WORKERS = 8
 MODEL = "bench"
-CACHE = Path.home() / ".cache" / "warply" / "models"
 STEP = 2048
 """Prompt tokens an engine prefills per scheduler step: one `BlockStored` each."""
 
@@ -94,11 +94,6 @@ def _prefill(tokens: Sequence[int], first_hash: int) -> list[BlockStored]:
 def _q(samples: list[float]) -> str:
     q = percentiles(samples)
     return f"p50 {q[49] * 1e3:7.3f} ms  p99 {q[98] * 1e3:7.3f} ms  max {max(samples) * 1e3:7.3f} ms"
-
-
-def _newest_tiny() -> Path | None:
-    found = sorted(CACHE.glob("tiny-*/tokenizer.json"), key=lambda p: p.stat().st_mtime)
-    return found[-1].parent if found else None
 
 
 def _lines(rng: random.Random, n: int) -> list[str]:
@@ -171,7 +166,7 @@ def main() -> None:
                     help="tokens of the new user message in the warm case (default 512)")
     ap.add_argument("--max-model-len", type=int, default=262144,
                     help="the engine's context limit the router checks prompts against")
-    ap.add_argument("--tokenizer", type=Path, default=_newest_tiny(), help="model folder")
+    ap.add_argument("--tokenizer", type=Path, default=newest_tiny(), help="model folder")
     ap.add_argument("--sizes", type=int, nargs="+", default=[1024, 8192, 32768, 131072],
                     help="prompt lengths in tokens (40 tokenized samples above 32k)")
     ap.add_argument("--turn-samples", type=int, default=0,

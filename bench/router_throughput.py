@@ -54,12 +54,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from _models import newest_tiny
+
 from warply.common.argtypes import output_file
 from warply.launch import HOST, EngineProcess, free_port, http_json
 
 ROOT = Path(__file__).resolve().parent.parent
 MODEL = "bench"
-CACHE = Path.home() / ".cache" / "warply" / "models"
 _CONTENT_LENGTH = re.compile(rb"content-length:\s*(\d+)", re.IGNORECASE)
 _CHUNKED = re.compile(rb"transfer-encoding:\s*chunked", re.IGNORECASE)
 _POST_HEADERS = {"Content-Type": "application/json"}
@@ -351,11 +352,6 @@ def _pinned(core: int, cmd: list[str]) -> list[str]:
     return [taskset, "-c", str(core), *cmd] if taskset else cmd
 
 
-def _newest_tiny() -> Path | None:
-    found = sorted(CACHE.glob("tiny-*/tokenizer.json"), key=lambda p: p.stat().st_mtime)
-    return found[-1].parent if found else None
-
-
 def _warply(args: argparse.Namespace, upstreams: list[str], work: Path,
             root: Path = ROOT, tag: str = "warply") -> EngineProcess:
     port = free_port()
@@ -530,7 +526,7 @@ def main() -> int:
     ap.add_argument("--upstreams", type=int, default=4, help="fake upstream workers")
     ap.add_argument("--paced", type=float, default=500.0,
                     help="req/s in all for paced rows at the largest stream count (0: none)")
-    ap.add_argument("--tokenizer", type=Path, default=_newest_tiny(),
+    ap.add_argument("--tokenizer", type=Path, default=newest_tiny(),
                     help="model folder (default: the newest tiny model in the cache)")
     ap.add_argument("--sglang-python", default=str(ROOT / ".venvs/sglang/bin/python"),
                     help="interpreter with sglang-router installed ('' skips it)")

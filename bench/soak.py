@@ -45,13 +45,13 @@ from typing import Any
 
 import aiohttp
 import numpy as np
+from _models import newest_tiny
 from prometheus_client.parser import text_string_to_metric_families
 
 from router.config import RouterConfig
 from warply.common.argtypes import output_file
 from warply.launch import EngineProcess, RouterServer, SimWorkers, free_port
 
-CACHE = Path(os.environ.get("WARPLY_CACHE", Path.home() / ".cache" / "warply")) / "models"
 MODEL = "tiny"
 WORDS = (
     "cache prefix block token router engine worker request stream answer question tenant "
@@ -61,11 +61,6 @@ WORDS = (
 
 def _log(msg: str) -> None:
     print(f"[soak] {msg}", file=sys.stderr, flush=True)
-
-
-def _newest_tiny() -> Path | None:
-    found = sorted(CACHE.glob("tiny-*/tokenizer.json"), key=lambda p: p.stat().st_mtime)
-    return found[-1].parent if found else None
 
 
 def _pair(kind: type) -> Any:
@@ -566,7 +561,7 @@ def main() -> int:
     ap.add_argument(
         "--tokenizer",
         type=Path,
-        default=_newest_tiny(),
+        default=newest_tiny(),
         help="model folder (default: the newest tiny model in the cache)",
     )
     ap.add_argument("--block-size", type=int, default=16, help="simulated KV block size")
