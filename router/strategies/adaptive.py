@@ -53,7 +53,8 @@ routed shares, spills) is exposed by `gauges()` and `worker_gauges()` for metric
 Defaults were chosen on the replayer's conversation, GSP, agent and RAG workloads at several
 fleet sizes and rates and checked on other seeds and windows (docs/replay.md, the matrix);
 `duplicate_floor` 8 rather than 3 on two real vLLM engines, where the lower floor moved short
-turns that cost hits and saved no time (docs/router.md).
+turns that cost hits and saved no time; `count_weight` 0.5 on both, where 0 left conversations
+split unevenly and 1 lost hits on long, uneven conversations (docs/router.md).
 """
 
 from __future__ import annotations
