@@ -141,8 +141,7 @@ class RedisLedger(LoadLedger):
         try:
             found = await self._read(args=[self._prefix, self.replica, *(w.name for w in local)])
         except _ERRORS as exc:
-            failed = StoreUnavailable(f"load ledger {shown_url(self.url)}: {exc}")
-            self._outage.failed("load_read", failed)
+            self._outage.failed("load_read", self._unavailable(exc))
             return local
         self._outage.recovered()
         out = list(local)
@@ -169,6 +168,11 @@ class RedisLedger(LoadLedger):
         self._beat = asyncio.get_running_loop().create_task(self._heartbeat())
         _log.info("sharing bookings on %s as replica %s", shown_url(self.url), self.replica)
 
+    def _unavailable(self, exc: Exception) -> StoreUnavailable:
+        """`exc`, a failure to reach the server, as the outage counter logs it (no password
+        shown)."""
+        return StoreUnavailable(f"load ledger {shown_url(self.url)}: {exc}")
+
     async def _heartbeat(self) -> None:
         """Rewrite every figure each third of the ttl: renews the expiry, repairs failed writes."""
         while True:
@@ -192,8 +196,7 @@ class RedisLedger(LoadLedger):
             try:
                 await self._publish(args=args)
             except _ERRORS as exc:
-                msg = f"load ledger {shown_url(self.url)}: {exc}"
-                self._outage.failed("load_publish", StoreUnavailable(msg))
+                self._outage.failed("load_publish", self._unavailable(exc))
                 self._dirty.clear()
                 self._full = True  # the next write, whenever it comes, rewrites every figure
                 return
