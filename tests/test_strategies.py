@@ -219,9 +219,26 @@ def test_adaptive_replicates_a_hot_shared_prefix_but_keeps_a_private_one() -> No
     hot = AdaptiveAffinity()
     for _ in range(9):  # nine earlier requests whose longest cached prefix ended at key 9
         assert hot.choose(REQ, _idle(0, 0), held) == "w0"
-    # h = 8 (decayed a little): duplicate price 3 / 8, cost(w1) ≈ 160 + 60 < 400.
+    # h ≈ 8.9 (decayed a little): duplicate price 8 / 8.9; w0's queue exceeds w1's by more than
+    # one typical request, so w1 is charged a = h^-0.5 of the recompute: ≈ (0.34 + 0.9) * 160.
     assert hot.choose(REQ, _idle(400, 0), held) == "w1"
     assert hot.gauges()["spills"] == 1 and hot.gauges()["spill_tokens"] == 160
+
+
+@pytest.mark.parametrize(
+    ("knobs", "expected"), [({}, "w1"), ({"amortize": 0.0}, "w0"), ({"adapt": False}, "w0")]
+)
+def test_adaptive_charges_part_of_copying_a_hot_prefix_whose_holder_is_queued(
+    knobs: dict[str, object], expected: str
+) -> None:
+    # Nine requests made key 9 hot (h ≈ 8.9); its holder w0 now has 300 tokens queued, w1 none.
+    # Charged all of the recompute, cost(w1) = 160 + (8 / 8.9) * 160 ≈ 304 > 300: stay queued.
+    # By default the copy also serves the requests after it: a = 8.9^-0.5, cost(w1) ≈ 197.
+    s = AdaptiveAffinity(AdaptiveAffinity.Knobs.model_validate(knobs))
+    held = {"w0": WorkerMatch(10, {Tier.GPU: 10})}
+    for _ in range(9):
+        s.choose(REQ, _idle(0, 0), held)
+    assert s.choose(REQ, _idle(300, 0), held) == expected
 
 
 def test_adaptive_next_turn_checkpoints_only_its_new_blocks() -> None:
