@@ -268,21 +268,22 @@ class AdaptiveAffinity(Strategy):
         keys: dict[str, tuple[float, float]] = {}
         terms: dict[str, dict[str, float]] = {}
         routed, balance = self._routed, k.balance
-        held = min(depths[i] for i, w in enumerate(candidates) if uncached[w.name] == least)
+        holder_depth = min(depths[i] for i, w in enumerate(candidates) if uncached[w.name] == least)
         for i, w in enumerate(candidates):
             u = uncached[w.name]
             share = n * routed.get(w.name, 0.0)
             price = depths[i] + dup
-            own = heat ** (-k.amortize * min(1.0, max(0.0, held - depths[i])))
+            charged = heat ** (-k.amortize * min(1.0, max(0.0, holder_depth - depths[i])))
             cost = (
-                w.pending_prefill_tokens + least + (own + price) * (u - least) + balance * share
+                w.pending_prefill_tokens + least + (charged + price) * (u - least)
+                + balance * share
             )
             keys[w.name] = (cost, share)
             if explain:
                 terms[w.name] = {
                     "queued_tokens": w.pending_prefill_tokens,
                     "uncached_tokens": u,
-                    "recompute_share": own,
+                    "recompute_share": charged,
                     "recompute_price": price,
                     "recomputed_tokens": u - least,
                     "routed_share": share,
