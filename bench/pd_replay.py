@@ -27,7 +27,7 @@ from multiprocessing import get_context
 from pathlib import Path
 from typing import Any
 
-from replay.__main__ import Deployment, StrategySpec, parse_strategy
+from replay.__main__ import Deployment, StrategySpec, parse_strategy, strategy_arg
 from replay.engine import EngineConfig
 from replay.pd import PdSettings
 from replay.references import lru_reuse, pd_lru_reuse
@@ -114,7 +114,8 @@ def main() -> int:
     ap.add_argument("--workers", type=int, default=8, help="aggregated workers")
     ap.add_argument("--prefill", type=int, default=4, help="prefill workers")
     ap.add_argument("--decode", type=int, default=4, help="decode workers")
-    ap.add_argument("-s", "--strategy", action="append", help="default: adaptive, prefix_affinity")
+    ap.add_argument("-s", "--strategy", action="append", type=strategy_arg,
+                    help="default: adaptive, prefix_affinity")
     ap.add_argument("--sweep", default="0,512,2048", help="floor thresholds (tokens)")
     ap.add_argument(
         "--conversation-block",

@@ -31,7 +31,7 @@ from multiprocessing import get_context
 from pathlib import Path
 from typing import Any
 
-from replay.__main__ import parse_strategy
+from replay.__main__ import parse_strategy, strategy_arg
 from replay.engine import EngineConfig
 from replay.report import summarize
 from replay.sim import simulate
@@ -188,6 +188,7 @@ def main() -> int:
     ap.add_argument(
         "--extra",
         action="append",
+        type=strategy_arg,
         help="more strategies to show (repeatable; default: kv-reuse, prefix_affinity, and the "
         "default with fixed knobs: fixed3, fixed16)",
     )

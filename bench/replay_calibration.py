@@ -20,7 +20,7 @@ from multiprocessing import get_context
 from pathlib import Path
 from typing import Any
 
-from replay.__main__ import parse_strategy
+from replay.__main__ import parse_strategy, strategy_arg
 from replay.report import summarize
 from replay.sim import simulate
 from replay.trace import ExpandedTrace, read_trace
@@ -49,6 +49,7 @@ def main() -> int:
     ap.add_argument(
         "--ours",
         action="append",
+        type=strategy_arg,
         help="our strategies to check (default: prefix_affinity, kv-reuse)",
     )
     args = ap.parse_args()

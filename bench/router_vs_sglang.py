@@ -62,7 +62,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "scripts"))
 import demo  # noqa: E402  (the demo's engines, workload and client; not a package)
 
-from replay.__main__ import StrategySpec, UsageError, parse_strategy  # noqa: E402
+from replay.__main__ import StrategySpec, parse_strategy, strategy_arg  # noqa: E402
 from warply.launch import (  # noqa: E402
     HOST,
     EngineProcess,
@@ -427,7 +427,7 @@ def main() -> int:
     ap.add_argument("--vllm", required=True, help="the vllm CLI of the engine venv")
     ap.add_argument("--model", required=True,
                     help="model folder: scripts/tiny_model.py --size tiny (default) or small")
-    ap.add_argument("--strategy", action="append",
+    ap.add_argument("--strategy", action="append", type=strategy_arg,
                     help="warply strategy row (repeatable; default: adaptive, the default)")
     ap.add_argument("--sglang-router", default=str(ROOT / ".venvs" / "sglang" / "bin" / "python"),
                     help="python of a venv with sglang-router 0.3.2 (default: the project's "
@@ -455,10 +455,7 @@ def main() -> int:
     args = ap.parse_args()
     if args.sglang_tuned is None:
         args.sglang_tuned = ["1,1.2", "2,1.1"]
-    try:
-        args.specs = [parse_strategy(s) for s in args.strategy or ["adaptive"]]
-    except UsageError as exc:
-        ap.error(str(exc))
+    args.specs = [parse_strategy(s) for s in args.strategy or ["adaptive"]]
     if not args.trace.is_file():
         ap.error(f"trace not found: {args.trace}")
     if args.sglang_router and not Path(args.sglang_router).is_file():

@@ -26,7 +26,7 @@ from typing import Any
 
 import numpy as np
 
-from replay.__main__ import parse_strategy
+from replay.__main__ import parse_strategy, strategy_arg
 from replay.engine import EngineConfig
 from replay.sim import simulate
 from replay.trace import ExpandedTrace, TraceRequest, read_trace
@@ -108,7 +108,8 @@ def main() -> int:
     ap.add_argument("--window-s", type=float, default=30.0, help="window after the shift, s")
     ap.add_argument("--jobs", type=int, default=2, help="replays in parallel")
     ap.add_argument("--json", type=output_file, help="write the results here")
-    ap.add_argument("-s", "--strategy", action="append", help="strategies (default: see source)")
+    ap.add_argument("-s", "--strategy", action="append", type=strategy_arg,
+                    help="strategies (default: see source)")
     args = ap.parse_args()
     t0 = time.perf_counter()
     records = [

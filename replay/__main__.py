@@ -25,7 +25,7 @@ from replay.references import INFINITE, infinite_reuse, lru_reuse, pooled_lru_la
 from replay.report import plot, summarize, table, write_json
 from replay.sim import SimPool, simulate_pools
 from replay.trace import ExpandedTrace, TraceError, read_trace
-from router.config import ConfigError, PdConfig, TieringConfig, TierPolicyConfig
+from router.config import ConfigError, PdConfig, TieringConfig, TierPolicyConfig, check_knobs
 from router.strategies import Strategy, known_names, strategy_class
 from router.tiering import make_policy
 from warply.common.argtypes import output_file, positive
@@ -69,12 +69,22 @@ def parse_strategy(spec: str) -> StrategySpec:
     name, raw = _name_and_knobs(rest)
     try:
         cls = strategy_class(name, BASELINES)
-        knobs = cls.Knobs.model_validate_json(raw or "{}")
+        knobs = check_knobs(cls.Knobs, json.loads(raw or "{}"), "knobs", name)
+    except json.JSONDecodeError as exc:
+        raise UsageError(f"knobs for {name} are not JSON: {exc}") from None
     except ConfigError as exc:
         raise UsageError(str(exc).removeprefix("strategy.name: ")) from None
-    except ValidationError as exc:
-        raise UsageError(f"bad knobs for {name}: {exc}") from None
     return StrategySpec(label or (f"{name}:{raw}" if raw else name), cls, knobs, name)
+
+
+def strategy_arg(spec: str) -> str:
+    """argparse `type` for a strategy spec (`parse_strategy`'s form): a bad name or bad knobs
+    stop the command at its flags, before any replay runs."""
+    try:
+        parse_strategy(spec)
+    except UsageError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return spec
 
 
 def _name_and_knobs(text: str) -> tuple[str, str]:

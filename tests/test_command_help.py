@@ -68,3 +68,27 @@ def test_the_commands_flags_all_have_help() -> None:
 @pytest.mark.parametrize("program", PROGRAMS)
 def test_the_programs_flags_all_have_help(program: str, monkeypatch: pytest.MonkeyPatch) -> None:
     assert _flags_without_help(_parser_of(program, monkeypatch), program) == []
+
+
+@pytest.mark.parametrize(
+    ("program", "args"),
+    [
+        ("bench/placement_matrix.py", ["--out", "x", "--extra"]),
+        ("bench/shift_replay.py", ["-s"]),
+        ("bench/pd_replay.py", ["-s"]),
+        ("bench/replay_calibration.py", ["--ours"]),
+        ("bench/router_vs_sglang.py", ["--vllm", "x", "--model", "x", "--strategy"]),
+    ],
+)
+def test_the_programs_refuse_a_bad_strategy_at_their_flags(
+    program: str, args: list[str], monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """A misspelt strategy stops the program before any replay runs (it used to fail in a
+    worker process, with a traceback, after the replays before it)."""
+    parser = _parser_of(program, monkeypatch)
+    monkeypatch.undo()
+    with pytest.raises(SystemExit) as exit_:
+        parser.parse_args([*args, "fixed8"])
+    assert exit_.value.code == 2
+    assert "unknown strategy 'fixed8'" in capsys.readouterr().err

@@ -85,8 +85,9 @@ def test_a_tier_policy_by_path_runs_in_the_replay(tmp_path: Path) -> None:
     ("args", "message"),
     [
         (["-s", "nope"], "unknown strategy 'nope'"),
-        (["-s", 'prefix_affinity:{"balance_abs": -1}'], "bad knobs for prefix_affinity"),
-        (["-s", 'prefix_affinity:{"nope": 1}'], "bad knobs for prefix_affinity"),
+        (["-s", 'prefix_affinity:{"balance_abs": -1}'], "knobs.balance_abs: Input should be"),
+        (["-s", 'prefix_affinity:{"nope": 1}'], "knobs.nope: Extra inputs"),
+        (["-s", 'prefix_affinity:{"nope":'], "knobs for prefix_affinity are not JSON"),
         (["--workers", "four"], "--workers wants integers"),
         (["--num-blocks", "0"], "bad engine settings"),
         (["--trace-block", "16"], "wrong --trace-block"),
