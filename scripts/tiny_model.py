@@ -245,6 +245,11 @@ def build(size: str, out: Path, seed: int) -> Path:
     return out
 
 
+def models_dir() -> Path:
+    """Where built models go by default: $WARPLY_CACHE/models (~/.cache/warply/models)."""
+    return Path(os.environ.get("WARPLY_CACHE", Path.home() / ".cache" / "warply")) / "models"
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--size", choices=sorted(SIZES), default="tiny", help="model size")
@@ -259,9 +264,8 @@ def main() -> int:
     a = ap.parse_args()
     out = a.out
     if out is None:
-        cache = Path(os.environ.get("WARPLY_CACHE", Path.home() / ".cache" / "warply"))
         tag = script_hash() + ("" if a.seed == 0 else f"-s{a.seed}")
-        out = cache / "models" / f"{a.size}-{tag}"
+        out = models_dir() / f"{a.size}-{tag}"
     out = out.expanduser().resolve()
     if (out / ".complete").exists() and not a.force:
         log(f"reusing {out}")
