@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import json
 import os
+import signal
+import subprocess
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -92,3 +94,30 @@ def test_a_confined_process_and_what_it_starts_run_on_its_cores_only(tmp_path: P
     assert proc.log_path.read_text().split() == [f"[{core}]", f"[{core}]"]
     unknown = EngineProcess(["true"], url="", log_path=tmp_path / "q.log", cpus={100_000})
     assert unknown.cpus == set()
+
+
+def test_a_terminated_program_stops_the_processes_it_started(tmp_path: Path) -> None:
+    """`exit_on_termination`: SIGTERM to a program that started a process ends the program
+    through its `with` block (exit code 143), and that process is stopped, not left running."""
+    program = tmp_path / "program.py"
+    program.write_text(
+        "import sys\n"
+        "from pathlib import Path\n"
+        "from warply.launch import EngineProcess, exit_on_termination\n"
+        "exit_on_termination()\n"
+        f"with EngineProcess(['sleep', '600'], url='', log_path=Path({str(tmp_path)!r}) / 's.log')"
+        " as p:\n"
+        "    print(p.pid, flush=True)\n"
+        "    p.proc.wait()\n"
+    )
+    root = str(Path(__file__).resolve().parents[1])
+    env = {**os.environ, "PYTHONPATH": root}
+    with subprocess.Popen([sys.executable, str(program)], stdout=subprocess.PIPE, env=env,
+                          text=True) as proc:  # fmt: skip
+        assert proc.stdout is not None
+        child = int(proc.stdout.readline())
+        os.kill(child, 0)  # running
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=60) == 128 + signal.SIGTERM
+    with pytest.raises(ProcessLookupError):
+        os.kill(child, 0)

@@ -73,6 +73,21 @@ def free_port() -> int:
     raise OSError("no free TCP port on 127.0.0.1")
 
 
+def exit_on_termination() -> None:
+    """SIGTERM and SIGHUP end this program as Ctrl-C would, by raising `SystemExit` (exit code
+    128 + the signal) in its main thread, so the `finally` blocks and context managers that stop
+    the processes it started still run. Without it `timeout`, a cancelled CI job or a closed
+    terminal ends the program at once and leaves its engines and servers running. Call it from
+    a program's `main`, never from a library or a test."""
+    for sig in (signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, _exit_for_signal)
+
+
+def _exit_for_signal(signum: int, frame: object) -> None:
+    signal.signal(signum, signal.SIG_IGN)  # a second one must not interrupt the clean-up
+    raise SystemExit(128 + signum)
+
+
 def http_json(method: str, url: str, body: Any = None, timeout: float = 120) -> tuple[int, Any]:
     """One HTTP request with a JSON body; returns (status, parsed JSON or text)."""
     data = None if body is None else json.dumps(body).encode()

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import shutil
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -54,8 +55,25 @@ def _demo(args: argparse.Namespace) -> int:
         )
     model = args.model if Path(args.model).is_dir() else _build_model(args.model, Path(vllm))
     cmd = [sys.executable, str(_DEMO), "--vllm", str(vllm), "--model", model, *args.extra]
-    code = subprocess.call(cmd)
+    code = _run_forwarding_signals(cmd)
     return code if code in (0, USAGE) else RUNTIME
+
+
+def _run_forwarding_signals(cmd: list[str]) -> int:
+    """Run the demo and wait for it. SIGTERM and SIGHUP are passed on to it, and Ctrl-C (which
+    the terminal sends it as well) is left to it, so that it stops its engines and router
+    itself: `subprocess.call` would SIGKILL it on any of them and leave those running."""
+    proc = subprocess.Popen(cmd)
+    handlers = {
+        sig: signal.signal(sig, lambda signum, _frame: proc.send_signal(signum))
+        for sig in (signal.SIGTERM, signal.SIGHUP)
+    }
+    handlers[signal.SIGINT] = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        return proc.wait()
+    finally:
+        for sig, handler in handlers.items():
+            signal.signal(sig, handler)
 
 
 def _default_vllm() -> str | None:
