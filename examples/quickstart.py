@@ -58,8 +58,9 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--model", required=True, help="model folder (scripts/tiny_model.py)")
     ap.add_argument("--vllm", help="the vllm CLI of a venv with lmcache (default: found)")
-    ap.add_argument("--conversations", type=int, default=16)
-    ap.add_argument("--turns", type=int, default=4)
+    ap.add_argument("--conversations", type=int, default=16,
+                    help="conversations sent, half per tenant")
+    ap.add_argument("--turns", type=int, default=4, help="turns kept per conversation")
     args = ap.parse_args()
     try:
         run(args.model, args.vllm, args.conversations, args.turns)

@@ -3,6 +3,7 @@ run. Real starts and failures: tests/vllm/test_sdk_lifecycle.py, tests/lmcache/t
 
 from __future__ import annotations
 
+import signal
 from pathlib import Path
 
 import pytest
@@ -45,3 +46,32 @@ def test_gpu_pools_on_a_host_without_gpus(
 def test_down_without_a_run(tmp_path: Path) -> None:
     with pytest.raises(FileNotFoundError, match="no running deployment in"):
         down(tmp_path, progress=None)
+
+
+def test_up_stops_on_sigterm_while_it_is_up(
+    model_dir: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """While a deployment is up, SIGTERM (left at its default by the program) ends the program
+    through `SystemExit`, so the `with` block or `atexit` stops the engines; `down()` gives the
+    signal back (what SIGTERM then does to a program that started engines: tests/test_launch.py)."""
+
+    class _Running:
+        stopped = False
+
+        def stop(self) -> None:
+            self.stopped = True
+
+    monkeypatch.setattr("warply.lifecycle.up", lambda spec, **options: _Running())
+    monkeypatch.setattr("atexit.register", lambda fn: fn)
+    spec = wp.Engine(model=model_dir, pool=wp.Pool("cpu"))
+    before = signal.getsignal(signal.SIGTERM)
+    assert before == signal.SIG_DFL
+    with spec:
+        handler = signal.getsignal(signal.SIGTERM)
+        assert callable(handler)
+        with pytest.raises(SystemExit) as exit_:
+            handler(signal.SIGTERM, None)
+        assert exit_.value.code == 128 + signal.SIGTERM
+        signal.signal(signal.SIGTERM, handler)
+    assert spec._running is not None and spec._running.stopped
+    assert signal.getsignal(signal.SIGTERM) == signal.SIG_DFL

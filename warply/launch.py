@@ -15,11 +15,12 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 import urllib.error
 import urllib.request
 from collections import Counter
-from collections.abc import Collection, Iterator, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any
@@ -73,14 +74,29 @@ def free_port() -> int:
     raise OSError("no free TCP port on 127.0.0.1")
 
 
-def exit_on_termination() -> None:
+_TERMINATING = (signal.SIGTERM, signal.SIGHUP)
+
+
+def exit_on_termination() -> Callable[[], None]:
     """SIGTERM and SIGHUP end this program as Ctrl-C would, by raising `SystemExit` (exit code
-    128 + the signal) in its main thread, so the `finally` blocks and context managers that stop
-    the processes it started still run. Without it `timeout`, a cancelled CI job or a closed
-    terminal ends the program at once and leaves its engines and servers running. Call it from
-    a program's `main`, never from a library or a test."""
-    for sig in (signal.SIGTERM, signal.SIGHUP):
+    128 + the signal) in its main thread, so the `finally` blocks, context managers and `atexit`
+    hooks that stop the processes it started still run. Without it `timeout`, a cancelled CI
+    job or a closed terminal ends the program at once and leaves its engines and servers
+    running. Only signals still at their default action are taken (a program's own handlers,
+    and `nohup`'s ignored SIGHUP, stay), and only from the main thread (the only one that may
+    set handlers). Returns what puts back the handlers it replaced."""
+    if threading.current_thread() is not threading.main_thread():
+        return lambda: None
+    taken = [sig for sig in _TERMINATING if signal.getsignal(sig) == signal.SIG_DFL]
+    for sig in taken:
         signal.signal(sig, _exit_for_signal)
+
+    def restore() -> None:
+        for sig in taken:
+            if signal.getsignal(sig) is _exit_for_signal:
+                signal.signal(sig, signal.SIG_DFL)
+
+    return restore
 
 
 def _exit_for_signal(signum: int, frame: object) -> None:

@@ -15,6 +15,7 @@ read a YAML spec (`load_spec`), so `warply up SPEC.yaml` and the SDK share every
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
@@ -199,6 +200,8 @@ class Deployment(_Spec):
         )
 
     _running: Running | None = PrivateAttr(None)
+    _restore_signals: Callable[[], None] | None = PrivateAttr(None)
+    """Gives back the signals `up()` took (`launch.exit_on_termination`)."""
     _POOLS: ClassVar[dict[str, str]]
     """Pool name → the field holding it, in start order."""
 
@@ -241,21 +244,27 @@ class Deployment(_Spec):
     def up(self, **options: Any) -> Self:
         """Start this deployment on this host and wait until it serves (`lifecycle.up`'s
         options: `run_dir`, `vllm`, `env`, `timeout_s`, `progress`, ...). Stopped by `down()`,
-        the `with` block's end, or this Python's exit."""
+        the `with` block's end, or this Python's exit, SIGTERM and SIGHUP included while it is
+        up where the program left them at their default (`launch.exit_on_termination`)."""
         import atexit
 
+        from warply.launch import exit_on_termination
         from warply.lifecycle import up
 
         if self._running is not None and not self._running.stopped:
             raise RuntimeError("already up: call down() first")
         self._running = up(self, **options)
         atexit.register(self._running.stop)
+        self._restore_signals = exit_on_termination()
         return self
 
     def down(self) -> None:
         """Stop every process `up()` started (nothing happens if it is not up)."""
         if self._running is not None:
             self._running.stop()
+        if self._restore_signals is not None:
+            self._restore_signals()
+            self._restore_signals = None
 
     def __enter__(self) -> Self:
         return self if self._running is not None and not self._running.stopped else self.up()
