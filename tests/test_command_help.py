@@ -14,6 +14,7 @@ from replay.__main__ import parser as replay_parser
 from replay.serve import _parser as serve_parser
 from router.__main__ import _parser as router_parser
 from warply.cli import _parser as warply_parser
+from warply.common.argtypes import choice_list, number_list
 
 ROOT = Path(__file__).resolve().parent.parent
 PROGRAMS = sorted(
@@ -92,3 +93,20 @@ def test_the_programs_refuse_a_bad_strategy_at_their_flags(
         parser.parse_args([*args, "fixed8"])
     assert exit_.value.code == 2
     assert "unknown strategy 'fixed8'" in capsys.readouterr().err
+
+
+def test_the_list_types_name_the_bad_item() -> None:
+    assert number_list(int)("4,8,32") == [4, 8, 32]
+    assert number_list(int, zero=True)("0,512") == [0, 512]
+    assert number_list(float)("1,2.5") == [1.0, 2.5]
+    for kind, text, error in [
+        (int, "4,x", "'x' is not an integer"),
+        (int, "4,", "'' is not an integer"),
+        (int, "4,0", "'0' must be > 0"),
+        (float, "1,-2", "'-2' must be > 0"),
+    ]:
+        with pytest.raises(argparse.ArgumentTypeError, match=error):
+            number_list(kind)(text)
+    assert choice_list(["a", "b"])("b,a") == ["b", "a"]
+    with pytest.raises(argparse.ArgumentTypeError, match=r"unknown 'c', 'd' \(known: a, b\)"):
+        choice_list(["a", "b"])("a,c,d")
