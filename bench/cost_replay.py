@@ -25,7 +25,7 @@ from replay.sim import SimPool, simulate_pools
 from replay.trace import ExpandedTrace, read_trace
 from router.config import StrategyConfig
 from router.strategies import CostAware, Strategy, make_strategy
-from warply.common.argtypes import output_file
+from warply.common.argtypes import output_file, positive
 
 TRACE = Path(__file__).resolve().parents[1] / "../shared/traces/mooncake/conversation_trace.jsonl"
 
@@ -63,13 +63,17 @@ def _row(trace: ExpandedTrace, args: argparse.Namespace, label: str, name: str,
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--trace", type=Path, default=TRACE, help="request trace (Mooncake JSONL)")
-    ap.add_argument("--trace-block", type=int, default=512, help="tokens per trace hash id")
-    ap.add_argument("--limit", type=int, help="first N requests (default: the whole trace)")
-    ap.add_argument("--workers", type=int, default=4, help="workers per pool")
-    ap.add_argument("--fast-price", type=float, default=4.0, help="per worker-hour")
-    ap.add_argument("--slow-price", type=float, default=1.2, help="per worker-hour")
-    ap.add_argument("--slow-speed", type=float, default=0.5, help="the cheap pool's speed")
-    ap.add_argument("--ttft-target-ms", type=float, default=1000.0, help="cost_aware's TTFT target")
+    ap.add_argument("--trace-block", type=positive(int), default=512,
+                    help="tokens per trace hash id")
+    ap.add_argument("--limit", type=positive(int),
+                    help="first N requests (default: the whole trace)")
+    ap.add_argument("--workers", type=positive(int), default=4, help="workers per pool")
+    ap.add_argument("--fast-price", type=positive(float), default=4.0, help="per worker-hour")
+    ap.add_argument("--slow-price", type=positive(float), default=1.2, help="per worker-hour")
+    ap.add_argument("--slow-speed", type=positive(float), default=0.5,
+                    help="the cheap pool's speed")
+    ap.add_argument("--ttft-target-ms", type=positive(float), default=1000.0,
+                    help="cost_aware's TTFT target")
     ap.add_argument("--json", type=output_file, help="write the rows here")
     args = ap.parse_args()
     t0 = time.perf_counter()

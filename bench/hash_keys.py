@@ -15,6 +15,7 @@ import time
 import numpy as np
 import xxhash
 
+from warply.common.argtypes import positive
 from warply.protocol import prefix_keys, root_seed
 
 
@@ -38,8 +39,8 @@ def _best_rate(fn, n_tokens: int, repeat: int) -> float:  # type: ignore[no-unty
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    ap.add_argument("--tokens", type=int, default=4_000_000, help="tokens per run")
-    ap.add_argument("--repeat", type=int, default=5, help="runs per case (best is kept)")
+    ap.add_argument("--tokens", type=positive(int), default=4_000_000, help="tokens per run")
+    ap.add_argument("--repeat", type=positive(int), default=5, help="runs per case (best is kept)")
     args = ap.parse_args()
     rng = np.random.default_rng(0)
     tokens = rng.integers(0, 128_000, size=args.tokens, dtype=np.int64)

@@ -13,6 +13,8 @@ import subprocess
 import sys
 import time
 
+from warply.common.argtypes import positive
+
 _HEAVY = ("torch", "vllm", "sglang", "transformers", "zmq")
 
 
@@ -27,7 +29,9 @@ def _best(code: str, runs: int) -> float:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    ap.add_argument("--runs", type=int, default=7, help="starts per import; the fastest counts")
+    ap.add_argument(
+        "--runs", type=positive(int), default=7, help="starts per import; the fastest counts"
+    )
     args = ap.parse_args()
     bare = _best("pass", args.runs)
     print(f"bare interpreter start:      {bare * 1e3:7.1f} ms")

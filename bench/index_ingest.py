@@ -25,6 +25,7 @@ import msgspec
 from _percentiles import percentiles
 
 from router.index import MemoryStore, PrefixIndex, completed
+from warply.common.argtypes import positive
 from warply.protocol import StreamDecoder, prefix_keys
 
 BS = 16
@@ -54,13 +55,20 @@ def _frames(
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    ap.add_argument("--blocks", type=int, default=1_000_000, help="blocks to ingest")
-    ap.add_argument("--workers", type=int, default=8, help="workers publishing")
-    ap.add_argument("--blocks-per-event", type=int, default=32, help="blocks per BlockStored")
+    ap.add_argument("--blocks", type=positive(int), default=1_000_000, help="blocks to ingest")
+    ap.add_argument("--workers", type=positive(int), default=8, help="workers publishing")
     ap.add_argument(
-        "--replicas", type=int, default=1, help="workers holding each block (shared prefixes)"
+        "--blocks-per-event", type=positive(int), default=32, help="blocks per BlockStored"
+    )
+    ap.add_argument(
+        "--replicas",
+        type=positive(int),
+        default=1,
+        help="workers holding each block (shared prefixes)",
     )
     args = ap.parse_args()
+    if args.replicas > args.workers:
+        ap.error(f"--replicas {args.replicas} exceeds --workers {args.workers}")
     frames = _frames(args.blocks, args.workers, args.blocks_per_event, args.replicas)
     n = len(frames) * args.blocks_per_event
     gc.freeze()  # the input frames are the bench's, not the router's: keep them out of GC passes

@@ -31,6 +31,7 @@ import _one_pool
 from router import placement as placement_module
 from router.index import MemoryStore, PrefixIndex
 from router.token_cache import Lineage
+from warply.common.argtypes import fraction, positive
 from warply.protocol import BlockRemoved, BlockStored
 
 BS = 16
@@ -112,14 +113,16 @@ async def _run(args: argparse.Namespace) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    ap.add_argument("--seconds", type=float, default=120.0, help="seconds of ingest")
-    ap.add_argument("--every", type=float, default=5.0, help="seconds between samples")
-    ap.add_argument("--workers", type=int, default=8, help="workers publishing")
-    ap.add_argument("--engine-blocks", type=int, default=10_000, help="each engine's cache")
-    ap.add_argument("--max-entries", type=int, default=50_000, help="the index's entry cap")
-    ap.add_argument("--chain-keys", type=int, default=100_000,
+    ap.add_argument("--seconds", type=positive(float), default=120.0, help="seconds of ingest")
+    ap.add_argument("--every", type=positive(float), default=5.0, help="seconds between samples")
+    ap.add_argument("--workers", type=positive(int), default=8, help="workers publishing")
+    ap.add_argument("--engine-blocks", type=positive(int), default=10_000,
+                    help="each engine's cache")
+    ap.add_argument("--max-entries", type=positive(int), default=50_000,
+                    help="the index's entry cap")
+    ap.add_argument("--chain-keys", type=positive(int), default=100_000,
                     help="placement's kept chain keys (router.placement.CHAIN_KEYS)")
-    ap.add_argument("--lost", type=float, default=0.05, help="share of removals lost")
+    ap.add_argument("--lost", type=fraction, default=0.05, help="share of removals lost")
     ap.add_argument("--uncapped", action="store_true", help="no engine-hash cap (the old way)")
     asyncio.run(_run(ap.parse_args()))
 

@@ -33,6 +33,7 @@ from _percentiles import percentiles
 
 from router.index import IndexStore, MemoryStore, PrefixIndex
 from router.index.redis import RedisStore
+from warply.common.argtypes import positive
 from warply.launch import RedisServer
 from warply.protocol import BlockStored, chain_keys, root_seed
 
@@ -169,10 +170,14 @@ def _redis_bytes(url: str, prefix: str, entries: int) -> dict[str, float]:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    ap.add_argument("--entries", type=int, default=1_000_000, help="blocks stored first")
-    ap.add_argument("--workers", type=int, default=8, help="workers holding them")
-    ap.add_argument("--samples", type=int, default=200, help="timed decisions")
+    ap.add_argument("--entries", type=positive(int), default=1_000_000, help="blocks stored first")
+    ap.add_argument("--workers", type=positive(int), default=8, help="workers holding them")
+    ap.add_argument("--samples", type=positive(int), default=200, help="timed decisions")
     args = ap.parse_args()
+    if args.entries < PER_EVENT:
+        ap.error(f"--entries {args.entries} is less than one event's {PER_EVENT} blocks")
+    if args.samples < 2:
+        ap.error(f"--samples {args.samples}: percentiles need 2 samples or more")
     events = _events(args.entries, args.workers, seed=0)
     gc.freeze()
     cap = 10 * args.entries

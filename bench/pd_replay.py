@@ -35,7 +35,7 @@ from replay.report import summarize
 from replay.sim import simulate_pools
 from replay.trace import ExpandedTrace, read_trace
 from router.config import PdConfig
-from warply.common.argtypes import output_file
+from warply.common.argtypes import non_negative, number_list, output_file, positive
 
 TRACE = Path(__file__).resolve().parents[1] / "../shared/traces/mooncake/conversation_trace.jsonl"
 _SHARED: dict[str, Any] = {}
@@ -109,24 +109,27 @@ def _references(trace: ExpandedTrace, args: argparse.Namespace) -> None:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--trace", type=Path, default=TRACE, help="request trace (Mooncake JSONL)")
-    ap.add_argument("--trace-block", type=int, default=512, help="tokens per trace hash id")
-    ap.add_argument("--limit", type=int, help="first N requests (default: the whole trace)")
-    ap.add_argument("--workers", type=int, default=8, help="aggregated workers")
-    ap.add_argument("--prefill", type=int, default=4, help="prefill workers")
-    ap.add_argument("--decode", type=int, default=4, help="decode workers")
+    ap.add_argument("--trace-block", type=positive(int), default=512,
+                    help="tokens per trace hash id")
+    ap.add_argument("--limit", type=positive(int),
+                    help="first N requests (default: the whole trace)")
+    ap.add_argument("--workers", type=positive(int), default=8, help="aggregated workers")
+    ap.add_argument("--prefill", type=positive(int), default=4, help="prefill workers")
+    ap.add_argument("--decode", type=positive(int), default=4, help="decode workers")
     ap.add_argument("-s", "--strategy", action="append", type=strategy_arg,
                     help="default: adaptive, prefix_affinity")
-    ap.add_argument("--sweep", default="0,512,2048", help="floor thresholds (tokens)")
+    ap.add_argument("--sweep", type=number_list(int, zero=True), default="0,512,2048",
+                    help="floor thresholds (tokens)")
     ap.add_argument(
         "--conversation-block",
-        type=int,
+        type=non_negative(int),
         default=8,
         help="references: the block telling conversations apart (8: the trace's second 512-token "
         "block at 64-token engine blocks; every request shares its first)",
     )
-    ap.add_argument("--bandwidth-gbps", type=float, default=PdSettings().bandwidth_gbps,
+    ap.add_argument("--bandwidth-gbps", type=positive(float), default=PdSettings().bandwidth_gbps,
                     help="P→D link per decode worker, Gbit/s")
-    ap.add_argument("--jobs", type=int, default=1, help="replays in parallel")
+    ap.add_argument("--jobs", type=positive(int), default=1, help="replays in parallel")
     ap.add_argument("--json", type=output_file, help="write the rows here")
     args = ap.parse_args()
     t0 = time.perf_counter()
@@ -135,8 +138,7 @@ def main() -> int:
     specs = args.strategy or ["adaptive", "prefix_affinity"]
     pd = Deployment(0, args.prefill, args.decode)
     default = PdConfig().local_prefill_tokens  # the first P/D rows ran at it: not run again
-    sweep = [int(t) for t in args.sweep.split(",")]
-    others = [Deployment(0, args.prefill, args.decode, t) for t in sweep if t != default]
+    others = [Deployment(0, args.prefill, args.decode, t) for t in args.sweep if t != default]
     jobs: list[Job] = [
         *((s, None, Deployment(args.workers), "") for s in specs),
         *((s, None, pd, "") for s in specs),
@@ -176,7 +178,7 @@ def main() -> int:
     print(f"\n== pd.local_prefill_tokens (the floor under cost) swept ({where}) ==")
     by_threshold = {row["threshold"]: row for row in swept}
     by_threshold[default] = disagg[0]
-    for t in sweep:
+    for t in args.sweep:
         print(f"t={t:<5d} " + _line(by_threshold[t]))
     _references(trace, args)
     print(f"\n{time.perf_counter() - t0:.0f} s wall")

@@ -37,7 +37,7 @@ from typing import Any
 
 import aiohttp
 
-from warply.common.argtypes import output_file
+from warply.common.argtypes import non_negative, number_list, output_file, positive
 from warply.launch import HOST, VllmServer, free_port
 
 VOCAB = 8192
@@ -134,11 +134,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--model", required=True, help="model folder (scripts/tiny_model.py)")
     ap.add_argument("--vllm", type=Path, default=Path(sys.executable).parent / "vllm",
                     help="the vllm CLI (default: the one next to this python)")
-    ap.add_argument("--lengths", default="128,256,512,1024,2048,4096",
+    ap.add_argument("--lengths", type=number_list(int), default="128,256,512,1024,2048,4096",
                     help="prompt lengths in tokens, comma-separated")
-    ap.add_argument("--reps", type=int, default=5, help="prompts per length")
-    ap.add_argument("--block-size", type=int, default=128, help="the engines' KV block size")
-    ap.add_argument("--seed", type=int, default=0, help="seed of the random prompts")
+    ap.add_argument("--reps", type=positive(int), default=5, help="prompts per length")
+    ap.add_argument("--block-size", type=positive(int), default=128,
+                    help="the engines' KV block size")
+    ap.add_argument("--seed", type=non_negative(int), default=0, help="seed of the random prompts")
     ap.add_argument("--json", type=output_file, help="write the samples here")
     args = ap.parse_args(argv)
     logs = Path(tempfile.mkdtemp(prefix="pd-threshold-"))
@@ -151,9 +152,8 @@ def main(argv: list[str] | None = None) -> int:
             s.start()
         for s in servers:
             s.wait_healthy(300)
-        lengths = [int(x) for x in args.lengths.split(",")]
         samples = asyncio.run(
-            _measure(servers[0].url, servers[1].url, lengths, args.reps, args.seed)
+            _measure(servers[0].url, servers[1].url, args.lengths, args.reps, args.seed)
         )
     finally:
         for s in servers:

@@ -37,6 +37,7 @@ from replay.report import summarize
 from replay.sim import simulate
 from replay.trace import ExpandedTrace, read_trace
 from replay.workloads import GENERATORS, write
+from warply.common.argtypes import choice_list, non_negative, number_list, positive
 
 TRACES = Path(__file__).resolve().parents[1] / "../shared/traces"
 SHARED = {
@@ -176,15 +177,19 @@ def report(results: dict[tuple[str, float, int, str], dict[str, Any]], labels: l
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--out", required=True, type=Path, help="work folder (traces, results)")
-    ap.add_argument("--jobs", type=int, default=2, help="replays in parallel (default 2)")
-    ap.add_argument("--workers", default="4,8,32", help="fleet sizes")
-    ap.add_argument("--rates", default="1,2,4", help="arrival-rate multipliers")
-    ap.add_argument("--workloads", default="conversation,gsp,agent,rag,unique",
+    ap.add_argument("--jobs", type=positive(int), default=2, help="replays in parallel (default 2)")
+    ap.add_argument("--workers", type=number_list(int), default="4,8,32", help="fleet sizes")
+    ap.add_argument("--rates", type=number_list(float), default="1,2,4",
+                    help="arrival-rate multipliers")
+    ap.add_argument("--workloads", type=choice_list([*SHARED, *GENERATORS]),
+                    default="conversation,gsp,agent,rag,unique",
                     help="workloads, comma-separated (default: all five)")
-    ap.add_argument("--conversation-limit", type=int, default=3000,
+    ap.add_argument("--conversation-limit", type=positive(int), default=3000,
                     help="requests of the conversation trace")
-    ap.add_argument("--requests", type=int, default=3000, help="requests per generated workload")
-    ap.add_argument("--seed", type=int, default=0, help="seed of the generated workloads")
+    ap.add_argument("--requests", type=positive(int), default=3000,
+                    help="requests per generated workload")
+    ap.add_argument("--seed", type=non_negative(int), default=0,
+                    help="seed of the generated workloads")
     ap.add_argument(
         "--extra",
         action="append",
@@ -194,9 +199,7 @@ def main() -> int:
     )
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
-    workloads = args.workloads.split(",")
-    workers = [int(x) for x in args.workers.split(",")]
-    rates = [float(x) for x in args.rates.split(",")]
+    workloads, workers, rates = args.workloads, args.workers, args.rates
     labels = [DEFAULT, *BASELINES, *(args.extra or EXTRA)]
     t0 = time.perf_counter()
     for w in workloads:

@@ -24,6 +24,7 @@ from replay.__main__ import parse_strategy, strategy_arg
 from replay.report import summarize
 from replay.sim import simulate
 from replay.trace import ExpandedTrace, read_trace
+from warply.common.argtypes import positive
 
 TRACES = Path(__file__).resolve().parents[1] / "../shared/traces"
 CONVERSATION = (TRACES / "mooncake/conversation_trace.jsonl", 512)
@@ -45,7 +46,7 @@ def _run(job: tuple[str, str, int]) -> dict[str, Any]:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    ap.add_argument("--jobs", type=int, default=1, help="replays in parallel")
+    ap.add_argument("--jobs", type=positive(int), default=1, help="replays in parallel")
     ap.add_argument(
         "--ours",
         action="append",

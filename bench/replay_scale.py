@@ -38,6 +38,7 @@ from router.config import StrategyConfig
 from router.index import IndexStore, MemoryStore, completed
 from router.index.redis import RedisStore
 from router.strategies import make_strategy
+from warply.common.argtypes import positive
 from warply.launch import RedisServer
 
 TRACE = Path(__file__).resolve().parents[1] / "../shared/traces/mooncake/conversation_trace.jsonl"
@@ -97,9 +98,11 @@ def _q(xs: list[float], q: int) -> float:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--trace", type=Path, default=TRACE, help="request trace (Mooncake JSONL)")
-    ap.add_argument("--workers", type=int, nargs="+", default=[64, 256], help="fleet sizes")
-    ap.add_argument("--per-worker", type=int, default=16, help="requests per worker")
-    ap.add_argument("--trace-block", type=int, default=512, help="tokens per trace hash id")
+    ap.add_argument("--workers", type=positive(int), nargs="+", default=[64, 256],
+                    help="fleet sizes")
+    ap.add_argument("--per-worker", type=positive(int), default=16, help="requests per worker")
+    ap.add_argument("--trace-block", type=positive(int), default=512,
+                    help="tokens per trace hash id")
     a = ap.parse_args()
     base = read_trace(a.trace, limit=a.per_worker * BASE_WORKERS)
     block = EngineConfig().block_size

@@ -45,6 +45,7 @@ from replay.references import lru_reuse  # noqa: E402
 from replay.report import summarize  # noqa: E402
 from replay.sim import simulate  # noqa: E402
 from replay.trace import ExpandedTrace, read_trace  # noqa: E402
+from warply.common.argtypes import fraction, non_negative, positive  # noqa: E402
 
 STRATEGIES = ("round_robin", "prefix_affinity", "kv-reuse")
 SOURCE_BLOCK = 512  # tokens per hash id in the Mooncake trace
@@ -234,30 +235,52 @@ def main() -> int:
     )
     ap.add_argument("--model", type=Path, help="tiny model folder (scripts/tiny_model.py)")
     ap.add_argument("--trace", type=Path, default=demo.TRACE, help="conversation trace (JSONL)")
-    ap.add_argument("--conversations", type=int, default=14, help="conversations of the slice")
-    ap.add_argument("--turns", type=int, default=4, help="turns kept per conversation")
-    ap.add_argument("--min-turns", type=int, default=3, help="conversations with fewer: skipped")
-    ap.add_argument("--max-ids", type=int, default=44, help="hash ids per prompt, at most")
-    ap.add_argument("--trace-block", type=int, default=32, help="tokens per hash id (was 512)")
-    ap.add_argument("--max-output", type=int, default=8, help="output tokens per request")
-    ap.add_argument("--gap-ms", type=float, default=400.0, help="arrival spacing in the slice")
-    ap.add_argument("--speedup", type=float, default=1.0, help="live: arrivals at time/speedup")
-    ap.add_argument("--concurrency", type=int, default=8, help="live: open requests at most")
-    ap.add_argument("--block-size", type=int, default=demo.BLOCK_SIZE, help="KV block size")
+    ap.add_argument(
+        "--conversations", type=positive(int), default=14, help="conversations of the slice"
+    )
+    ap.add_argument("--turns", type=positive(int), default=4, help="turns kept per conversation")
+    ap.add_argument(
+        "--min-turns", type=non_negative(int), default=3, help="conversations with fewer: skipped"
+    )
+    ap.add_argument(
+        "--max-ids", type=positive(int), default=44, help="hash ids per prompt, at most"
+    )
+    ap.add_argument(
+        "--trace-block", type=positive(int), default=32, help="tokens per hash id (was 512)"
+    )
+    ap.add_argument("--max-output", type=positive(int), default=8, help="output tokens per request")
+    ap.add_argument(
+        "--gap-ms", type=non_negative(float), default=400.0, help="arrival spacing in the slice"
+    )
+    ap.add_argument(
+        "--speedup", type=positive(float), default=1.0, help="live: arrivals at time/speedup"
+    )
+    ap.add_argument(
+        "--concurrency", type=positive(int), default=8, help="live: open requests at most"
+    )
+    ap.add_argument(
+        "--block-size", type=positive(int), default=demo.BLOCK_SIZE, help="KV block size"
+    )
     ap.add_argument(
         "--num-blocks",
-        type=int,
+        type=non_negative(int),
         default=0,
         help="KV blocks per worker, sim and --num-gpu-blocks-override "
         "(default: 55%% of the slice's unique blocks)",
     )
-    ap.add_argument("--max-model-len", type=int, default=2048, help="the engines' --max-model-len")
-    ap.add_argument("--max-batched-tokens", type=int, default=2048, help="per scheduler pass")
-    ap.add_argument("--max-seqs", type=int, default=8, help="running sequences, sim and live")
-    ap.add_argument("--rounds", type=int, default=1, help="live rounds (same engines)")
+    ap.add_argument(
+        "--max-model-len", type=positive(int), default=2048, help="the engines' --max-model-len"
+    )
+    ap.add_argument(
+        "--max-batched-tokens", type=positive(int), default=2048, help="per scheduler pass"
+    )
+    ap.add_argument(
+        "--max-seqs", type=positive(int), default=8, help="running sequences, sim and live"
+    )
+    ap.add_argument("--rounds", type=positive(int), default=1, help="live rounds (same engines)")
     ap.add_argument("--sim-only", action="store_true", help="skip the live part")
-    ap.add_argument("--tie", type=float, default=0.02, help="reuse gap counted as a tie")
-    ap.add_argument("--deadline", type=float, default=1200.0, help="whole run, seconds")
+    ap.add_argument("--tie", type=fraction, default=0.02, help="reuse gap counted as a tie")
+    ap.add_argument("--deadline", type=positive(float), default=1200.0, help="whole run, seconds")
     ap.add_argument("--workdir", type=Path, help="slice, logs, JSON (default: a temp folder)")
     args = ap.parse_args()
     if not args.sim_only and args.model is None:

@@ -42,6 +42,7 @@ from router.load import LoadLedger, LocalLedger
 from router.load.redis import RedisLedger
 from router.placement import Placement
 from router.workers import Booking, Workers
+from warply.common.argtypes import non_negative, positive
 from warply.launch import RedisServer
 
 MODEL = "bench"
@@ -131,14 +132,21 @@ def _q(xs: list[float], q: int) -> float:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    ap.add_argument("--workers", type=int, default=8, help="workers in the pool")
-    ap.add_argument("--requests", type=int, default=32, help="new conversations in the burst")
-    ap.add_argument("--replicas", type=int, nargs="+", default=[2, 3, 4], help="router replicas")
-    ap.add_argument("--gap-ms", type=float, default=2.0, help="between arrivals (all replicas)")
-    ap.add_argument("--prefill-rate", type=float, default=100_000.0, help="tokens/s per worker")
-    ap.add_argument("--decode-ms", type=float, default=50.0, help="decode time per request")
-    ap.add_argument("--seed", type=int, default=0, help="seed of the burst")
+    ap.add_argument("--workers", type=positive(int), default=8, help="workers in the pool")
+    ap.add_argument("--requests", type=positive(int), default=32,
+                    help="new conversations in the burst")
+    ap.add_argument("--replicas", type=positive(int), nargs="+", default=[2, 3, 4],
+                    help="router replicas")
+    ap.add_argument("--gap-ms", type=non_negative(float), default=2.0,
+                    help="between arrivals (all replicas)")
+    ap.add_argument("--prefill-rate", type=positive(float), default=100_000.0,
+                    help="tokens/s per worker")
+    ap.add_argument("--decode-ms", type=positive(float), default=50.0,
+                    help="decode time per request")
+    ap.add_argument("--seed", type=non_negative(int), default=0, help="seed of the burst")
     a = ap.parse_args()
+    if a.requests < 2:
+        ap.error(f"--requests {a.requests}: percentiles need 2 requests or more")
     with tempfile.TemporaryDirectory() as tmp, RedisServer(log_path=Path(tmp) / "r.log") as srv:
         srv.wait_ready()
         print(f"redis-server pid {srv.pid} on {srv.url}; {a.workers} workers, burst of "

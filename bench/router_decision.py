@@ -48,6 +48,7 @@ from router.placement import Placement
 from router.proxy import Proxy
 from router.tokenize import RouterTokenizer
 from router.workers import Workers
+from warply.common.argtypes import non_negative, positive
 from warply.protocol import BlockStored
 
 BS = 16
@@ -55,6 +56,9 @@ WORKERS = 8
 MODEL = "bench"
 STEP = 2048
 """Prompt tokens an engine prefills per scheduler step: one `BlockStored` each."""
+MIN_SIZE = 64
+"""The shortest --sizes prompt: a conversation needs room for one line of history before its
+new turn (53 tokens at least with the tiny model's tokenizer)."""
 
 
 def _config() -> RouterConfig:
@@ -160,24 +164,29 @@ async def _tokenized(proxy: Proxy, tok: RouterTokenizer, index: PrefixIndex,
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    ap.add_argument("--entries", type=int, default=1_000_000, help="blocks in the index first")
-    ap.add_argument("--samples", type=int, default=200, help="timed decisions per size")
-    ap.add_argument("--new-turn", type=int, default=512,
+    ap.add_argument("--entries", type=positive(int), default=1_000_000,
+                    help="blocks in the index first")
+    ap.add_argument("--samples", type=positive(int), default=200, help="timed decisions per size")
+    ap.add_argument("--new-turn", type=positive(int), default=512,
                     help="tokens of the new user message in the warm case (default 512)")
-    ap.add_argument("--max-model-len", type=int, default=262144,
+    ap.add_argument("--max-model-len", type=positive(int), default=262144,
                     help="the engine's context limit the router checks prompts against")
     ap.add_argument("--tokenizer", type=Path, default=newest_tiny(), help="model folder")
-    ap.add_argument("--sizes", type=int, nargs="+", default=[1024, 8192, 32768, 131072],
+    ap.add_argument("--sizes", type=positive(int), nargs="+", default=[1024, 8192, 32768, 131072],
                     help="prompt lengths in tokens (40 tokenized samples above 32k)")
-    ap.add_argument("--turn-samples", type=int, default=0,
+    ap.add_argument("--turn-samples", type=non_negative(int), default=0,
                     help="conversations per size in the tokenized rows (default: 100 up to 32k "
                          "tokens, 40 above); a p99 needs 200 or more: over 100 it is the "
                          "second-largest sample, over 40 it lies between the two largest")
     ap.add_argument("--dynamic-malloc", action="store_true",
                     help="keep glibc's dynamic mmap threshold (warply-router fixes it at 128 KiB)")
     args = ap.parse_args()
-    if args.turn_samples < 0:
-        ap.error("--turn-samples must be 0 (the default counts) or more")
+    if args.samples < 2:
+        ap.error(f"--samples {args.samples}: percentiles need 2 samples or more")
+    if args.turn_samples == 1:
+        ap.error("--turn-samples 1: percentiles need 2 samples or more (0: the default counts)")
+    if min(args.sizes) < MIN_SIZE:
+        ap.error(f"--sizes {min(args.sizes)}: a conversation needs {MIN_SIZE} tokens or more")
     if not args.dynamic_malloc:
         fixed_mmap_threshold()  # as warply-router does at start (router/__main__.py)
     asyncio.run(_run(args))

@@ -56,7 +56,7 @@ from typing import Any
 
 from _models import newest_tiny
 
-from warply.common.argtypes import output_file
+from warply.common.argtypes import non_negative, output_file, positive
 from warply.launch import HOST, EngineProcess, free_port, http_json
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -514,17 +514,18 @@ def main() -> int:
     ap.add_argument("--relay", nargs="+", metavar="PORT_THEN_URLS", help=argparse.SUPPRESS)
     ap.add_argument("--no-relay", dest="relay_target", action="store_false",
                     help="skip the relay target (warply's HTTP stack without routing)")
-    ap.add_argument("--streams", type=int, nargs="+", default=[1, 64, 100],
+    ap.add_argument("--streams", type=positive(int), nargs="+", default=[1, 64, 100],
                     help="concurrent client streams, one row each")
     ap.add_argument("--modes", nargs="+", choices=["json", "stream"], default=["json", "stream"],
                     help="JSON answers, SSE streams or both")
-    ap.add_argument("--seconds", type=float, default=5.0, help="measured seconds per row")
-    ap.add_argument("--warmup", type=float, default=1.0, help="unmeasured seconds per row")
-    ap.add_argument("--max-requests", type=int, default=1_000_000,
+    ap.add_argument("--seconds", type=positive(float), default=5.0, help="measured seconds per row")
+    ap.add_argument("--warmup", type=non_negative(float), default=1.0,
+                    help="unmeasured seconds per row")
+    ap.add_argument("--max-requests", type=positive(int), default=1_000_000,
                     help="per row, at most (a row that reaches it ends there: req/s over the "
                          "time it took, marked 'capped')")
-    ap.add_argument("--upstreams", type=int, default=4, help="fake upstream workers")
-    ap.add_argument("--paced", type=float, default=500.0,
+    ap.add_argument("--upstreams", type=positive(int), default=4, help="fake upstream workers")
+    ap.add_argument("--paced", type=non_negative(float), default=500.0,
                     help="req/s in all for paced rows at the largest stream count (0: none)")
     ap.add_argument("--tokenizer", type=Path, default=newest_tiny(),
                     help="model folder (default: the newest tiny model in the cache)")

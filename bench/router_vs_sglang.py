@@ -63,6 +63,7 @@ sys.path.insert(0, str(ROOT / "scripts"))
 import demo  # noqa: E402  (the demo's engines, workload and client; not a package)
 
 from replay.__main__ import StrategySpec, parse_strategy, strategy_arg  # noqa: E402
+from warply.common.argtypes import non_negative, positive  # noqa: E402
 from warply.launch import (  # noqa: E402
     HOST,
     EngineProcess,
@@ -75,6 +76,16 @@ from warply.launch import (  # noqa: E402
 Engines = list[tuple[VllmServer, KvEvents]]
 ORACLE = "sticky oracle"
 RR = "warply round_robin"
+
+
+def _abs_rel(text: str) -> tuple[str, str]:
+    """An --sglang-tuned value, ABS,REL: an integer >= 0 and a number > 0, kept as written."""
+    abs_, comma, rel = text.partition(",")
+    if not comma:
+        raise argparse.ArgumentTypeError(f"{text!r} is not ABS,REL")
+    non_negative(int)(abs_)
+    positive(float)(rel)
+    return abs_, rel
 
 
 def _log(msg: str) -> None:
@@ -228,8 +239,7 @@ async def _main(args: argparse.Namespace, workdir: Path) -> int:
         rows[f"warply {spec.label}"] = warply(spec)
     if args.sglang_router:
         rows["sglang cache_aware default"] = sgl("default", [])
-        for spec in args.sglang_tuned:
-            a, r = spec.split(",")
+        for a, r in args.sglang_tuned:
             rows[f"sglang cache_aware abs={a} rel={r}"] = sgl(
                 f"abs{a}-rel{r}",
                 ["--balance-abs-threshold", a, "--balance-rel-threshold", r])
@@ -432,29 +442,32 @@ def main() -> int:
     ap.add_argument("--sglang-router", default=str(ROOT / ".venvs" / "sglang" / "bin" / "python"),
                     help="python of a venv with sglang-router 0.3.2 (default: the project's "
                     "SGLang venv; '' skips its rows)")
-    ap.add_argument("--sglang-tuned", action="append", metavar="ABS,REL",
+    ap.add_argument("--sglang-tuned", action="append", type=_abs_rel, metavar="ABS,REL",
                     help="cache_aware with --balance-abs-threshold ABS --balance-rel-threshold "
                     "REL (repeatable; default: 1,1.2 and 2,1.1)")
     ap.add_argument("--trace", type=Path, default=demo.TRACE, help="conversation trace (JSONL)")
-    ap.add_argument("--conversations", type=int, default=32, help="conversations sent")
-    ap.add_argument("--turns", type=int, default=4, help="turns kept per conversation")
-    ap.add_argument("--words-per-id", type=int, default=24, help="words per trace hash id")
-    ap.add_argument("--max-ids", type=int, default=48, help="hash ids kept per prompt")
-    ap.add_argument("--in-flight", type=int, default=4, help="requests open at once")
-    ap.add_argument("--kv-fraction", type=float, default=0.55,
+    ap.add_argument("--conversations", type=positive(int), default=32, help="conversations sent")
+    ap.add_argument("--turns", type=positive(int), default=4, help="turns kept per conversation")
+    ap.add_argument("--words-per-id", type=positive(int), default=24,
+                    help="words per trace hash id")
+    ap.add_argument("--max-ids", type=positive(int), default=48, help="hash ids kept per prompt")
+    ap.add_argument("--in-flight", type=positive(int), default=4, help="requests open at once")
+    ap.add_argument("--kv-fraction", type=positive(float), default=0.55,
                     help="KV blocks per engine as a fraction of the distinct context")
-    ap.add_argument("--num-blocks", type=int, default=0, help="KV blocks per engine (overrides)")
-    ap.add_argument("--repeats", type=int, default=3, help="rounds of every row, averaged")
-    ap.add_argument("--settle-s", type=float, default=3.0,
+    ap.add_argument("--num-blocks", type=non_negative(int), default=0,
+                    help="KV blocks per engine (overrides)")
+    ap.add_argument("--repeats", type=positive(int), default=3,
+                    help="rounds of every row, averaged")
+    ap.add_argument("--settle-s", type=non_negative(float), default=3.0,
                     help="pause after each row's warm-up, before its timed requests (default 3)")
-    ap.add_argument("--latency-samples", type=int, default=40,
+    ap.add_argument("--latency-samples", type=non_negative(int), default=40,
                     help="pairs for the router-added latency at 1 in flight (0: skip)")
-    ap.add_argument("--timeout-s", type=float, default=300, help="per row")
-    ap.add_argument("--deadline", type=float, default=1500, help="whole run, seconds")
+    ap.add_argument("--timeout-s", type=positive(float), default=300, help="per row")
+    ap.add_argument("--deadline", type=positive(float), default=1500, help="whole run, seconds")
     ap.add_argument("--workdir", type=Path, help="logs and configs (default: a temp folder)")
     args = ap.parse_args()
     if args.sglang_tuned is None:
-        args.sglang_tuned = ["1,1.2", "2,1.1"]
+        args.sglang_tuned = [("1", "1.2"), ("2", "1.1")]
     args.specs = [parse_strategy(s) for s in args.strategy or ["adaptive"]]
     if not args.trace.is_file():
         ap.error(f"trace not found: {args.trace}")

@@ -49,7 +49,7 @@ from _models import newest_tiny
 from prometheus_client.parser import text_string_to_metric_families
 
 from router.config import RouterConfig
-from warply.common.argtypes import output_file
+from warply.common.argtypes import non_negative, output_file, positive
 from warply.launch import EngineProcess, RouterServer, SimWorkers, free_port
 
 MODEL = "tiny"
@@ -554,27 +554,32 @@ def main() -> int:
     ap = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    ap.add_argument("--duration", type=float, default=600.0, help="seconds of load (default 600)")
-    ap.add_argument("--clients", type=int, default=500, help="concurrent clients (default 500)")
-    ap.add_argument("--workers", type=int, default=32, help="simulated workers (default 32)")
-    ap.add_argument("--sim-processes", type=int, default=2, help="processes for the workers")
+    ap.add_argument("--duration", type=positive(float), default=600.0,
+                    help="seconds of load (default 600)")
+    ap.add_argument("--clients", type=positive(int), default=500,
+                    help="concurrent clients (default 500)")
+    ap.add_argument("--workers", type=positive(int), default=32,
+                    help="simulated workers (default 32)")
+    ap.add_argument("--sim-processes", type=positive(int), default=2,
+                    help="processes for the workers")
     ap.add_argument(
         "--tokenizer",
         type=Path,
         default=newest_tiny(),
         help="model folder (default: the newest tiny model in the cache)",
     )
-    ap.add_argument("--block-size", type=int, default=16, help="simulated KV block size")
+    ap.add_argument("--block-size", type=positive(int), default=16, help="simulated KV block size")
     ap.add_argument(
         "--speed",
-        type=float,
+        type=positive(float),
         default=0.25,
         help="simulated engine speed vs the reference model (0.25: ~25 ms/token)",
     )
-    ap.add_argument("--time-scale", type=float, default=1.0, help="simulated s per real s")
+    ap.add_argument("--time-scale", type=positive(float), default=1.0,
+                    help="simulated s per real s")
     ap.add_argument(
         "--num-blocks",
-        type=int,
+        type=positive(int),
         default=2048,
         help="KV blocks per simulated worker (small: the fleet's caches, and so the router's "
         "index, fill during the warm-up)",
@@ -587,7 +592,7 @@ def main() -> int:
     )
     ap.add_argument(
         "--tokenizer-cache-mib",
-        type=int,
+        type=positive(int),
         default=RouterConfig.model_fields["tokenizer_cache_mib"].default,
         help="the router's tokenizer_cache_mib (default: the router's); the report fits the RSS "
         "slope again from when the chunk cache is full",
@@ -597,12 +602,16 @@ def main() -> int:
         "--think", type=_pair(float), default=(1.0, 4.0), help="seconds between turns, LO,HI"
     )
     ap.add_argument("--max-tokens", type=_pair(int), default=(16, 64), help="LO,HI")
-    ap.add_argument("--systems", type=int, default=16, help="distinct system prompts")
-    ap.add_argument("--ramp", type=float, default=10.0, help="seconds over which clients start")
-    ap.add_argument("--warmup", type=float, help="seconds before the RSS fit (default: 1/5)")
-    ap.add_argument("--rss-interval", type=float, default=5.0, help="seconds between RSS samples")
-    ap.add_argument("--request-timeout", type=float, default=120.0, help="per request, seconds")
-    ap.add_argument("--seed", type=int, default=0, help="seed of the conversations")
+    ap.add_argument("--systems", type=positive(int), default=16, help="distinct system prompts")
+    ap.add_argument("--ramp", type=non_negative(float), default=10.0,
+                    help="seconds over which clients start")
+    ap.add_argument("--warmup", type=non_negative(float),
+                    help="seconds before the RSS fit (default: 1/5)")
+    ap.add_argument("--rss-interval", type=positive(float), default=5.0,
+                    help="seconds between RSS samples")
+    ap.add_argument("--request-timeout", type=positive(float), default=120.0,
+                    help="per request, seconds")
+    ap.add_argument("--seed", type=non_negative(int), default=0, help="seed of the conversations")
     ap.add_argument("--json", type=output_file, help="write the report here")
     ap.add_argument("--workdir", type=Path, help="logs and config (default: a temp folder)")
     args = ap.parse_args()
@@ -611,10 +620,6 @@ def main() -> int:
             "--tokenizer: no model folder with tokenizer.json (build one with "
             ".venvs/vllm/bin/python scripts/tiny_model.py --size tiny)"
         )
-    if min(args.duration, args.clients, args.workers, args.sim_processes) <= 0:
-        ap.error("--duration, --clients, --workers and --sim-processes must be positive")
-    if args.tokenizer_cache_mib <= 0:
-        ap.error("--tokenizer-cache-mib must be positive")
     if args.sim_processes > args.workers:
         ap.error("--sim-processes must not exceed --workers")
     args.warmup = args.duration / 5 if args.warmup is None else args.warmup

@@ -46,6 +46,7 @@ from typing import Any
 
 import zmq
 
+from warply.common.argtypes import positive
 from warply.launch import HOST, EngineProcess, VllmServer, free_port
 from warply.protocol import Directive, DirectiveAck, DirectiveKind, Tier, encode_directive
 from warply.protocol.control import ack_decoder
@@ -190,13 +191,11 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model-size", default="small", choices=("tiny", "small"),
                     help="scripts/tiny_model.py size (default small, ~90M params)")  # fmt: skip
-    ap.add_argument("--reps", type=int, default=5, help="prompts measured (default 5)")
-    ap.add_argument("--chunks", type=int, default=4, help="256-token chunks per prompt")
+    ap.add_argument("--reps", type=positive(int), default=5, help="prompts measured (default 5)")
+    ap.add_argument("--chunks", type=positive(int), default=4, help="256-token chunks per prompt")
     ap.add_argument("--write", action="store_true", help=f"store the result in {WEIGHTS}")
     ap.add_argument("--logs", type=Path, help="keep the servers' logs in this folder")
     args = ap.parse_args()
-    if args.reps < 1 or args.chunks < 1:
-        ap.error("--reps and --chunks must be positive")
     if shutil.which("redis-server") is None:
         ap.error("redis-server is not on PATH (the object_store tier runs on it)")
     model = subprocess.run(

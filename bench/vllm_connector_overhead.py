@@ -31,6 +31,7 @@ from typing import Any
 
 import zmq
 
+from warply.common.argtypes import positive
 from warply.launch import HOST, VllmServer, free_port
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -141,12 +142,16 @@ def _phase(
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    ap.add_argument("--prompts", type=int, default=10, help="cold prompts per engine and phase")
-    ap.add_argument("--prompt-len", type=int, default=1024, help="tokens per prompt")
-    ap.add_argument("--batch", type=int, default=8, help="requests per throughput round")
-    ap.add_argument("--out-tokens", type=int, default=32, help="output tokens per request")
-    ap.add_argument("--rounds", type=int, default=2, help="throughput rounds per engine")
-    ap.add_argument("--max-seconds", type=float, default=1200, help="whole run, at most")
+    ap.add_argument(
+        "--prompts", type=positive(int), default=10, help="cold prompts per engine and phase"
+    )
+    ap.add_argument("--prompt-len", type=positive(int), default=1024, help="tokens per prompt")
+    ap.add_argument("--batch", type=positive(int), default=8, help="requests per throughput round")
+    ap.add_argument(
+        "--out-tokens", type=positive(int), default=32, help="output tokens per request"
+    )
+    ap.add_argument("--rounds", type=positive(int), default=2, help="throughput rounds per engine")
+    ap.add_argument("--max-seconds", type=positive(float), default=1200, help="whole run, at most")
     args = ap.parse_args()
     deadline = time.monotonic() + args.max_seconds
 

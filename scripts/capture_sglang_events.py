@@ -27,6 +27,8 @@ import time
 from array import array
 from pathlib import Path
 
+from warply.common.argtypes import number_list
+
 REPO = Path(__file__).resolve().parents[1]
 DEFAULT_OUT = REPO / "tests" / "data" / "events"
 
@@ -308,7 +310,10 @@ def main() -> None:
         "--out", type=Path, default=DEFAULT_OUT, help="output folder (default: %(default)s)"
     )
     ap.add_argument(
-        "--page-sizes", default="1,16", help="comma-separated page sizes (default: %(default)s)"
+        "--page-sizes",
+        type=number_list(int),
+        default="1,16",
+        help="comma-separated page sizes (default: %(default)s)",
     )
     ap.add_argument(
         "--backend",
@@ -329,7 +334,7 @@ def main() -> None:
     version = sglang.__version__
     sequences = make_sequences()
     args.out.mkdir(parents=True, exist_ok=True)
-    for ps in [int(x) for x in args.page_sizes.split(",")]:
+    for ps in args.page_sizes:
         log(f"page size {ps}: running the scenario on the {args.backend} tree core")
         batches, core, steps = run_scenario(ps, args.backend, sequences)
         for s in steps:

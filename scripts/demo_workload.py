@@ -19,12 +19,14 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from demo import conversation_groups  # noqa: E402  (scripts/ is not a package)
 
+from warply.common.argtypes import positive  # noqa: E402
+
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("trace", type=Path, help="Mooncake conversation trace (JSONL)")
-    ap.add_argument("--conversations", type=int, default=128, help="conversations kept")
-    ap.add_argument("--turns", type=int, default=8, help="turns kept per conversation")
+    ap.add_argument("--conversations", type=positive(int), default=128, help="conversations kept")
+    ap.add_argument("--turns", type=positive(int), default=8, help="turns kept per conversation")
     args = ap.parse_args()
     lines = [line for line in args.trace.read_text().splitlines() if line.strip()]
     rows = [json.loads(line) for line in lines]

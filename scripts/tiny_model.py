@@ -25,6 +25,8 @@ import sys
 import tempfile
 from pathlib import Path
 
+from warply.common.argtypes import non_negative
+
 SIZES = {
     # hidden 64, 2 layers: 2*8192*64 (untied embeddings) + 2*65k = ~1.2M params.
     # 2 heads -> head_dim 32: vLLM's CPU attention supports head sizes 32, 64, 80, ... only.
@@ -259,7 +261,9 @@ def main() -> int:
         default=None,
         help="output folder (default: $WARPLY_CACHE/models/<size>-<script hash>)",
     )
-    ap.add_argument("--seed", type=int, default=0, help="seed of the weights and tokenizer")
+    ap.add_argument(
+        "--seed", type=non_negative(int), default=0, help="seed of the weights and tokenizer"
+    )
     ap.add_argument("--force", action="store_true", help="rebuild even if complete")
     a = ap.parse_args()
     out = a.out

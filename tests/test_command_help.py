@@ -4,7 +4,9 @@ and its simulator, and the bench/ and scripts/ programs."""
 from __future__ import annotations
 
 import argparse
+import os
 import runpy
+import subprocess
 import sys
 from pathlib import Path
 
@@ -14,6 +16,7 @@ from replay.__main__ import parser as replay_parser
 from replay.serve import _parser as serve_parser
 from router.__main__ import _parser as router_parser
 from warply.cli import _parser as warply_parser
+from warply.common.argtypes import choice_list, number_list
 
 ROOT = Path(__file__).resolve().parent.parent
 PROGRAMS = sorted(
@@ -33,6 +36,19 @@ def _flags_without_help(parser: argparse.ArgumentParser, path: str) -> list[str]
         elif not action.help:
             missing.append(f"{path} {'/'.join(action.option_strings) or action.dest}")
     return missing
+
+
+def _bare_numbers(parser: argparse.ArgumentParser, path: str) -> list[str]:
+    """The visible flags whose type is a bare `int` or `float`, which take 0 and negative
+    numbers alike (and fail later, with a traceback, or run nonsense)."""
+    bare = []
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for name, sub in action.choices.items():
+                bare += _bare_numbers(sub, f"{path} {name}")
+        elif action.type in (int, float) and action.help != argparse.SUPPRESS:
+            bare.append(f"{path} {'/'.join(action.option_strings) or action.dest}")
+    return bare
 
 
 class _Parsed(Exception):
@@ -70,6 +86,78 @@ def test_the_programs_flags_all_have_help(program: str, monkeypatch: pytest.Monk
     assert _flags_without_help(_parser_of(program, monkeypatch), program) == []
 
 
+@pytest.mark.parametrize("program", PROGRAMS)
+def test_the_programs_numbers_are_checked_at_their_flags(
+    program: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Every number flag has a checked type (warply.common.argtypes: positive, non_negative,
+    fraction...), none a bare `int` or `float`."""
+    assert _bare_numbers(_parser_of(program, monkeypatch), program) == []
+
+
+@pytest.mark.parametrize(
+    ("program", "args", "error"),
+    [
+        ("bench/router_decision.py", ["--sizes", "-5"], "argument --sizes: '-5' must be > 0"),
+        ("bench/shift_replay.py", ["--workers", "0"], "argument --workers: '0' must be > 0"),
+        ("bench/shift_replay.py", ["--at", "2"], "argument --at: '2' is not in [0, 1]"),
+        ("bench/replay_scale.py", ["--workers", "0"], "argument --workers: '0' must be > 0"),
+        ("bench/router_throughput.py", ["--streams", "0"], "argument --streams: '0' must be > 0"),
+        ("bench/pd_replay.py", ["--sweep", "a"], "argument --sweep: 'a' is not an integer"),
+        (
+            "bench/placement_matrix.py",
+            ["--out", "x", "--workers", "4,x"],
+            "argument --workers: 'x' is not an integer",
+        ),
+        (
+            "bench/placement_matrix.py",
+            ["--out", "x", "--workloads", "nope"],
+            "argument --workloads: unknown 'nope' (known: conversation, gsp, agent, rag, unique)",
+        ),
+        (
+            "bench/router_vs_sglang.py",
+            ["--vllm", "x", "--model", "x", "--sglang-tuned", "1"],
+            "argument --sglang-tuned: '1' is not ABS,REL",
+        ),
+    ],
+)
+def test_the_programs_refuse_a_bad_number_at_its_flag(
+    program: str, args: list[str], error: str, monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """A number out of range, or a list with a bad item, stops the program with one line naming
+    the flag (each of these used to end in a traceback, some after long work)."""
+    parser = _parser_of(program, monkeypatch)
+    monkeypatch.undo()
+    with pytest.raises(SystemExit) as exit_:
+        parser.parse_args(args)
+    assert exit_.value.code == 2
+    assert f"{Path(program).name}: error: {error}\n" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("program", "args", "error"),
+    [
+        ("bench/shift_replay.py", ["--at", "1"], "--at 1: the shift needs requests before and"),
+        ("bench/shift_replay.py", ["--at", "0.6", "--until", "0.5"], "--until 0.5 must be after"),
+        ("bench/index_ingest.py", ["--workers", "2", "--replicas", "3"], "--replicas 3 exceeds"),
+    ],
+)
+def test_the_programs_check_their_flags_together_before_any_work(
+    program: str, args: list[str], error: str
+) -> None:
+    """The checks a program makes after parsing (a range that depends on another flag) exit as
+    argparse does, before the program starts its work."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    done = subprocess.run(
+        [sys.executable, str(ROOT / program), *args],
+        capture_output=True, text=True, env=env, timeout=60,
+    )
+    assert done.returncode == 2
+    assert f"{Path(program).name}: error: {error}" in done.stderr
+    assert "Traceback" not in done.stderr
+
+
 @pytest.mark.parametrize(
     ("program", "args"),
     [
@@ -92,3 +180,20 @@ def test_the_programs_refuse_a_bad_strategy_at_their_flags(
         parser.parse_args([*args, "fixed8"])
     assert exit_.value.code == 2
     assert "unknown strategy 'fixed8'" in capsys.readouterr().err
+
+
+def test_the_list_types_name_the_bad_item() -> None:
+    assert number_list(int)("4,8,32") == [4, 8, 32]
+    assert number_list(int, zero=True)("0,512") == [0, 512]
+    assert number_list(float)("1,2.5") == [1.0, 2.5]
+    for kind, text, error in [
+        (int, "4,x", "'x' is not an integer"),
+        (int, "4,", "'' is not an integer"),
+        (int, "4,0", "'0' must be > 0"),
+        (float, "1,-2", "'-2' must be > 0"),
+    ]:
+        with pytest.raises(argparse.ArgumentTypeError, match=error):
+            number_list(kind)(text)
+    assert choice_list(["a", "b"])("b,a") == ["b", "a"]
+    with pytest.raises(argparse.ArgumentTypeError, match=r"unknown 'c', 'd' \(known: a, b\)"):
+        choice_list(["a", "b"])("a,c,d")

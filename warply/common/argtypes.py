@@ -1,11 +1,12 @@
-"""argparse value types shared by Warply's commands and engine flags: one-line errors, no
-tracebacks, for numbers out of range and for files that could not be written."""
+"""argparse value types shared by Warply's commands, engine flags and bench programs: one-line
+errors, no tracebacks, for numbers out of range (alone or in comma-separated lists), unknown
+names and files that could not be written."""
 
 from __future__ import annotations
 
 import argparse
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import TypeVar
 
@@ -38,6 +39,31 @@ def _signed(kind: type[N], zero: bool) -> Callable[[str], N]:
         if value < 0 or (value == 0 and not zero):
             raise argparse.ArgumentTypeError(f"{text!r} must be {'>=' if zero else '>'} 0")
         return value
+
+    return parse
+
+
+def number_list(kind: type[N], zero: bool = False) -> Callable[[str], list[N]]:
+    """Parser of comma-separated numbers of type `kind`, e.g. "4,8,32": each > 0, or >= 0 when
+    `zero`."""
+    one = _signed(kind, zero)
+
+    def parse(text: str) -> list[N]:
+        return [one(part) for part in text.split(",")]
+
+    return parse
+
+
+def choice_list(choices: Iterable[str]) -> Callable[[str], list[str]]:
+    """Parser of comma-separated names out of `choices`, e.g. "gsp,rag", in the order given."""
+    known = tuple(choices)
+
+    def parse(text: str) -> list[str]:
+        unknown = [name for name in text.split(",") if name not in known]
+        if unknown:
+            names = ", ".join(repr(name) for name in unknown)
+            raise argparse.ArgumentTypeError(f"unknown {names} (known: {', '.join(known)})")
+        return text.split(",")
 
     return parse
 
