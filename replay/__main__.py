@@ -28,7 +28,7 @@ from replay.trace import ExpandedTrace, TraceError, read_trace
 from router.config import ConfigError, PdConfig, TieringConfig, TierPolicyConfig, check_knobs
 from router.strategies import Strategy, known_names, strategy_class
 from router.tiering import make_policy
-from warply.common.argtypes import output_file, positive
+from warply.common.argtypes import number_list, output_file, positive
 from warply.common.loading import LoadError, load_path
 
 DEFAULT_STRATEGIES = (
@@ -137,17 +137,6 @@ def _engine_block(block_size: int | None, trace_block: int) -> int:
     return 64 if trace_block % 64 == 0 else trace_block
 
 
-def _ints(flag: str, text: str, example: str, least: int = 1) -> list[int]:
-    """Comma-separated integers ≥ `least` for `flag`."""
-    try:
-        values = [int(v) for v in text.split(",")]
-    except ValueError:
-        raise UsageError(f"{flag} wants integers like {example}; got {text!r}") from None
-    if min(values) < least:
-        raise UsageError(f"{flag} must be {'positive' if least else 'non-negative'}; got {text!r}")
-    return values
-
-
 @dataclass(frozen=True)
 class Deployment:
     """Simulated workers to replay: N aggregated, or P prefill + D decode at one threshold."""
@@ -187,15 +176,14 @@ def _deployments(args: argparse.Namespace) -> list[Deployment]:
         used = [f"--{f.replace('_', '-')}" for f in pd_flags if getattr(args, f) is not None]
         if used:
             raise UsageError(f"{', '.join(used)} only apply to a P/D replay (--pd P,D)")
-        return [Deployment(n) for n in _ints("--workers", args.workers or "8", "4 or 4,8")]
+        return [Deployment(n) for n in args.workers or [8]]
     if args.workers is not None:
         raise UsageError("give --workers (aggregated) or --pd P,D (disaggregated), not both")
-    sizes = _ints("--pd", args.pd, "4,4 (prefill,decode)")
-    if len(sizes) != 2:
-        raise UsageError(f"--pd wants two worker counts, prefill,decode (4,4); got {args.pd!r}")
-    default = PdConfig().local_prefill_tokens
-    thresholds = _ints("--pd-threshold", args.pd_threshold or str(default), "512 or 0,512", 0)
-    return [Deployment(0, sizes[0], sizes[1], t) for t in thresholds]
+    if len(args.pd) != 2:
+        got = ",".join(map(str, args.pd))
+        raise UsageError(f"--pd wants two worker counts, prefill,decode (4,4); got {got!r}")
+    thresholds = args.pd_threshold or [PdConfig().local_prefill_tokens]
+    return [Deployment(0, args.pd[0], args.pd[1], t) for t in thresholds]
 
 
 def _pd_settings(args: argparse.Namespace) -> PdSettings:
@@ -369,10 +357,12 @@ def parser() -> argparse.ArgumentParser:
         "--json / --plot save it.",
     )
     _common(r)
-    r.add_argument("--workers", help="simulated aggregated workers, e.g. 8 or 4,8 (default 8)")
+    r.add_argument("--workers", type=number_list(int),
+                   help="simulated aggregated workers, e.g. 8 or 4,8 (default 8)")
     r.add_argument(
         "--pd",
         metavar="P,D",
+        type=number_list(int),
         help="a P/D deployment instead: P prefill + D decode workers, placed by the router's "
         "P/D placement (each strategy picks the decode worker; the prefill worker too, unless "
         "--pd-prefill-strategy)",
@@ -380,6 +370,7 @@ def parser() -> argparse.ArgumentParser:
     r.add_argument(
         "--pd-threshold",
         metavar="TOKENS[,...]",
+        type=number_list(int, zero=True),
         help="pd.local_prefill_tokens: a decode worker prefills locally when fewer prompt "
         f"tokens than this are missing on it (default {PdConfig().local_prefill_tokens}, the "
         "router's); several values run one replay each",
