@@ -34,7 +34,7 @@ from _percentiles import percentiles
 from router.index import IndexStore, MemoryStore, PrefixIndex
 from router.index.redis import RedisStore
 from warply.common.argtypes import positive
-from warply.launch import RedisServer
+from warply.launch import RedisServer, exit_on_termination
 from warply.protocol import BlockStored, chain_keys, root_seed
 
 BS = 16
@@ -174,6 +174,7 @@ def main() -> None:
     ap.add_argument("--workers", type=positive(int), default=8, help="workers holding them")
     ap.add_argument("--samples", type=positive(int), default=200, help="timed decisions")
     args = ap.parse_args()
+    exit_on_termination()
     if args.entries < PER_EVENT:
         ap.error(f"--entries {args.entries} is less than one event's {PER_EVENT} blocks")
     if args.samples < 2:

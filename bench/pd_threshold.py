@@ -38,7 +38,7 @@ from typing import Any
 import aiohttp
 
 from warply.common.argtypes import non_negative, number_list, output_file, positive
-from warply.launch import HOST, VllmServer, free_port
+from warply.launch import HOST, VllmServer, exit_on_termination, free_port
 
 VOCAB = 8192
 
@@ -142,6 +142,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seed", type=non_negative(int), default=0, help="seed of the random prompts")
     ap.add_argument("--json", type=output_file, help="write the samples here")
     args = ap.parse_args(argv)
+    exit_on_termination()
     logs = Path(tempfile.mkdtemp(prefix="pd-threshold-"))
     servers = [
         _server(args.vllm, args.model, "kv_producer", 0, logs, args.block_size),

@@ -39,7 +39,7 @@ from router.index import IndexStore, MemoryStore, completed
 from router.index.redis import RedisStore
 from router.strategies import make_strategy
 from warply.common.argtypes import positive
-from warply.launch import RedisServer
+from warply.launch import RedisServer, exit_on_termination
 
 TRACE = Path(__file__).resolve().parents[1] / "../shared/traces/mooncake/conversation_trace.jsonl"
 BASE_WORKERS = 8
@@ -104,6 +104,7 @@ def main() -> None:
     ap.add_argument("--trace-block", type=positive(int), default=512,
                     help="tokens per trace hash id")
     a = ap.parse_args()
+    exit_on_termination()
     base = read_trace(a.trace, limit=a.per_worker * BASE_WORKERS)
     block = EngineConfig().block_size
     with tempfile.TemporaryDirectory() as tmp, RedisServer(log_path=Path(tmp) / "r.log") as srv:

@@ -46,6 +46,7 @@ from replay.report import summarize  # noqa: E402
 from replay.sim import simulate  # noqa: E402
 from replay.trace import ExpandedTrace, read_trace  # noqa: E402
 from warply.common.argtypes import fraction, non_negative, positive  # noqa: E402
+from warply.launch import exit_on_termination  # noqa: E402
 
 STRATEGIES = ("round_robin", "prefix_affinity", "kv-reuse")
 SOURCE_BLOCK = 512  # tokens per hash id in the Mooncake trace
@@ -283,6 +284,7 @@ def main() -> int:
     ap.add_argument("--deadline", type=positive(float), default=1200.0, help="whole run, seconds")
     ap.add_argument("--workdir", type=Path, help="slice, logs, JSON (default: a temp folder)")
     args = ap.parse_args()
+    exit_on_termination()
     if not args.sim_only and args.model is None:
         ap.error("--model is required unless --sim-only")
     workdir = args.workdir or Path(tempfile.mkdtemp(prefix="warply-replay-vs-live-"))

@@ -43,7 +43,7 @@ from router.load.redis import RedisLedger
 from router.placement import Placement
 from router.workers import Booking, Workers
 from warply.common.argtypes import non_negative, positive
-from warply.launch import RedisServer
+from warply.launch import RedisServer, exit_on_termination
 
 MODEL = "bench"
 BS = 16
@@ -145,6 +145,7 @@ def main() -> None:
                     help="decode time per request")
     ap.add_argument("--seed", type=non_negative(int), default=0, help="seed of the burst")
     a = ap.parse_args()
+    exit_on_termination()
     if a.requests < 2:
         ap.error(f"--requests {a.requests}: percentiles need 2 requests or more")
     with tempfile.TemporaryDirectory() as tmp, RedisServer(log_path=Path(tmp) / "r.log") as srv:

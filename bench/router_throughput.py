@@ -57,7 +57,7 @@ from typing import Any
 from _models import newest_tiny
 
 from warply.common.argtypes import non_negative, output_file, positive
-from warply.launch import HOST, EngineProcess, free_port, http_json
+from warply.launch import HOST, EngineProcess, exit_on_termination, free_port, http_json
 
 ROOT = Path(__file__).resolve().parent.parent
 MODEL = "bench"
@@ -552,6 +552,7 @@ def main() -> int:
         print(f"no {args.sglang_python}: pass --sglang-python '' to skip sglang-router",
               file=sys.stderr)
         return 2
+    exit_on_termination()
     with contextlib.suppress(AttributeError, OSError):  # the client shares the upstreams' core
         os.sched_setaffinity(0, {(os.cpu_count() or 2) - 1})
     signal.signal(signal.SIGALRM, lambda *_: sys.exit("time limit reached"))

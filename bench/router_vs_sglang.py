@@ -69,6 +69,7 @@ from warply.launch import (  # noqa: E402
     EngineProcess,
     KvEvents,
     VllmServer,
+    exit_on_termination,
     free_port,
     http_json,
 )
@@ -428,10 +429,6 @@ def _alarm(signum: int, frame: Any) -> None:
     raise Deadline("whole-run --deadline reached")
 
 
-def _terminated(signum: int, frame: Any) -> None:
-    raise Deadline(f"stopped by signal {signum}")  # unwinds through the engines' `finally`
-
-
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--vllm", required=True, help="the vllm CLI of the engine venv")
@@ -478,7 +475,7 @@ def main() -> int:
     workdir.mkdir(parents=True, exist_ok=True)
     _log(f"logs in {workdir}")
     signal.signal(signal.SIGALRM, _alarm)
-    signal.signal(signal.SIGTERM, _terminated)
+    exit_on_termination()
     signal.alarm(int(args.deadline))
     try:
         return asyncio.run(_main(args, workdir))

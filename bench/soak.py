@@ -50,7 +50,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from router.config import RouterConfig
 from warply.common.argtypes import non_negative, output_file, positive
-from warply.launch import EngineProcess, RouterServer, SimWorkers, free_port
+from warply.launch import EngineProcess, RouterServer, SimWorkers, exit_on_termination, free_port
 
 MODEL = "tiny"
 WORDS = (
@@ -615,6 +615,7 @@ def main() -> int:
     ap.add_argument("--json", type=output_file, help="write the report here")
     ap.add_argument("--workdir", type=Path, help="logs and config (default: a temp folder)")
     args = ap.parse_args()
+    exit_on_termination()
     if args.tokenizer is None or not (args.tokenizer / "tokenizer.json").is_file():
         ap.error(
             "--tokenizer: no model folder with tokenizer.json (build one with "

@@ -47,7 +47,7 @@ from typing import Any
 import zmq
 
 from warply.common.argtypes import positive
-from warply.launch import HOST, EngineProcess, VllmServer, free_port
+from warply.launch import HOST, EngineProcess, VllmServer, exit_on_termination, free_port
 from warply.protocol import Directive, DirectiveAck, DirectiveKind, Tier, encode_directive
 from warply.protocol.control import ack_decoder
 from warply.spec import KVTier, render_vllm
@@ -196,6 +196,7 @@ def main() -> int:
     ap.add_argument("--write", action="store_true", help=f"store the result in {WEIGHTS}")
     ap.add_argument("--logs", type=Path, help="keep the servers' logs in this folder")
     args = ap.parse_args()
+    exit_on_termination()
     if shutil.which("redis-server") is None:
         ap.error("redis-server is not on PATH (the object_store tier runs on it)")
     model = subprocess.run(

@@ -32,7 +32,7 @@ from typing import Any
 import zmq
 
 from warply.common.argtypes import positive
-from warply.launch import HOST, VllmServer, free_port
+from warply.launch import HOST, VllmServer, exit_on_termination, free_port
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -153,6 +153,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=positive(int), default=2, help="throughput rounds per engine")
     ap.add_argument("--max-seconds", type=positive(float), default=1200, help="whole run, at most")
     args = ap.parse_args()
+    exit_on_termination()
     deadline = time.monotonic() + args.max_seconds
 
     model = subprocess.run(

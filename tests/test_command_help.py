@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import runpy
 import subprocess
 import sys
@@ -197,3 +198,19 @@ def test_the_list_types_name_the_bad_item() -> None:
     assert choice_list(["a", "b"])("b,a") == ["b", "a"]
     with pytest.raises(argparse.ArgumentTypeError, match=r"unknown 'c', 'd' \(known: a, b\)"):
         choice_list(["a", "b"])("a,c,d")
+
+
+_STARTERS = re.compile(r"\b(EngineProcess|VllmServer|RouterServer|RedisServer|SimWorkers|"
+                       r"kv_event_engines)\(")
+
+
+def test_the_programs_that_start_processes_stop_them_when_terminated() -> None:
+    """A program that starts engines or servers ends through its clean-up on SIGTERM and SIGHUP
+    (`launch.exit_on_termination`, what it does: tests/test_launch.py); without it `timeout` or
+    a cancelled job leaves them running."""
+    missing = [
+        program for program in PROGRAMS
+        if _STARTERS.search(text := (ROOT / program).read_text())
+        and "exit_on_termination()" not in text
+    ]  # fmt: skip
+    assert missing == []

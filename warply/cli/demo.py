@@ -56,7 +56,7 @@ def _demo(args: argparse.Namespace) -> int:
     model = args.model if Path(args.model).is_dir() else _build_model(args.model, Path(vllm))
     cmd = [sys.executable, str(_DEMO), "--vllm", str(vllm), "--model", model, *args.extra]
     code = _run_forwarding_signals(cmd)
-    return code if code in (0, USAGE) else RUNTIME
+    return code if code in (0, USAGE) or code > 128 else RUNTIME  # > 128: ended by a signal
 
 
 def _run_forwarding_signals(cmd: list[str]) -> int:
