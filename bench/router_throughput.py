@@ -57,7 +57,14 @@ from typing import Any
 from _models import newest_tiny
 
 from warply.common.argtypes import non_negative, output_file, positive
-from warply.launch import HOST, EngineProcess, exit_on_termination, free_port, http_json
+from warply.launch import (
+    HOST,
+    EngineProcess,
+    exit_on_termination,
+    free_port,
+    http_json,
+    sglang_router_cmd,
+)
 
 ROOT = Path(__file__).resolve().parent.parent
 MODEL = "bench"
@@ -369,8 +376,7 @@ def _warply(args: argparse.Namespace, upstreams: list[str], work: Path,
 
 def _sglang(python: str, upstreams: list[str], work: Path) -> EngineProcess:
     port = free_port()
-    cmd = [python, "-m", "sglang_router.launch_router", "--host", HOST, "--port", str(port),
-           "--policy", "cache_aware", "--log-level", "warn", "--worker-urls", *upstreams]
+    cmd = sglang_router_cmd(python, port, upstreams, "--log-level", "warn")
     return EngineProcess(_pinned(0, cmd), url=f"http://{HOST}:{port}",
                          log_path=work / "sglang.log")
 

@@ -72,6 +72,7 @@ from warply.launch import (  # noqa: E402
     exit_on_termination,
     free_port,
     http_json,
+    sglang_router_cmd,
 )
 
 Engines = list[tuple[VllmServer, KvEvents]]
@@ -96,8 +97,7 @@ def _log(msg: str) -> None:
 def _sglang(python: str, engines: Engines, workdir: Path, tag: str,
             extra: list[str]) -> EngineProcess:
     port = free_port()
-    cmd = [python, "-m", "sglang_router.launch_router", "--host", HOST, "--port", str(port),
-           "--policy", "cache_aware", "--worker-urls", *(e.url for e, _ in engines), *extra]
+    cmd = sglang_router_cmd(python, port, [e.url for e, _ in engines], *extra)
     return EngineProcess(cmd, url=f"http://{HOST}:{port}", log_path=workdir / f"sgl-{tag}.log")
 
 

@@ -341,6 +341,18 @@ class VllmServer(EngineProcess):
         return self.metrics(name)[name]
 
 
+def sglang_router_cmd(python: str, port: int, workers: Sequence[str], *extra: str) -> list[str]:
+    """sglang-router's command line (the benches' reference router, 0.3.2), `cache_aware` over
+    `workers`, serving on 127.0.0.1:`port`, with its Prometheus exporter on 127.0.0.1 as well
+    and on a port of its own: by default 0.3.2 binds that on 0.0.0.0:29000, beyond loopback,
+    and a second one at once (or one left running) fails to start."""
+    return [
+        python, "-m", "sglang_router.launch_router", "--host", HOST, "--port", str(port),
+        "--prometheus-host", HOST, "--prometheus-port", str(free_port()),
+        "--policy", "cache_aware", "--worker-urls", *workers, *extra,
+    ]  # fmt: skip
+
+
 def kv_event_engines(
     vllm_bin: str | Path,
     model: str | Path,
