@@ -62,6 +62,9 @@ def main() -> int:
                     help="conversations sent, half per tenant")
     ap.add_argument("--turns", type=int, default=4, help="turns kept per conversation")
     args = ap.parse_args()
+    for flag, value in (("--conversations", args.conversations), ("--turns", args.turns)):
+        if value < 1:
+            ap.error(f"{flag} must be 1 or more; got {value}")
     try:
         run(args.model, args.vllm, args.conversations, args.turns)
     except (wp.UpError, wp.SpecError, ValueError) as exc:

@@ -154,6 +154,7 @@ def test_the_programs_refuse_a_bad_value_at_its_flag(
         ("bench/shift_replay.py", ["--at", "1"], "--at 1: the shift needs requests before and"),
         ("bench/shift_replay.py", ["--at", "0.6", "--until", "0.5"], "--until 0.5 must be after"),
         ("bench/index_ingest.py", ["--workers", "2", "--replicas", "3"], "--replicas 3 exceeds"),
+        ("examples/quickstart.py", ["--model", "x", "--turns", "0"], "--turns must be 1 or more"),
     ],
 )
 def test_the_programs_check_their_flags_together_before_any_work(
