@@ -30,6 +30,7 @@ from router.strategies import Strategy, known_names, strategy_class
 from router.tiering import make_policy
 from warply.common.argtypes import number_list, output_file, positive
 from warply.common.loading import LoadError, load_path
+from warply.common.validation import describe
 
 DEFAULT_STRATEGIES = (
     "adaptive",
@@ -125,7 +126,7 @@ def _tiering(spec: str | None, interval_s: float) -> TieringConfig | None:
     except ConfigError as exc:
         raise UsageError(str(exc)) from None
     except ValidationError as exc:
-        raise UsageError(f"bad --tier-policy / --tier-interval-s: {exc}") from None
+        raise UsageError(describe(exc, "bad --tier-policy / --tier-interval-s")) from None
     return config
 
 
@@ -201,7 +202,7 @@ def _pd_settings(args: argparse.Namespace) -> PdSettings:
         settings.router()  # the router's own checks
         return settings
     except ValidationError as exc:
-        raise UsageError(f"bad P/D settings: {exc}") from None
+        raise UsageError(describe(exc, "bad P/D settings")) from None
 
 
 # The forked workers read the expanded trace from here (inherited, never pickled).
@@ -243,7 +244,7 @@ def _replay(args: argparse.Namespace) -> int:
             host_load_ms_per_token=args.host_load_ms_per_token,
         )
     except ValidationError as exc:
-        raise UsageError(f"bad engine settings: {exc}") from None
+        raise UsageError(describe(exc, "bad engine settings")) from None
     model = _cost_model(args.cost_model)
     tiering = _tiering(args.tier_policy, args.tier_interval_s)
     requests = [
@@ -311,7 +312,7 @@ def _live(args: argparse.Namespace) -> int:
             allow_remote=args.allow_remote,
         )
     except ValidationError as exc:
-        raise UsageError(f"bad live settings: {exc}") from None
+        raise UsageError(describe(exc, "bad live settings")) from None
     requests = read_trace(args.trace, args.limit)
     row = run_live(requests, args.trace_block, cfg, quiet=args.quiet)
     print(table([row], {}))

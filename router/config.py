@@ -14,6 +14,7 @@ from typing import Annotated, Any, Literal
 import yaml  # type: ignore[import-untyped]
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from warply.common.validation import describe
 from warply.protocol.api import Role
 from warply.protocol.endpoints import check_endpoint
 from warply.protocol.plugin import CONTROL_TOKEN_ENV
@@ -483,14 +484,6 @@ def _read(path: Path) -> dict[str, Any]:
     return data
 
 
-def _describe(err: ValidationError) -> str:
-    lines = []
-    for e in err.errors():
-        loc = ".".join(str(p) for p in e["loc"]) or "(top level)"
-        lines.append(f"  {loc}: {e['msg']}")
-    return "invalid router config:\n" + "\n".join(lines)
-
-
 def load_config(
     path: Path | None,
     overrides: dict[str, Any] | None = None,
@@ -519,4 +512,4 @@ def load_config(
     try:
         return RouterConfig.model_validate(data)
     except ValidationError as err:
-        raise ConfigError(_describe(err)) from None
+        raise ConfigError(describe(err, "invalid router config")) from None

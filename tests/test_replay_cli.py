@@ -89,7 +89,7 @@ def test_a_tier_policy_by_path_runs_in_the_replay(tmp_path: Path) -> None:
         (["-s", 'prefix_affinity:{"nope": 1}'], "knobs.nope: Extra inputs"),
         (["-s", 'prefix_affinity:{"nope":'], "knobs for prefix_affinity are not JSON"),
         (["--workers", "four"], "argument --workers: 'four' is not an integer"),
-        (["--num-blocks", "0"], "bad engine settings"),
+        (["--num-blocks", "0"], "bad engine settings:\n  num_blocks: Input should be greater"),
         (["--trace-block", "16"], "wrong --trace-block"),
         (["--cost-model", "nowhere:Model"], "cannot load cost model"),
         (["--tier-policy", "nope"], "unknown tier policy 'nope'"),

@@ -192,7 +192,7 @@ def test_command_line_pd_replay_and_threshold_sweep(tmp_path: Path) -> None:
         (["--kv-bytes-per-token", "8"], "only apply to a P/D replay"),
         (["--pd", "2,2", "--pd-threshold", "-1"], "argument --pd-threshold: '-1' must be >= 0"),
         (["--pd", "2,2", "--pd-threshold", "many"], "argument --pd-threshold: 'many' is not"),
-        (["--pd", "2,2", "--pd-latency-ms", "-1"], "bad P/D settings"),
+        (["--pd", "2,2", "--pd-latency-ms", "-1"], "bad P/D settings:\n  latency_ms: Input"),
         (["--pd", "2,2", "--pd-prefill-strategy", "nope"], "unknown strategy 'nope'"),
     ],
 )

@@ -230,7 +230,7 @@ def _handoff_config(prefill: str, decode: str, both: str | None = None) -> dict[
     [
         ("kv_handoff=sglang", "", None, r"share one kv_handoff \('p0': 'sglang', 'p1': 'vllm'\)"),
         ("kv_handoff=sglang", "kv_handoff=sglang", "kv_handoff=sglang",
-         "pools.2: Value error, kv_handoff 'sglang' is for pools with role 'prefill' or 'decode'"),
+         "pools.2: kv_handoff 'sglang' is for pools with role 'prefill' or 'decode'"),
         ("bootstrap_port=9000", "", None,
          "worker 'w0': bootstrap_port is for prefill workers of a pool with kv_handoff 'sglang'"),
         ("kv_handoff=sglang", "kv_handoff=sglang,bootstrap_host=h", None,

@@ -31,6 +31,7 @@ from pydantic import (
 )
 
 from warply.common.loading import entry_point_names
+from warply.common.validation import describe
 from warply.spec.tiers import KVTier
 
 if TYPE_CHECKING:
@@ -403,16 +404,7 @@ def load_spec(path: Path) -> Deployment:
         raise SpecError(describe(err, f"invalid spec {path}")) from None
 
 
-def describe(err: ValidationError, title: str) -> str:
-    """Each error of `err` on its own line, `field.path: message`."""
-    lines = []
-    for e in err.errors():
-        loc = ".".join(str(p) for p in e["loc"]) or "(top level)"
-        lines.append(f"  {loc}: {str(e['msg']).removeprefix('Value error, ')}")
-    return f"{title}:\n" + "\n".join(lines)
-
-
 __all__ = [
     "GPUS", "STRATEGIES", "TIER_POLICIES", "CacheRouting", "Deployment", "DisaggEngine", "Engine",
-    "Pool", "SpecError", "describe", "load_spec",
+    "Pool", "SpecError", "load_spec",
 ]  # fmt: skip
