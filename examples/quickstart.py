@@ -17,6 +17,7 @@ from collections import Counter
 from pathlib import Path
 
 import warply as wp
+from warply.common.argtypes import positive
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "scripts"))
@@ -58,13 +59,10 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--model", required=True, help="model folder (scripts/tiny_model.py)")
     ap.add_argument("--vllm", help="the vllm CLI of a venv with lmcache (default: found)")
-    ap.add_argument("--conversations", type=int, default=16,
+    ap.add_argument("--conversations", type=positive(int), default=16,
                     help="conversations sent, half per tenant")
-    ap.add_argument("--turns", type=int, default=4, help="turns kept per conversation")
+    ap.add_argument("--turns", type=positive(int), default=4, help="turns kept per conversation")
     args = ap.parse_args()
-    for flag, value in (("--conversations", args.conversations), ("--turns", args.turns)):
-        if value < 1:
-            ap.error(f"{flag} must be 1 or more; got {value}")
     try:
         run(args.model, args.vllm, args.conversations, args.turns)
     except (wp.UpError, wp.SpecError, ValueError) as exc:

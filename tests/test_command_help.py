@@ -1,5 +1,5 @@
 """Every command's every flag says what it does in `--help`: the console scripts, the replayer
-and its simulator, and the bench/ and scripts/ programs."""
+and its simulator, and the bench/, scripts/ and examples/ programs."""
 
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ from warply.common.argtypes import choice_list, number_list
 ROOT = Path(__file__).resolve().parent.parent
 PROGRAMS = sorted(
     p.relative_to(ROOT).as_posix()
-    for folder in ("bench", "scripts")
+    for folder in ("bench", "scripts", "examples")
     for p in (ROOT / folder).glob("*.py")
     if "argparse" in p.read_text()
 )
@@ -105,6 +105,8 @@ def test_the_programs_numbers_are_checked_at_their_flags(
         ("bench/replay_scale.py", ["--workers", "0"], "argument --workers: '0' must be > 0"),
         ("bench/router_throughput.py", ["--streams", "0"], "argument --streams: '0' must be > 0"),
         ("bench/pd_replay.py", ["--sweep", "a"], "argument --sweep: 'a' is not an integer"),
+        ("examples/quickstart.py", ["--model", "x", "--turns", "0"],
+         "argument --turns: '0' must be > 0"),
         (
             "bench/placement_matrix.py",
             ["--out", "x", "--workers", "4,x"],
@@ -154,7 +156,6 @@ def test_the_programs_refuse_a_bad_value_at_its_flag(
         ("bench/shift_replay.py", ["--at", "1"], "--at 1: the shift needs requests before and"),
         ("bench/shift_replay.py", ["--at", "0.6", "--until", "0.5"], "--until 0.5 must be after"),
         ("bench/index_ingest.py", ["--workers", "2", "--replicas", "3"], "--replicas 3 exceeds"),
-        ("examples/quickstart.py", ["--model", "x", "--turns", "0"], "--turns must be 1 or more"),
     ],
 )
 def test_the_programs_check_their_flags_together_before_any_work(

@@ -59,11 +59,11 @@ def choice_list(choices: Iterable[str]) -> Callable[[str], list[str]]:
     known = tuple(choices)
 
     def parse(text: str) -> list[str]:
-        unknown = [name for name in text.split(",") if name not in known]
+        names = text.split(",")
+        unknown = ", ".join(repr(name) for name in names if name not in known)
         if unknown:
-            names = ", ".join(repr(name) for name in unknown)
-            raise argparse.ArgumentTypeError(f"unknown {names} (known: {', '.join(known)})")
-        return text.split(",")
+            raise argparse.ArgumentTypeError(f"unknown {unknown} (known: {', '.join(known)})")
+        return names
 
     return parse
 
