@@ -4,13 +4,15 @@ A deliberately broken engine argument: `up()` raises `UpError` as soon as the en
 (not at a timeout), naming the engine and showing its log's end, and every process it had
 started (router included) is gone. Then `warply up SPEC.yaml` leaves an aggregated deployment
 running after it exits, its engine's processes all stay on the engine's core, a request
-through the router answers, and `warply down` stops every process group of the run.
+through the router answers, and `warply down` stops every process group of the run. And a
+program terminated (SIGTERM) inside `with spec.up(...)` takes its deployment down with it.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -100,3 +102,27 @@ def _cores(pid: int) -> set[int]:
         return os.sched_getaffinity(pid)
     except ProcessLookupError:
         return set()
+
+
+def test_a_terminated_program_takes_its_deployment_down(tiny_model: str, tmp_path: Path) -> None:
+    """SIGTERM to a program inside `with spec.up(...)` (its signals left at their default) ends
+    it through the `with` block: exit 143, and every process group of the run is gone."""
+    program = tmp_path / "program.py"
+    program.write_text(
+        "import time\n"
+        "from pathlib import Path\n"
+        "import warply as wp\n"
+        f"spec = wp.Engine(model={tiny_model!r}, pool=wp.Pool('cpu', engine_args="
+        "['--max-model-len', '1024']))\n"
+        f"with spec.up(run_dir=Path({str(tmp_path / 'run')!r}), vllm={VLLM!r}, progress=None):\n"
+        "    print(*spec.running.pids.values(), flush=True)\n"
+        "    time.sleep(600)\n"
+    )
+    with subprocess.Popen([sys.executable, str(program)], stdout=subprocess.PIPE,
+                          text=True) as proc:  # fmt: skip
+        assert proc.stdout is not None
+        pids = [int(p) for p in proc.stdout.readline().split()]
+        assert len(pids) == 2 and all(alive(p) for p in pids)  # the router and engine-0
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=120) == 128 + signal.SIGTERM
+    assert [p for p in pids if alive(p) or group_members(p)] == []
