@@ -30,8 +30,8 @@ from replay.__main__ import parse_strategy, strategy_arg
 from replay.engine import EngineConfig
 from replay.sim import simulate
 from replay.trace import ExpandedTrace, TraceRequest, read_trace
-from replay.workloads import shift
-from warply.common.argtypes import fraction, output_file, positive
+from replay.workloads import add_shift_flags, check_shift_flags, shift
+from warply.common.argtypes import output_file, positive
 
 TRACE = Path(__file__).resolve().parents[1] / "../shared/traces/mooncake/conversation_trace.jsonl"
 STRATEGIES = (
@@ -101,11 +101,7 @@ def _run(spec: str) -> dict[str, Any]:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--limit", type=positive(int), default=3000, help="requests of the trace")
-    ap.add_argument("--at", type=fraction, default=0.5,
-                    help="fraction of requests before the shift")
-    ap.add_argument("--factor", type=positive(float), default=4.0,
-                    help="arrival-rate multiplier after")
-    ap.add_argument("--until", type=fraction, default=1.0, help="fraction where the rate returns")
+    add_shift_flags(ap)
     ap.add_argument("--workers", type=positive(int), default=8, help="simulated workers")
     ap.add_argument("--window-s", type=positive(float), default=30.0,
                     help="window after the shift, s")
@@ -114,10 +110,7 @@ def main() -> int:
     ap.add_argument("-s", "--strategy", action="append", type=strategy_arg,
                     help="strategies (default: see source)")
     args = ap.parse_args()
-    if not 0 < args.at < 1:
-        ap.error(f"--at {args.at:g}: the shift needs requests before and after it (0 < --at < 1)")
-    if args.until <= args.at:
-        ap.error(f"--until {args.until:g} must be after --at {args.at:g}")
+    check_shift_flags(ap, args)
     t0 = time.perf_counter()
     records = [
         {

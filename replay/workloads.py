@@ -35,7 +35,8 @@ from pathlib import Path
 
 import numpy as np
 
-from warply.common.argtypes import output_file, positive
+from replay.trace import TraceError, read_trace
+from warply.common.argtypes import fraction, non_negative, output_file, positive
 
 BLOCK = 512
 """Tokens per trace block (hash id) in the generated traces."""
@@ -159,6 +160,9 @@ def shift(
     """`records` (sorted by time) with the gaps between the `at` and `until` fractions of the
     requests divided by `factor`: the arrival rate multiplies by `factor` there (until the end
     by default), then returns to what it was."""
+    problem = shift_problem(at, until)
+    if problem or factor <= 0:
+        raise ValueError(problem or f"factor must be > 0, not {factor:g}")
     records = sorted(records, key=lambda r: float(r["timestamp"]))  # type: ignore[arg-type]
     start, stop = int(len(records) * at), int(len(records) * until)
     out: list[dict[str, object]] = []
@@ -173,6 +177,34 @@ def shift(
         prev = ts
         out.append({**r, "timestamp": round(t)})
     return out
+
+
+def shift_problem(at: float, until: float) -> str | None:
+    """What is wrong with a shift from fraction `at` of the requests to `until` (None: fine):
+    it needs requests before and after its start, and an end after its start."""
+    if not 0 < at < 1:
+        return f"--at {at:g}: the shift needs requests before and after it (0 < --at < 1)"
+    if not at < until <= 1:
+        return f"--until {until:g} must be after --at {at:g} (and at most 1)"
+    return None
+
+
+def add_shift_flags(ap: argparse.ArgumentParser) -> None:
+    """The shift's flags (`--at`, `--factor`, `--until`); `check_shift_flags` after parsing."""
+    ap.add_argument(
+        "--at", type=fraction, default=0.5, help="fraction of requests before the shift"
+    )
+    ap.add_argument(
+        "--factor", type=positive(float), default=4.0, help="arrival-rate multiplier after"
+    )
+    ap.add_argument("--until", type=fraction, default=1.0, help="fraction where the rate returns")
+
+
+def check_shift_flags(ap: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Exit as argparse does when `--at` and `--until` do not make a shift."""
+    problem = shift_problem(args.at, args.until)
+    if problem:
+        ap.error(problem)
 
 
 GENERATORS: dict[str, Callable[..., list[dict[str, object]]]] = {
@@ -201,7 +233,12 @@ def parser() -> argparse.ArgumentParser:
         p.add_argument(
             "-o", "--output", required=True, type=output_file, help="JSONL file to write"
         )
-        p.add_argument("--seed", type=int, default=0, help="random seed (same seed, same trace)")
+        p.add_argument(
+            "--seed",
+            type=non_negative(int),
+            default=0,
+            help="random seed (same seed, same trace)",
+        )
         p.add_argument("--requests", type=positive(int), default=3000, help="requests to write")
         p.add_argument(
             "--rate",
@@ -211,15 +248,19 @@ def parser() -> argparse.ArgumentParser:
     s = sub.add_parser("shift", help="raise a trace's arrival rate from a point on")
     s.add_argument("trace", help="Mooncake JSONL trace to read")
     s.add_argument("-o", "--output", required=True, type=output_file, help="JSONL file to write")
-    s.add_argument("--at", type=float, default=0.5, help="fraction of requests before the shift")
-    s.add_argument("--factor", type=positive(float), default=4.0, help="rate multiplier after")
-    s.add_argument("--until", type=float, default=1.0, help="fraction where the rate returns")
+    add_shift_flags(s)
     return ap
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = parser().parse_args(argv)
+    ap = parser()
+    args = ap.parse_args(argv)
     if args.shape == "shift":
+        check_shift_flags(ap, args)
+        try:
+            read_trace(args.trace)  # the replayer's checks: a bad line is named, not a traceback
+        except TraceError as exc:
+            ap.exit(2, f"{ap.prog} shift: {exc}\n")
         with open(args.trace, encoding="utf-8") as fh:
             records = [json.loads(line) for line in fh if line.strip()]
         out = shift(records, args.at, args.factor, args.until)

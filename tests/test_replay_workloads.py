@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from replay.trace import ExpandedTrace, read_trace
-from replay.workloads import BLOCK, GENERATORS, _Ids, shift
+from replay.workloads import BLOCK, GENERATORS, _Ids, shift, write
 
 
 def test_block_ids_are_equal_exactly_for_equal_prefixes() -> None:
@@ -30,8 +30,6 @@ def test_generators_are_deterministic_and_replayable(shape: str, tmp_path: Path)
     one, two = GENERATORS[shape](200, 7), GENERATORS[shape](200, 7)
     assert one == two and one != GENERATORS[shape](200, 8)
     path = tmp_path / f"{shape}.jsonl"
-    from replay.workloads import write
-
     write(path, one)
     trace = ExpandedTrace(read_trace(path), BLOCK, 64)  # hash-id counts match the lengths
     assert len(trace) == 200
@@ -77,3 +75,44 @@ def test_command_line_writes_a_trace(tmp_path: Path) -> None:
         [sys.executable, "-m", "replay.workloads", "--help"], capture_output=True, text=True
     ).stdout
     assert "agent" in helptext and "shift" in helptext
+
+
+def test_shift_refuses_fractions_that_make_no_shift() -> None:
+    records = [{"timestamp": i, "input_length": 1, "output_length": 1, "hash_ids": [i]}
+               for i in range(4)]
+    for at, until, error in [(0, 1, "--at 0:"), (1, 1, "--at 1:"), (0.6, 0.5, "--until 0.5")]:
+        with pytest.raises(ValueError, match=error):
+            shift(records, at, 4, until)
+    with pytest.raises(ValueError, match="factor must be > 0"):
+        shift(records, 0.5, 0)
+
+
+@pytest.mark.parametrize(
+    ("args", "error"),
+    [
+        (["agent", "--seed", "-1"], "argument --seed: '-1' must be >= 0"),
+        (["shift", "TRACE", "--at", "2"], "argument --at: '2' is not in [0, 1]"),
+        (["shift", "TRACE", "--at", "0.6", "--until", "0.2"], "--until 0.2 must be after --at 0.6"),
+        (["shift", "MISSING"], "shift: cannot read trace"),
+        (["shift", "BAD"], "BAD:2: not a Mooncake trace record"),
+    ],
+)
+def test_command_line_refuses_bad_input_in_one_line(
+    args: list[str], error: str, tmp_path: Path
+) -> None:
+    """Each of these used to end in a traceback (a negative seed, a missing or malformed trace)
+    or in a silent copy of the trace with no shift (`--at 2`)."""
+    trace = tmp_path / "trace.jsonl"
+    write(trace, GENERATORS["unique"](5, 0))
+    bad = tmp_path / "BAD"
+    bad.write_text(trace.read_text().splitlines()[0] + '\n{"timestamp": 1}\n')
+    paths = {"TRACE": str(trace), "MISSING": str(tmp_path / "missing"), "BAD": str(bad)}
+    argv = [paths.get(a, a) for a in args]
+    run = subprocess.run(
+        [sys.executable, "-m", "replay.workloads", *argv, "-o", str(tmp_path / "out.jsonl")],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert run.returncode == 2
+    assert error.replace("BAD", str(bad)) in run.stderr
+    assert "Traceback" not in run.stderr
+    assert not (tmp_path / "out.jsonl").exists()
