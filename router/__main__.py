@@ -28,6 +28,7 @@ from aiohttp import web
 
 from router.app import Router
 from router.config import CLI_FIELDS, ConfigError, IndexConfig, RouterConfig, load_config
+from router.drain import GRACE_S
 from router.index import StoreUnavailable, shown_url
 
 _WORKER_KEYS = {"name", "events", "replay", "topic", "control", "bind"}
@@ -233,6 +234,9 @@ def main(argv: list[str] | None = None) -> int:
         host=config.host,
         port=config.port,
         handler_cancellation=True,
+        # The requests in flight were waited for, then ended, in the app's drain
+        # (`router.drain`); aiohttp's own wait (60 s, twice, by default) is only a backstop.
+        shutdown_timeout=GRACE_S,
         # aiohttp's default accept backlog (128) overflowed when hundreds of clients connected
         # at once (the soak's 500: a few ClientOSErrors that never reached the router); the
         # kernel caps it at net.core.somaxconn.

@@ -131,6 +131,7 @@ class Router:
         )
         self._openapi_doc = openapi_document(config)
         self.app.on_startup.append(self._startup)
+        self.app.on_shutdown.append(self._drain)
         self.app.on_cleanup.append(self._cleanup)
 
     # -- lifecycle -------------------------------------------------------------------------------
@@ -146,6 +147,27 @@ class Router:
         self._health_task = asyncio.create_task(self._health_loop(), name="health")
         if self.tiering is not None:
             self.tiering.start()
+
+    async def _drain(self, _: web.Application) -> None:
+        """Stopping (the listener is closed): the requests in flight may finish for up to
+        `drain_timeout_s`; those still open then end with a 503 (`router.drain`)."""
+        timeout, drain = self.config.drain_timeout_s, self.proxy.drain
+        if drain.in_flight:
+            _log.info(
+                "stopping: %d requests in flight, waiting up to %g s for them (drain_timeout_s)",
+                drain.in_flight,
+                timeout,
+            )
+        started, cut = await drain.run_out(timeout)
+        if cut:
+            _log.warning(
+                "stopping: %d of %d requests still open after %g s were ended with a 503",
+                cut,
+                started,
+                timeout,
+            )
+        elif started:
+            _log.info("stopping: the %d requests in flight finished", started)
 
     async def _cleanup(self, _: web.Application) -> None:
         if self.tiering is not None:

@@ -348,6 +348,11 @@ class RouterConfig(_Strict):
     accepts connections leaves placement; a refused connection takes it out at once. One slow
     probe on a busy machine does not take a live engine out."""
     request_timeout_s: float = Field(600.0, gt=0)
+    drain_timeout_s: float = Field(15.0, ge=0)
+    """On SIGTERM / SIGINT the router stops accepting connections and lets the requests in
+    flight finish for up to this long, then ends each one still open with a 503 (an error event
+    on a started stream) and exits. Keep it inside the time the process is given to stop
+    (Kubernetes' `terminationGracePeriodSeconds`, 30 s by default; `warply down`, 20 s)."""
     upstream_idle_timeout_s: float = Field(300.0, gt=0)
     """Longest silence on an open upstream request (no header, no byte): a worker that
     accepts connections but never answers fails the request with 504 after it."""

@@ -51,6 +51,7 @@ import msgspec
 from aiohttp import web
 
 from router.accounting import RequestAccount
+from router.drain import SHUTTING_DOWN, Drain
 from router.errors import ApiError
 from router.handoff import sglang
 from router.handoff.vllm import decode_params, prefill_body
@@ -238,8 +239,10 @@ class Dispatcher:
         timeouts: Timeouts,
         prefill_timeout_s: float,
         lost_after_s: float,
+        drain: Drain,
     ) -> None:
         self._upstream = upstream
+        self._drain = drain
         self._timeouts = timeouts
         self._prefill_timeouts = Timeouts(prefill_timeout_s, timeouts.connect)
         self._lost_after_s = lost_after_s
@@ -466,15 +469,14 @@ class Dispatcher:
         )
         return resp, _usage(raw) if up.status == 200 else None
 
-    @staticmethod
     async def _stream(
-        call: Call, up: Response, decision: Decision, started: asyncio.Event
+        self, call: Call, up: Response, decision: Decision, started: asyncio.Event
     ) -> Answer:
         """Relay SSE events (those of one upstream read in one write); read (and maybe hide)
         the final usage chunk; time the first one.
         The client's response starts with the first event (until then a failure is still an
         HTTP error, or a hand-off can still be retried locally); an upstream failure after
-        that ends the stream with an error event."""
+        that, or the end of a stopping router's drain, ends the stream with an error event."""
         account, request = call.account, call.request
         wants_usage = call.prep.client_wants_usage
         resp = web.StreamResponse(headers=_SSE_HEADERS)
@@ -524,6 +526,11 @@ class Dispatcher:
                 status = 504 if timed_out else 502
                 what = "timed out" if timed_out else f"failed: {exc}"
                 await resp.write(_error_event(status, f"upstream {decision.worker.name} {what}"))
+            except asyncio.CancelledError:
+                if not (resp.prepared and self._drain.was_cut()):
+                    raise
+                status = 503
+                await resp.write(_error_event(status, SHUTTING_DOWN))
             await resp.write_eof()
         except ConnectionResetError:  # aiohttp: a write to a client that closed mid-stream
             status = 499  # leaving `up` unread closes its connection: the engine aborts

@@ -25,6 +25,7 @@ from aiohttp import web
 from router.accounting import RequestAccount
 from router.config import LimitsConfig
 from router.dispatch import Call, Dispatcher, Retry
+from router.drain import SHUTTING_DOWN, Drain
 from router.errors import ApiError, read_body
 from router.metrics import RouterMetrics
 from router.placement import Decision, Placement
@@ -160,8 +161,13 @@ class Proxy:
         )
         self._session: aiohttp.ClientSession | None = None
         self._upstream = Upstream()
+        self.drain = Drain()
         self._dispatch = Dispatcher(
-            self._upstream, Timeouts(timeout_s, 5, idle_timeout_s), prefill_timeout_s, lost_after_s
+            self._upstream,
+            Timeouts(timeout_s, 5, idle_timeout_s),
+            prefill_timeout_s,
+            lost_after_s,
+            self.drain,
         )
         # One thread: a cold 8k-token prompt (10-30 ms in `tokenizers`, which releases the GIL)
         # must not stall the event loop. The chunk cache is not thread-safe: the lock lets the
@@ -193,6 +199,7 @@ class Proxy:
         """One OpenAI request of `kind` ("chat" | "completion")."""
         account = RequestAccount(self._metrics, time.perf_counter())
         status = 500
+        task = self.drain.enter()
         try:
             body, raw = await read_body(request)
             prep = await self.prepare(body, kind, raw)
@@ -219,9 +226,15 @@ class Proxy:
             self._metrics.error(err.status, err.code)
             return err.response()
         except asyncio.CancelledError:
-            status = 499  # the client went away; leaving the upstream context closed its request
-            raise
+            if not self.drain.was_cut():
+                status = 499  # the client went away; leaving the upstream context closed it
+                raise
+            cut = ApiError(503, SHUTTING_DOWN, "shutting_down")
+            status = cut.status
+            self._metrics.error(cut.status, cut.code)
+            return cut.response()
         finally:
+            self.drain.leave(task)
             account.closed(status)
 
     async def place(self, prep: _Prepared, tried: set[str]) -> Decision:

@@ -8,7 +8,9 @@ tests/vllm/test_faults.py."""
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
+import signal
 import threading
 import time
 from collections import Counter
@@ -18,6 +20,7 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
+import aiohttp
 import pytest
 import zmq
 from aiohttp import web
@@ -38,7 +41,7 @@ from tests.test_router_api import (  # noqa: F401
     serve_engines,
     tokenizer_dir,
 )
-from warply.launch import RedisServer, free_port
+from warply.launch import RedisServer, RouterServer, free_port
 from warply.protocol import BlockStored, DecodedBatch, LoadSnapshot, Tier, prefix_keys
 from warply.protocol.publisher import StatePublisher
 
@@ -492,3 +495,99 @@ def test_a_half_open_breaker_lets_one_trial_through_and_a_failed_trial_reopens_i
     time.sleep(0.06)
     breaker.succeeded()
     assert (breaker.state, breaker.failures, breaker.allows(3)) == ("closed", 0, True)
+
+
+async def _stream_events(session: aiohttp.ClientSession, url: str) -> list[str]:
+    """A streamed completion's events, as the client got them."""
+    body = {"prompt": PROMPT, "max_tokens": 2, "stream": True}
+    async with session.post(url + "/v1/completions", json=body) as r:
+        assert r.status == 200
+        return (await r.text()).strip().split("\n\n")
+
+
+def _cut_event(events: list[str]) -> dict[str, Any]:
+    """The error event that ends a stream cut by a stopping router (before `[DONE]`)."""
+    assert events[-1] == "data: [DONE]", events
+    error: dict[str, Any] = json.loads(events[-2][len("data: "):])["error"]
+    return error
+
+
+def test_a_stopping_router_lets_requests_finish_then_ends_the_rest_with_a_503(
+    tokenizer_dir: Path,  # noqa: F811
+) -> None:
+    """Stopping (the drain aiohttp runs on SIGTERM once the listener is closed): a stream that
+    ends within `drain_timeout_s` ends as usual; with a shorter drain, a started stream gets an
+    error event (503) and `[DONE]`, a request with no answer yet a 503, and the engine sees both
+    aborted. Every request is accounted for, at the client and in the router's counter."""
+
+    async def scenario() -> None:
+        a = FaultyEngine("a", hang=True)  # streams its first event, then waits
+        async with running(tokenizer_dir, [a], drain_timeout_s=10) as (router, call, s, base):
+            stream = asyncio.create_task(_stream_events(s, base))
+            await _until(lambda: a.bodies, "the stream upstream")
+            stopping = asyncio.create_task(router.app.shutdown())
+            await asyncio.sleep(0.3)
+            assert not stopping.done()  # waiting for the stream
+            a.hang = False
+            events = await stream
+            await asyncio.wait_for(stopping, 5)
+            assert events[-1] == "data: [DONE]" and "error" not in "".join(events), events
+
+        a = FaultyEngine("a", hang=True)
+        async with running(tokenizer_dir, [a], drain_timeout_s=0.5) as (router, call, s, base):
+            ledger: Counter[str] = Counter()
+            stream = asyncio.create_task(_stream_events(s, base))
+            await _until(lambda: a.bodies, "the stream upstream")
+            a.stall = True  # the next request gets no answer at all
+            pending = asyncio.create_task(_ledger(call, [{"prompt": PROMPT}], ledger))
+            await _until(lambda: router.proxy.drain.in_flight == 2, "two requests in flight")
+            started = time.monotonic()
+            await router.app.shutdown()
+            assert time.monotonic() - started < 5
+            error = _cut_event(await stream)
+            assert (error["code"], error["message"]) == (503, "the router is shutting down")
+            [(status, answer)] = await pending
+            assert (status, answer["error"]["code"]) == (503, "shutting_down")
+            await _until(a.cancelled.is_set, "the engine's stream aborted")
+            _, text = await call("GET", "/metrics")
+            counts = _router_counts(text)
+            assert counts == Counter(failed=2) and ledger == Counter(failed=1), (counts, ledger)
+
+    _run(scenario())
+
+
+def test_sigterm_drains_the_router_process(tokenizer_dir: Path, tmp_path: Path) -> None:  # noqa: F811
+    """`python -m router` on SIGTERM: no new connections, the open stream ends with the 503
+    error event once `drain_timeout_s` has passed, the process exits 0 and says so in its log."""
+
+    async def scenario() -> None:
+        a = FaultyEngine("a", hang=True)
+        runners = await serve_engines([a])
+        config = {
+            "model": "m",
+            "tokenizer": str(tokenizer_dir),
+            "port": free_port(),
+            "drain_timeout_s": 0.5,
+            "pools": [{"name": "p", "block_size": BS, "workers": [{"name": "a", "url": a.url}]}],
+        }
+        router = RouterServer(config, tmp_path).start()
+        try:
+            loop = asyncio.get_running_loop()
+            await loop.run_in_executor(None, router.wait_healthy, 60)
+            async with aiohttp.ClientSession() as session:
+                stream = asyncio.create_task(_stream_events(session, router.url))
+                await _until(lambda: a.bodies, "the stream upstream")
+                router.proc.send_signal(signal.SIGTERM)
+                error = _cut_event(await stream)
+                assert error["code"] == 503
+                with pytest.raises(aiohttp.ClientConnectionError):
+                    await session.get(router.url + "/health")
+            assert await loop.run_in_executor(None, router.proc.wait, 30) == 0
+            log = router.log_path.read_text()
+            assert "1 of 1 requests still open after 0.5 s were ended with a 503" in log, log
+        finally:
+            router.stop()
+            for runner in runners:
+                await runner.cleanup()
+
+    _run(scenario())
