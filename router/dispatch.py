@@ -51,7 +51,7 @@ import msgspec
 from aiohttp import web
 
 from router.accounting import RequestAccount
-from router.drain import SHUTTING_DOWN, Drain
+from router.drain import SHUTTING_DOWN, InFlight, withdraw_cancel
 from router.errors import ApiError
 from router.handoff import sglang
 from router.handoff.vllm import decode_params, prefill_body
@@ -97,6 +97,8 @@ class Call:
     prep: Prepared
     account: RequestAccount
     headers: Mapping[str, str]
+    flight: InFlight
+    """Its place among the requests a stopping router drains."""
 
 
 class Retry(Exception):
@@ -239,10 +241,8 @@ class Dispatcher:
         timeouts: Timeouts,
         prefill_timeout_s: float,
         lost_after_s: float,
-        drain: Drain,
     ) -> None:
         self._upstream = upstream
-        self._drain = drain
         self._timeouts = timeouts
         self._prefill_timeouts = Timeouts(prefill_timeout_s, timeouts.connect)
         self._lost_after_s = lost_after_s
@@ -469,8 +469,9 @@ class Dispatcher:
         )
         return resp, _usage(raw) if up.status == 200 else None
 
+    @staticmethod
     async def _stream(
-        self, call: Call, up: Response, decision: Decision, started: asyncio.Event
+        call: Call, up: Response, decision: Decision, started: asyncio.Event
     ) -> Answer:
         """Relay SSE events (those of one upstream read in one write); read (and maybe hide)
         the final usage chunk; time the first one.
@@ -493,6 +494,7 @@ class Dispatcher:
                     if not started.is_set():
                         started.set()
                         account.first_event()
+                        call.flight.streaming()
                         await resp.prepare(request)
                     out, done = [], False
                     for event in events:
@@ -516,6 +518,7 @@ class Dispatcher:
                             account.delivered()
                 if not started.is_set():
                     started.set()
+                    call.flight.streaming()
                     await resp.prepare(request)
                 if buf.strip():
                     await resp.write(buf)
@@ -527,8 +530,9 @@ class Dispatcher:
                 what = "timed out" if timed_out else f"failed: {exc}"
                 await resp.write(_error_event(status, f"upstream {decision.worker.name} {what}"))
             except asyncio.CancelledError:
-                if not (resp.prepared and self._drain.was_cut()):
+                if not (resp.prepared and call.flight.cut):
                     raise
+                withdraw_cancel()
                 status = 503
                 await resp.write(_error_event(status, SHUTTING_DOWN))
             await resp.write_eof()

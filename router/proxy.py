@@ -25,7 +25,7 @@ from aiohttp import web
 from router.accounting import RequestAccount
 from router.config import LimitsConfig
 from router.dispatch import Call, Dispatcher, Retry
-from router.drain import SHUTTING_DOWN, Drain
+from router.drain import SHUTTING_DOWN, Drain, withdraw_cancel
 from router.errors import ApiError, read_body
 from router.metrics import RouterMetrics
 from router.placement import Decision, Placement
@@ -163,11 +163,7 @@ class Proxy:
         self._upstream = Upstream()
         self.drain = Drain()
         self._dispatch = Dispatcher(
-            self._upstream,
-            Timeouts(timeout_s, 5, idle_timeout_s),
-            prefill_timeout_s,
-            lost_after_s,
-            self.drain,
+            self._upstream, Timeouts(timeout_s, 5, idle_timeout_s), prefill_timeout_s, lost_after_s
         )
         # One thread: a cold 8k-token prompt (10-30 ms in `tokenizers`, which releases the GIL)
         # must not stall the event loop. The chunk cache is not thread-safe: the lock lets the
@@ -199,13 +195,13 @@ class Proxy:
         """One OpenAI request of `kind` ("chat" | "completion")."""
         account = RequestAccount(self._metrics, time.perf_counter())
         status = 500
-        task = self.drain.enter()
+        flight = self.drain.enter()
         try:
             body, raw = await read_body(request)
             prep = await self.prepare(body, kind, raw)
             headers = {h: request.headers[h] for h in _FORWARD_HEADERS if h in request.headers}
             headers.update(_JSON)
-            call = Call(request, kind, prep, account, headers)
+            call = Call(request, kind, prep, account, headers, flight)
             tried: set[str] = set()
             while True:
                 decision = await self.place(prep, tried)
@@ -226,15 +222,18 @@ class Proxy:
             self._metrics.error(err.status, err.code)
             return err.response()
         except asyncio.CancelledError:
-            if not self.drain.was_cut():
+            if not flight.cut:
                 status = 499  # the client went away; leaving the upstream context closed it
                 raise
-            cut = ApiError(503, SHUTTING_DOWN, "shutting_down")
-            status = cut.status
+            status = 503
+            if flight.stream is not None:
+                raise  # its stream started as it was cut: that stream's task ends it
+            withdraw_cancel()
+            cut = ApiError(status, SHUTTING_DOWN, "shutting_down")
             self._metrics.error(cut.status, cut.code)
             return cut.response()
         finally:
-            self.drain.leave(task)
+            self.drain.leave(flight)
             account.closed(status)
 
     async def place(self, prep: _Prepared, tried: set[str]) -> Decision:

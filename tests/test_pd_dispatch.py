@@ -54,7 +54,7 @@ class PdEngine(FakeEngine):
 
     behaviour: str = "ok"
     """ok | down (refuses connections) | status500 | hang | drop (closes the connection) |
-    no_params (answers a prefill without kv_transfer_params) | die_midstream |
+    no_params (answers a prefill without kv_transfer_params) | die_midstream | hang_midstream |
     hang_on_pull (a decode engine whose KV never arrives: hangs on kv_transfer_params)"""
     params: dict[str, Any] = field(default_factory=lambda: dict(PARAMS))
     max_model_len: int = 4096
@@ -92,7 +92,7 @@ class PdEngine(FakeEngine):
         self, request: web.Request, body: dict[str, Any], out: dict[str, Any]
     ) -> web.StreamResponse:
         """`out` as JSON, or streamed ("a", "b", then usage if asked; `die_midstream` closes
-        the connection after the first event)."""
+        the connection after the first event, `hang_midstream` sends nothing more)."""
         if not body.get("stream"):
             return web.json_response(out)
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
@@ -103,6 +103,8 @@ class PdEngine(FakeEngine):
             if self.behaviour == "die_midstream":
                 assert request.transport is not None
                 request.transport.close()
+                await asyncio.sleep(3600)
+            if self.behaviour == "hang_midstream":
                 await asyncio.sleep(3600)
         if (body.get("stream_options") or {}).get("include_usage"):
             final = {"choices": [], "usage": out["usage"]}
@@ -287,6 +289,33 @@ def test_decode_failure_is_an_openai_error(tokenizer_dir: Path, behaviour: str) 
             assert len(p.bodies) == 1, "the prefill ran once"
             for w in router.workers.values():
                 assert (w.load.in_flight, w.load.pending_prefill_tokens) == (0, 0)
+
+    _run(scenario())
+
+
+async def cut_by_the_drain(router: Router, session: aiohttp.ClientSession, base: str) -> None:
+    """A hand-off's stream whose decode engine stalls after its first event, when the stopping
+    router's drain runs out: the stream still ends with the 503 error event and `[DONE]` (its
+    decode leg runs in a task of its own: that task writes them)."""
+    body = {"prompt": PROMPT, "stream": True}
+    async with session.post(base + "/v1/completions", json=body) as r:
+        assert r.status == 200 and r.headers["X-Warply-Mode"] == "remote"
+        first = await r.content.readuntil(b"\n\n")
+        assert b'"text": "a"' in first
+        await router.app.shutdown()  # drain_timeout_s: 0
+        events = (await r.read()).decode().strip().split("\n\n")
+    assert events[-1] == "data: [DONE]", events
+    error = json.loads(events[-2][len("data: "):])["error"]
+    assert (error["code"], error["message"]) == (503, "the router is shutting down")
+
+
+def test_a_handed_off_stream_cut_by_the_drain_ends_with_an_error_event(
+    tokenizer_dir: Path,  # noqa: F811
+) -> None:
+    async def scenario() -> None:
+        p, d = PdEngine("p"), PdEngine("d", behaviour="hang_midstream")
+        async with pd_router(tokenizer_dir, [p], [d], drain_timeout_s=0) as (router, s, base):
+            await cut_by_the_drain(router, s, base)
 
     _run(scenario())
 

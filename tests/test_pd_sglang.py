@@ -17,7 +17,16 @@ import pytest
 from aiohttp import web
 
 from router.handoff.sglang import BOOTSTRAP_PORT
-from tests.test_pd_dispatch import PROMPT, PdEngine, _is_error, _post, _run, _stats, pd_router
+from tests.test_pd_dispatch import (
+    PROMPT,
+    PdEngine,
+    _is_error,
+    _post,
+    _run,
+    _stats,
+    cut_by_the_drain,
+    pd_router,
+)
 from tests.test_router_api import HOST, tokenizer_dir, usage_block  # noqa: F401
 
 _ROOM_FIELDS = ("bootstrap_host", "bootstrap_port", "bootstrap_room")
@@ -40,7 +49,8 @@ class SglangEngine(PdEngine):
     the KV, then answers (streamed if asked). So a router that sends the legs one after the
     other never gets an answer.
 
-    behaviour: ok | down | status500 | status400 | hang | drop | die_midstream"""
+    behaviour: ok | down | status500 | status400 | hang | drop | die_midstream |
+    hang_midstream"""
 
     mode: str = "decode"
     """prefill | decode | both (aggregated: serves plain requests)"""
@@ -302,5 +312,19 @@ def test_without_a_prefill_worker_an_aggregated_pool_answers(tokenizer_dir: Path
             assert status == 200 and out["choices"][0]["text"] == "a" and not d.bodies
             assert headers["X-Warply-Mode"] == "aggregated"
             assert "bootstrap_room" not in a.bodies[-1]
+
+    _run(scenario())
+
+
+def test_a_paired_stream_cut_by_the_drain_ends_with_an_error_event(
+    tokenizer_dir: Path,  # noqa: F811
+) -> None:
+    async def scenario() -> None:
+        (p,), d = _pair([("p", "ok")], decode="hang_midstream")
+        pd = {"local_prefill_tokens": 10**6}
+        async with pd_router(
+            tokenizer_dir, [p], [d], kv_handoff="sglang", pd=pd, drain_timeout_s=0
+        ) as (router, session, base):
+            await cut_by_the_drain(router, session, base)
 
     _run(scenario())
