@@ -9,6 +9,10 @@
 Flags override the file's fields of the same name; `--worker` flags replace the file's pools
 with one pool named "default". A bad configuration prints one message naming the field and
 exits with status 2.
+
+SIGTERM or SIGINT stops it: new connections are refused at once, the requests in flight may
+finish for `drain_timeout_s` (15 s by default), each one still open then ends with a 503 (an
+error event on a started stream), and it exits 0.
 """
 
 from __future__ import annotations
@@ -198,7 +202,8 @@ def _summary(config: RouterConfig) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Validate, build, serve until SIGINT/SIGTERM (with `--check`: validate, build, exit)."""
+    """Validate, build, serve until SIGINT/SIGTERM, then drain (with `--check`: validate, build,
+    exit)."""
     args = _parser().parse_args(argv)
     try:
         config = config_from_args(args)
