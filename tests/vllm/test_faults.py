@@ -17,7 +17,9 @@ One stack serves the module and the tests run in order, each leaving it as the n
      with an error at the client, and the counts equal the router's `warply_router_requests`;
   6. a second router over a shared index (`index.store: redis`), stopped while an engine
      restarts: started again, it keeps what the other engine holds and drops what the
-     restarted one's old process left.
+     restarted one's old process left;
+  7. the router stopped with a stream open: after its drain the stream ends with a 503 error
+     event, and the engine aborts the request.
 
 ~5 min on 2 cores shared with other jobs.
 """
@@ -93,6 +95,7 @@ def stack(tiny_model: str, server_logs: Path) -> Iterator[dict[str, Any]]:
         "upstream_idle_timeout_s": IDLE_TIMEOUT_S,
         "breaker": {"failures": BREAKER_FAILURES, "open_s": 4},
         "index": {"degraded_s": 2},
+        "drain_timeout_s": 1,
         "pools": [{"name": "cpu", "block_size": BLOCK, "workers": workers}],
     }
     router = RouterServer(config, server_logs, name="faults-router", env={"PYTHONPATH": str(ROOT)})
@@ -426,3 +429,32 @@ def test_a_router_over_a_shared_index_drops_what_a_restarted_engine_left(
     finally:
         router.stop()
         redis.stop()
+
+
+def test_a_stopped_router_ends_an_open_stream_and_the_engine_aborts_it(
+    stack: dict[str, Any],
+) -> None:
+    """Last (it stops the module's router): SIGINT, as `warply down` sends it, while a stream is
+    open on w0, frozen as its first event arrives. Once `drain_timeout_s` (1 s here) has passed,
+    the client's stream ends with the 503 error event and `[DONE]`, the router exits 0, and w0,
+    thawed, finds the request's connection closed and aborts it: nothing is left running."""
+    url, router, w0 = stack["url"], stack["router"], stack["engines"][0]
+    _enable(url, "w1", False)  # the stream goes to w0
+    out: dict[str, Any] = {}
+    freeze = functools.partial(os.killpg, w0.pid, signal.SIGSTOP)
+    reader = threading.Thread(target=_stream, args=(url, "Long story: ", 1800, out, freeze))
+    reader.start()
+    try:
+        _wait(lambda: bool(out.get("events")), 120, "the stream's first event")
+        router.proc.send_signal(signal.SIGINT)
+        assert router.proc.wait(30) == 0
+    finally:
+        os.killpg(w0.pid, signal.SIGCONT)
+    reader.join(60)
+    assert out.get("done") and out["events"][-1] == "[DONE]", out
+    error = json.loads(out["events"][-2])["error"]
+    assert (error["code"], error["message"]) == (503, "the router is shutting down"), error
+    _wait(lambda: w0.metric("vllm:num_requests_running") == 0, 30, "w0 to abort the request")
+    assert "1 of 1 requests still open after 1 s were ended with a 503" in router.log_tail(), (
+        router.log_tail()
+    )
