@@ -8,7 +8,6 @@ tests/vllm/test_faults.py."""
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import signal
 import threading
@@ -37,6 +36,7 @@ from tests.test_router_api import (  # noqa: F401
     Client,
     FakeEngine,
     _run,
+    cut_event,
     running,
     serve_engines,
     tokenizer_dir,
@@ -497,19 +497,12 @@ def test_a_half_open_breaker_lets_one_trial_through_and_a_failed_trial_reopens_i
     assert (breaker.state, breaker.failures, breaker.allows(3)) == ("closed", 0, True)
 
 
-async def _stream_events(session: aiohttp.ClientSession, url: str) -> list[str]:
-    """A streamed completion's events, as the client got them."""
+async def _stream_text(session: aiohttp.ClientSession, url: str) -> str:
+    """A streamed completion, as the client got it."""
     body = {"prompt": PROMPT, "max_tokens": 2, "stream": True}
     async with session.post(url + "/v1/completions", json=body) as r:
         assert r.status == 200
-        return (await r.text()).strip().split("\n\n")
-
-
-def _cut_event(events: list[str]) -> dict[str, Any]:
-    """The error event that ends a stream cut by a stopping router (before `[DONE]`)."""
-    assert events[-1] == "data: [DONE]", events
-    error: dict[str, Any] = json.loads(events[-2][len("data: "):])["error"]
-    return error
+        return await r.text()
 
 
 def test_a_stopping_router_lets_requests_finish_then_ends_the_rest_with_a_503(
@@ -523,20 +516,20 @@ def test_a_stopping_router_lets_requests_finish_then_ends_the_rest_with_a_503(
     async def scenario() -> None:
         a = FaultyEngine("a", hang=True)  # streams its first event, then waits
         async with running(tokenizer_dir, [a], drain_timeout_s=10) as (router, call, s, base):
-            stream = asyncio.create_task(_stream_events(s, base))
+            stream = asyncio.create_task(_stream_text(s, base))
             await _until(lambda: a.bodies, "the stream upstream")
             stopping = asyncio.create_task(router.app.shutdown())
             await asyncio.sleep(0.3)
             assert not stopping.done()  # waiting for the stream
             a.hang = False
-            events = await stream
+            text = await stream
             await asyncio.wait_for(stopping, 5)
-            assert events[-1] == "data: [DONE]" and "error" not in "".join(events), events
+            assert text.endswith("data: [DONE]\n\n") and "error" not in text, text
 
         a = FaultyEngine("a", hang=True)
         async with running(tokenizer_dir, [a], drain_timeout_s=0.5) as (router, call, s, base):
             ledger: Counter[str] = Counter()
-            stream = asyncio.create_task(_stream_events(s, base))
+            stream = asyncio.create_task(_stream_text(s, base))
             await _until(lambda: a.bodies, "the stream upstream")
             a.stall = True  # the next request gets no answer at all
             pending = asyncio.create_task(_ledger(call, [{"prompt": PROMPT}], ledger))
@@ -544,7 +537,7 @@ def test_a_stopping_router_lets_requests_finish_then_ends_the_rest_with_a_503(
             started = time.monotonic()
             await router.app.shutdown()
             assert time.monotonic() - started < 5
-            error = _cut_event(await stream)
+            error = cut_event(await stream)
             assert (error["code"], error["message"]) == (503, "the router is shutting down")
             [(status, answer)] = await pending
             assert (status, answer["error"]["code"]) == (503, "shutting_down")
@@ -575,10 +568,10 @@ def test_sigterm_drains_the_router_process(tokenizer_dir: Path, tmp_path: Path) 
             loop = asyncio.get_running_loop()
             await loop.run_in_executor(None, router.wait_healthy, 60)
             async with aiohttp.ClientSession() as session:
-                stream = asyncio.create_task(_stream_events(session, router.url))
+                stream = asyncio.create_task(_stream_text(session, router.url))
                 await _until(lambda: a.bodies, "the stream upstream")
                 router.proc.send_signal(signal.SIGTERM)
-                error = _cut_event(await stream)
+                error = cut_event(await stream)
                 assert error["code"] == 503
                 with pytest.raises(aiohttp.ClientConnectionError):
                     await session.get(router.url + "/health")

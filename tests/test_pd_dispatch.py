@@ -27,6 +27,7 @@ from tests.test_router_api import (  # noqa: F401
     HOST,
     FakeEngine,
     _serve,
+    cut_event,
     serve_engines,
     tokenizer_dir,
     usage_block,
@@ -275,10 +276,8 @@ def test_decode_failure_is_an_openai_error(tokenizer_dir: Path, behaviour: str) 
                 assert status == 500 and json.loads(text)["error"]["message"] == "boom"
             elif behaviour == "die_midstream":  # the stream had started: it ends with an error
                 assert status == 200
-                events = [e for e in text.split("\n\n") if e]
-                assert events[-1] == "data: [DONE]"
-                error = json.loads(events[-2][6:])
-                assert _is_error(error) and error["error"]["code"] == 502
+                error = cut_event(text)
+                assert _is_error({"error": error}) and error["code"] == 502
             else:
                 body = json.loads(text)
                 assert _is_error(body)
@@ -303,9 +302,7 @@ async def cut_by_the_drain(router: Router, session: aiohttp.ClientSession, base:
         first = await r.content.readuntil(b"\n\n")
         assert b'"text": "a"' in first
         await router.app.shutdown()  # drain_timeout_s: 0
-        events = (await r.read()).decode().strip().split("\n\n")
-    assert events[-1] == "data: [DONE]", events
-    error = json.loads(events[-2][len("data: "):])["error"]
+        error = cut_event((await r.read()).decode())
     assert (error["code"], error["message"]) == (503, "the router is shutting down")
 
 

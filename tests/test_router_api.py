@@ -86,6 +86,15 @@ def usage_block(prompt: int, completion: int, cached: int | None) -> dict[str, A
     return usage
 
 
+def cut_event(text: str) -> dict[str, Any]:
+    """The error of the event that ends a stream cut short by the router (an upstream failure,
+    a stopping router's drain): the last event before `data: [DONE]`."""
+    events = text.strip().split("\n\n")
+    assert events[-1] == "data: [DONE]", events
+    error: dict[str, Any] = json.loads(events[-2][len("data: "):])["error"]
+    return error
+
+
 @dataclass
 class FakeEngine:
     """An OpenAI-ish engine: records bodies, reports usage, streams, can hang or be down."""
