@@ -29,7 +29,7 @@ import numpy as np
 from replay.__main__ import parse_strategy, strategy_arg
 from replay.engine import EngineConfig
 from replay.sim import simulate
-from replay.trace import ExpandedTrace, TraceRequest, read_trace
+from replay.trace import ExpandedTrace, read_trace
 from replay.workloads import add_shift_flags, check_shift_flags, shift
 from warply.common.argtypes import output_file, positive
 
@@ -112,25 +112,7 @@ def main() -> int:
     args = ap.parse_args()
     check_shift_flags(ap, args)
     t0 = time.perf_counter()
-    records = [
-        {
-            "timestamp": r.arrival_ms,
-            "input_length": r.input_length,
-            "output_length": r.output_length,
-            "hash_ids": list(r.hash_ids),
-        }
-        for r in read_trace(TRACE, args.limit)
-    ]
-    shifted = shift(records, args.at, args.factor, args.until)
-    requests = [
-        TraceRequest(
-            float(r["timestamp"]),  # type: ignore[arg-type]
-            int(r["input_length"]),  # type: ignore[call-overload]
-            int(r["output_length"]),  # type: ignore[call-overload]
-            tuple(r["hash_ids"]),  # type: ignore[arg-type]
-        )
-        for r in shifted
-    ]
+    requests = shift(read_trace(TRACE, args.limit), args.at, args.factor, args.until)
     pivot = requests[int(len(requests) * args.at)].arrival_ms
     _SHARED.update(
         trace=ExpandedTrace(requests, 512, 64),

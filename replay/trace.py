@@ -13,7 +13,9 @@ of equal prefixes are equal, exactly as on a real engine.
 from __future__ import annotations
 
 import json
+import sys
 from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -68,6 +70,18 @@ def _parse_line(line: str, where: str) -> TraceRequest:
     if not req.hash_ids or min(req.hash_ids) < 0:
         raise TraceError(f"{where}: hash_ids must be a non-empty list of non-negative ints")
     return req
+
+
+@contextmanager
+def exiting_on_bad_trace(prog: str) -> Iterator[None]:
+    """Around a command's reading of a trace it was given: a `TraceError` (no such file, a bad
+    line, named) ends the command with that one line and status 2, as a bad flag does,
+    instead of a traceback."""
+    try:
+        yield
+    except TraceError as exc:
+        print(f"{prog}: {exc}", file=sys.stderr)
+        raise SystemExit(2) from None
 
 
 def read_trace(path: str | Path, limit: int | None = None) -> list[TraceRequest]:

@@ -17,7 +17,8 @@ Shapes (trace block 512 tokens; replay them with `--trace-block 512`):
 - `unique`: no reuse at all: every prompt is new (lognormal lengths), Poisson arrivals.
 - `shift`: an existing trace whose inter-arrival gaps from a point on (`--at`, a fraction of the
   requests) are divided by `--factor` (a sudden rise of the arrival rate mid-trace), up to
-  `--until` (default: the end), after which the rate returns to the trace's own.
+  `--until` (default: the end), after which the rate returns to the trace's own (the four
+  Mooncake fields of each record are written).
 
 Block ids are assigned so that equal ids mean equal prefixes, as in Mooncake traces: a prompt is
 a list of segments (shared or private runs of tokens), and block i's id is a function of block
@@ -30,12 +31,12 @@ import argparse
 import json
 import sys
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import numpy as np
 
-from replay.trace import TraceError, read_trace
+from replay.trace import TraceRequest, exiting_on_bad_trace, read_trace
 from warply.common.argtypes import fraction, non_negative, output_file, positive
 
 BLOCK = 512
@@ -155,28 +156,37 @@ def unique(requests: int = 3000, seed: int = 0, rate: float = 8.0) -> list[dict[
 
 
 def shift(
-    records: list[dict[str, object]], at: float, factor: float, until: float = 1.0
-) -> list[dict[str, object]]:
-    """`records` (sorted by time) with the gaps between the `at` and `until` fractions of the
-    requests divided by `factor`: the arrival rate multiplies by `factor` there (until the end
-    by default), then returns to what it was."""
+    requests: Sequence[TraceRequest], at: float, factor: float, until: float = 1.0
+) -> list[TraceRequest]:
+    """`requests` (sorted by arrival) with the gaps between the `at` and `until` fractions of
+    them divided by `factor`: the arrival rate multiplies by `factor` there (until the end by
+    default), then returns to what it was. Arrivals are rounded to whole milliseconds."""
     problem = shift_problem(at, until)
     if problem or factor <= 0:
         raise ValueError(problem or f"factor must be > 0, not {factor:g}")
-    records = sorted(records, key=lambda r: float(r["timestamp"]))  # type: ignore[arg-type]
-    start, stop = int(len(records) * at), int(len(records) * until)
-    out: list[dict[str, object]] = []
+    requests = sorted(requests, key=lambda r: r.arrival_ms)
+    start, stop = int(len(requests) * at), int(len(requests) * until)
+    out: list[TraceRequest] = []
     t, prev = 0.0, None
-    for i, r in enumerate(records):
-        ts = float(r["timestamp"])  # type: ignore[arg-type]
+    for i, r in enumerate(requests):
         if prev is not None:
-            gap = ts - prev
+            gap = r.arrival_ms - prev
             t += gap / factor if start < i <= stop else gap
         else:
-            t = ts
-        prev = ts
-        out.append({**r, "timestamp": round(t)})
+            t = r.arrival_ms
+        prev = r.arrival_ms
+        out.append(replace(r, arrival_ms=float(round(t))))
     return out
+
+
+def as_record(request: TraceRequest) -> dict[str, object]:
+    """A trace request as a Mooncake record (what `write` takes)."""
+    return {
+        "timestamp": round(request.arrival_ms),
+        "input_length": request.input_length,
+        "output_length": request.output_length,
+        "hash_ids": list(request.hash_ids),
+    }
 
 
 def shift_problem(at: float, until: float) -> str | None:
@@ -257,13 +267,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = ap.parse_args(argv)
     if args.shape == "shift":
         check_shift_flags(ap, args)
-        try:
-            read_trace(args.trace)  # the replayer's checks: a bad line is named, not a traceback
-        except TraceError as exc:
-            ap.exit(2, f"{ap.prog} shift: {exc}\n")
-        with open(args.trace, encoding="utf-8") as fh:
-            records = [json.loads(line) for line in fh if line.strip()]
-        out = shift(records, args.at, args.factor, args.until)
+        with exiting_on_bad_trace(f"{ap.prog} shift"):
+            requests = read_trace(args.trace)
+        out = [as_record(r) for r in shift(requests, args.at, args.factor, args.until)]
     else:
         kwargs: dict[str, float] = {} if args.rate is None else {"rate": args.rate}
         out = GENERATORS[args.shape](args.requests, args.seed, **kwargs)

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from replay.trace import ExpandedTrace, read_trace
+from replay.trace import ExpandedTrace, TraceRequest, read_trace
 from replay.workloads import BLOCK, GENERATORS, _Ids, shift, write
 
 
@@ -55,12 +55,11 @@ def test_agent_prompts_are_append_only_per_session() -> None:
 
 
 def test_shift_multiplies_the_rate_after_the_pivot() -> None:
-    records = [{"timestamp": 100 * i, "input_length": 1, "output_length": 1, "hash_ids": [i]}
-               for i in range(11)]
-    out = shift(records, 0.5, 4)
-    assert [r["timestamp"] for r in out] == [0, 100, 200, 300, 400, 500, 525, 550, 575, 600, 625]
-    burst = shift(records, 0.2, 4, until=0.5)  # from request 2 to 5: gaps of 25
-    assert [r["timestamp"] for r in burst] == [0, 100, 200, 225, 250, 275, 375, 475, 575, 675, 775]
+    requests = [TraceRequest(100.0 * i, 1, 1, (i,)) for i in range(11)]
+    out = shift(requests, 0.5, 4)
+    assert [r.arrival_ms for r in out] == [0, 100, 200, 300, 400, 500, 525, 550, 575, 600, 625]
+    burst = shift(requests, 0.2, 4, until=0.5)  # from request 2 to 5: gaps of 25
+    assert [r.arrival_ms for r in burst] == [0, 100, 200, 225, 250, 275, 375, 475, 575, 675, 775]
 
 
 def test_command_line_writes_a_trace(tmp_path: Path) -> None:
@@ -78,13 +77,12 @@ def test_command_line_writes_a_trace(tmp_path: Path) -> None:
 
 
 def test_shift_refuses_fractions_that_make_no_shift() -> None:
-    records = [{"timestamp": i, "input_length": 1, "output_length": 1, "hash_ids": [i]}
-               for i in range(4)]
+    requests = [TraceRequest(float(i), 1, 1, (i,)) for i in range(4)]
     for at, until, error in [(0, 1, "--at 0:"), (1, 1, "--at 1:"), (0.6, 0.5, "--until 0.5")]:
         with pytest.raises(ValueError, match=error):
-            shift(records, at, 4, until)
+            shift(requests, at, 4, until)
     with pytest.raises(ValueError, match="factor must be > 0"):
-        shift(records, 0.5, 0)
+        shift(requests, 0.5, 0)
 
 
 @pytest.mark.parametrize(
