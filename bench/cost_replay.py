@@ -22,7 +22,7 @@ from typing import Any
 
 from replay.report import summarize
 from replay.sim import SimPool, simulate_pools
-from replay.trace import ExpandedTrace, read_trace
+from replay.trace import ExpandedTrace, exiting_on_bad_trace, read_trace
 from router.config import StrategyConfig
 from router.strategies import CostAware, Strategy, make_strategy
 from warply.common.argtypes import output_file, positive
@@ -77,7 +77,9 @@ def main() -> int:
     ap.add_argument("--json", type=output_file, help="write the rows here")
     args = ap.parse_args()
     t0 = time.perf_counter()
-    trace = ExpandedTrace(read_trace(args.trace, args.limit), args.trace_block, 64)
+    with exiting_on_bad_trace(ap.prog):
+        requests = read_trace(args.trace, args.limit)
+    trace = ExpandedTrace(requests, args.trace_block, 64)
     rows_spec: list[tuple[str, str, dict[str, Any]]] = [
         ("prefix_affinity", "prefix_affinity", {}),
         ("adaptive", "adaptive", {}),

@@ -33,7 +33,7 @@ from replay.pd import PdSettings
 from replay.references import lru_reuse, pd_lru_reuse
 from replay.report import summarize
 from replay.sim import simulate_pools
-from replay.trace import ExpandedTrace, read_trace
+from replay.trace import ExpandedTrace, exiting_on_bad_trace, read_trace
 from router.config import PdConfig
 from warply.common.argtypes import non_negative, number_list, output_file, positive
 
@@ -133,7 +133,9 @@ def main() -> int:
     ap.add_argument("--json", type=output_file, help="write the rows here")
     args = ap.parse_args()
     t0 = time.perf_counter()
-    trace = ExpandedTrace(read_trace(args.trace, args.limit), args.trace_block, 64)
+    with exiting_on_bad_trace(ap.prog):
+        requests = read_trace(args.trace, args.limit)
+    trace = ExpandedTrace(requests, args.trace_block, 64)
     _SHARED.update(trace=trace, pd=PdSettings(bandwidth_gbps=args.bandwidth_gbps))
     specs = args.strategy or ["adaptive", "prefix_affinity"]
     pd = Deployment(0, args.prefill, args.decode)

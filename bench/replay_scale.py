@@ -33,7 +33,7 @@ from _percentiles import percentiles
 
 from replay.engine import EngineConfig
 from replay.sim import ReplayResult, SimPool, simulate_pools
-from replay.trace import ExpandedTrace, TraceRequest, read_trace
+from replay.trace import ExpandedTrace, TraceRequest, exiting_on_bad_trace, read_trace
 from router.config import StrategyConfig
 from router.index import IndexStore, MemoryStore, completed
 from router.index.redis import RedisStore
@@ -105,7 +105,8 @@ def main() -> None:
                     help="tokens per trace hash id")
     a = ap.parse_args()
     exit_on_termination()
-    base = read_trace(a.trace, limit=a.per_worker * BASE_WORKERS)
+    with exiting_on_bad_trace(ap.prog):
+        base = read_trace(a.trace, limit=a.per_worker * BASE_WORKERS)
     block = EngineConfig().block_size
     with tempfile.TemporaryDirectory() as tmp, RedisServer(log_path=Path(tmp) / "r.log") as srv:
         srv.wait_ready()
