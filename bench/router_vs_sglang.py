@@ -442,13 +442,7 @@ def main() -> int:
     ap.add_argument("--sglang-tuned", action="append", type=_abs_rel, metavar="ABS,REL",
                     help="cache_aware with --balance-abs-threshold ABS --balance-rel-threshold "
                     "REL (repeatable; default: 1,1.2 and 2,1.1)")
-    ap.add_argument("--trace", type=Path, default=demo.TRACE, help="conversation trace (JSONL)")
-    ap.add_argument("--conversations", type=positive(int), default=32, help="conversations sent")
-    ap.add_argument("--turns", type=positive(int), default=4, help="turns kept per conversation")
-    ap.add_argument("--words-per-id", type=positive(int), default=24,
-                    help="words per trace hash id")
-    ap.add_argument("--max-ids", type=positive(int), default=48, help="hash ids kept per prompt")
-    ap.add_argument("--in-flight", type=positive(int), default=4, help="requests open at once")
+    demo.add_workload_flags(ap, conversations=32)
     ap.add_argument("--kv-fraction", type=positive(float), default=0.55,
                     help="KV blocks per engine as a fraction of the distinct context")
     ap.add_argument("--num-blocks", type=non_negative(int), default=0,

@@ -263,17 +263,24 @@ def _print(results: dict[str, dict[str, Any]]) -> None:
         print(f"{label:30s}" + "".join(f"{get(results[n]):>18s}" for n in names))
 
 
-def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    ap.add_argument("--vllm", required=True, help="the vllm CLI of the engine venv")
-    ap.add_argument("--model", required=True, help="model folder (scripts/tiny_model.py)")
+def add_workload_flags(ap: argparse.ArgumentParser, conversations: int) -> None:
+    """The flags of the conversation workload (`workload`, sent by `replay`), shared with the
+    bench that sends the same workload through other routers."""
     ap.add_argument("--trace", type=Path, default=TRACE, help="conversation trace (JSONL)")
-    ap.add_argument("--conversations", type=positive(int), default=16, help="conversations sent")
+    ap.add_argument("--conversations", type=positive(int), default=conversations,
+                    help="conversations sent")
     ap.add_argument("--turns", type=positive(int), default=4, help="turns kept per conversation")
     ap.add_argument("--words-per-id", type=positive(int), default=24,
                     help="words per trace hash id")
     ap.add_argument("--max-ids", type=positive(int), default=48, help="hash ids kept per prompt")
     ap.add_argument("--in-flight", type=positive(int), default=4, help="requests open at once")
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--vllm", required=True, help="the vllm CLI of the engine venv")
+    ap.add_argument("--model", required=True, help="model folder (scripts/tiny_model.py)")
+    add_workload_flags(ap, conversations=16)
     ap.add_argument(
         "--strategy",
         action="append",
