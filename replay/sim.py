@@ -172,7 +172,7 @@ class _Fleet:
                     role=p.role,
                     price_per_hour=p.price_per_hour,
                     workers=[
-                        WorkerConfig(name=f"{p.name}{j}", url="http://replay.invalid")
+                        WorkerConfig(name=f"{p.name}{j}", url=f"http://{p.name}{j}.replay.invalid")
                         for j in range(p.workers)
                     ],
                 )

@@ -8,7 +8,8 @@
 
 Flags override the file's fields of the same name; `--worker` flags replace the file's pools
 with one pool named "default". A bad configuration prints one message naming the field and
-exits with status 2.
+exits with status 2; an address it cannot listen on (a port in use, a host not of this machine),
+one line and status 1.
 
 SIGTERM or SIGINT stops it: new connections are refused at once, the requests in flight may
 finish for `drain_timeout_s` (15 s by default), each one still open then ends with a 503 (an
@@ -224,31 +225,39 @@ def main(argv: list[str] | None = None) -> int:
         level=args.log_level,
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
-    logging.getLogger("warply.router").info(
-        "serving %s on http://%s:%d (%d workers, strategy %s)",
-        config.model,
-        config.host,
-        config.port,
-        len(router.workers),
-        config.strategy.name,
-    )
     collect_less()
     fixed_mmap_threshold()
-    web.run_app(
-        router.app,
-        host=config.host,
-        port=config.port,
-        handler_cancellation=True,
-        # The requests in flight were waited for, then ended, in the app's drain
-        # (`router.drain`); aiohttp's own wait (60 s, twice, by default) is only a backstop.
-        shutdown_timeout=GRACE_S,
-        # aiohttp's default accept backlog (128) overflowed when hundreds of clients connected
-        # at once (the soak's 500: a few ClientOSErrors that never reached the router); the
-        # kernel caps it at net.core.somaxconn.
-        backlog=4096,
-        print=None,
-        loop=uvloop.new_event_loop(),  # libuv's loop: about a third less CPU per proxied request
-    )
+
+    def serving(_: str) -> None:  # aiohttp calls it once the listener is bound
+        logging.getLogger("warply.router").info(
+            "serving %s on http://%s:%d (%d workers, strategy %s)",
+            config.model,
+            config.host,
+            config.port,
+            len(router.workers),
+            config.strategy.name,
+        )
+
+    try:
+        web.run_app(
+            router.app,
+            host=config.host,
+            port=config.port,
+            handler_cancellation=True,
+            # The requests in flight were waited for, then ended, in the app's drain
+            # (`router.drain`); aiohttp's own wait (60 s, twice, by default) is only a backstop.
+            shutdown_timeout=GRACE_S,
+            # aiohttp's default accept backlog (128) overflowed when hundreds of clients
+            # connected at once (the soak's 500: a few ClientOSErrors that never reached the
+            # router); the kernel caps it at net.core.somaxconn.
+            backlog=4096,
+            print=serving,
+            loop=uvloop.new_event_loop(),  # libuv's loop: about a third less CPU per request
+        )
+    except OSError as exc:  # binding the listener: a port in use or not allowed, a foreign host
+        where = f"{config.host}:{config.port}"
+        print(f"warply-router: cannot listen on {where}: {exc}", file=sys.stderr)
+        return 1
     return 0
 
 

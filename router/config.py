@@ -384,11 +384,15 @@ class RouterConfig(_Strict):
         if self.model in self.lora_adapters:
             raise ValueError(f"lora_adapters: {self.model!r} is the base model's name")
         seen: set[str] = set()
+        urls: dict[str, str] = {}
         for pool in self.pools:
             for w in pool.workers:
                 if w.name in seen:
                     raise ValueError(f"worker name {w.name!r} is used twice")
                 seen.add(w.name)
+                # two workers on one engine would split its requests and its index entries
+                if (other := urls.setdefault(w.url, w.name)) != w.name:
+                    raise ValueError(f"workers {other!r} and {w.name!r} have the same url {w.url}")
         roles = {pool.role for pool in self.pools}
 
         def named(role: str) -> str:

@@ -181,7 +181,7 @@ def test_placement_keeps_serving_while_the_store_is_down(tmp_path: Path) -> None
                 {
                     "name": "p",
                     "block_size": BS,
-                    "workers": [{"name": n, "url": "http://127.0.0.1:1"} for n in ("a", "b")],
+                    "workers": [{"name": n, "url": f"http://{n}.invalid"} for n in ("a", "b")],
                 }
             ],
         }

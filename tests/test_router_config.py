@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import socket
 import subprocess
 import sys
 from importlib.metadata import EntryPoint
@@ -61,6 +62,7 @@ def test_yaml_and_toml_load(tmp_path: Path) -> None:
         (("model: tiny", "model: tiny\nmodle: x"), "modle"),
         (("url: \"http://127.0.0.1:8002\"", "url: \"ftp://x\""), "pools.0.workers.1.url"),
         (("name: b,", "name: a,"), "used twice"),
+        (("8002", "8001/"), "workers 'a' and 'b' have the same url http://127.0.0.1:8001"),
         (("tcp://127.0.0.1:5557", "127.0.0.1:5557"), "pools.0.workers.0.events"),
         (("tcp://127.0.0.1:5557", "tcp://127.0.0.1:99999"), "port 99999 out of range"),
         (("model: tiny", "model: tiny\nlora_adapters: [tiny]"), "the base model's name"),
@@ -133,6 +135,20 @@ def test_cli_bad_config_exits_2_without_traceback(tmp_path: Path) -> None:
     assert "pools.0.block_size" in out.stderr and "Traceback" not in out.stderr
     out = _router_cli("--config", str(_write(tmp_path, GOOD)), "--strategy", "nope")
     assert out.returncode == 2 and "strategy.name" in out.stderr and "Traceback" not in out.stderr
+
+
+def test_a_port_in_use_is_one_line_and_exit_1(tmp_path: Path, tokenizer_dir: Path) -> None:
+    """The listener cannot bind: the router says where, without a traceback (it printed
+    aiohttp's), and says nothing of serving."""
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        good = _write(tmp_path, GOOD.replace("/models/tiny", str(tokenizer_dir)))
+        out = _router_cli("--config", str(good), "--port", str(port))
+    assert out.returncode == 1 and "Traceback" not in out.stderr
+    assert f"warply-router: cannot listen on 127.0.0.1:{port}: " in out.stderr
+    assert "address already in use" in out.stderr and "serving" not in out.stderr
 
 
 def test_check_builds_the_config_prints_it_and_exits(tmp_path: Path, tokenizer_dir: Path) -> None:
