@@ -20,6 +20,7 @@ from pydantic import BaseModel, ValidationError
 from replay.baselines import BASELINES
 from replay.costmodel import CostModel
 from replay.engine import EngineConfig
+from replay.live import LiveConfig, LiveError, run_live
 from replay.pd import REFERENCE_KV_BYTES_PER_TOKEN, PdSettings
 from replay.references import INFINITE, infinite_reuse, lru_reuse, pooled_lru_label
 from replay.report import plot, summarize, table, write_json
@@ -297,8 +298,6 @@ def _replay(args: argparse.Namespace) -> int:
 
 
 def _live(args: argparse.Namespace) -> int:
-    from replay.live import LiveConfig, run_live
-
     try:
         cfg = LiveConfig(
             url=args.url,
@@ -487,6 +486,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (UsageError, TraceError) as exc:
         print(f"warply bench {args.command}: {exc}", file=sys.stderr)
         return 2
+    except LiveError as exc:
+        print(f"warply bench {args.command}: {exc}", file=sys.stderr)
+        return 1
     return code
 
 

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlsplit
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 
 from replay.report import latency_fields
 from replay.trace import TraceRequest, request_tokens
@@ -31,6 +31,7 @@ class LiveConfig(BaseModel):
     """Where and how fast to replay (validated; see the module docstring)."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
+    allow_remote: bool = False
     url: str
     model: str = ""
     speedup: float = Field(1.0, gt=0)
@@ -39,27 +40,32 @@ class LiveConfig(BaseModel):
     max_output_tokens: int | None = Field(None, gt=0)
     max_prompt_tokens: int | None = Field(None, gt=0)
     vocab: int = Field(32000, ge=2)
-    allow_remote: bool = False
 
     @field_validator("url")
     @classmethod
-    def _http_url(cls, url: str) -> str:
+    def _http_url(cls, url: str, info: ValidationInfo) -> str:
+        """An http URL with a valid port, on loopback unless `allow_remote` (tests and benches
+        stay local; the field comes first so that it is known here)."""
         parts = urlsplit(url)
         if parts.scheme != "http" or not parts.hostname:
             raise ValueError(f"want http://HOST:PORT, got {url!r}")
+        parts.port  # noqa: B018 -- raises ValueError when out of range
+        if not info.data.get("allow_remote") and not _loopback(parts.hostname):
+            raise ValueError(f"{parts.hostname} is not a loopback address (pass --allow-remote)")
         return url.rstrip("/")
 
-    def check_target(self) -> None:
-        """Refuse non-loopback hosts unless `allow_remote` (tests and benches stay local)."""
-        host = urlsplit(self.url).hostname or ""
-        if self.allow_remote or host == "localhost":
-            return
-        try:
-            loopback = ipaddress.ip_address(host).is_loopback
-        except ValueError:
-            loopback = False
-        if not loopback:
-            raise ValueError(f"{host} is not a loopback address (pass --allow-remote)")
+
+def _loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+class LiveError(Exception):
+    """The endpoint could not be asked which model it serves."""
 
 
 @dataclass(slots=True)
@@ -78,14 +84,19 @@ def _connection(cfg: LiveConfig, timeout: float) -> http.client.HTTPConnection:
 
 
 def _served_model(cfg: LiveConfig) -> str:
+    """The first model `GET /v1/models` lists; `LiveError` when there is no such answer."""
     conn = _connection(cfg, 10.0)
     try:
         conn.request("GET", "/v1/models")
         body = json.loads(conn.getresponse().read())
-        name: str = body["data"][0]["id"]
-        return name
+        name = body["data"][0]["id"]
+    except (OSError, http.client.HTTPException) as exc:
+        raise LiveError(f"cannot reach {cfg.url}: {exc}") from None
+    except (ValueError, LookupError, TypeError):
+        raise LiveError(f"{cfg.url}/v1/models names no model (pass --model)") from None
     finally:
         conn.close()
+    return str(name)
 
 
 def _send(cfg: LiveConfig, model: str, prompt: list[int], max_tokens: int) -> _Outcome:
@@ -138,7 +149,6 @@ def run_live(
     """Replay `requests` against `cfg.url`; one report row (the `report.summarize` keys)."""
     from tqdm import tqdm
 
-    cfg.check_target()
     model = cfg.model or _served_model(cfg)
     t0 = time.perf_counter()
     deadline = t0 + cfg.timeout_s

@@ -65,6 +65,26 @@ def test_stats_unreachable_router_is_one_line_exit_1() -> None:
     _run(scenario())
 
 
+@pytest.mark.parametrize(
+    ("url", "error"),
+    [
+        ("ftp://127.0.0.1:1", "write the router's base URL as http://HOST:PORT"),
+        ("127.0.0.1:8000", "write the router's base URL as http://HOST:PORT"),
+        ("http://127.0.0.1:99999", "Port out of range 0-65535"),
+        ("http://[::1", "Invalid IPv6 URL"),
+    ],
+)
+def test_a_router_url_that_is_not_one_is_a_usage_error(url: str, error: str) -> None:
+    """Not sent at all: urllib tried FTP for ftp:// and called a port out of range refused."""
+
+    async def scenario() -> None:
+        code, out, err = await warply("stats", "--router", url)
+        assert (code, out) == (2, "")
+        assert err == f"warply stats: router URL {url!r}: {error}\n"
+
+    _run(scenario())
+
+
 @pytest.mark.parametrize("verb", ["watch", "bench", "stats", "where", "demo"])
 def test_every_verb_has_help(verb: str) -> None:
     async def scenario() -> None:

@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import json
+import socket
 import threading
 from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
 
 import pytest
 
+from replay.__main__ import main as replay_main
 from replay.live import LiveConfig, run_live
 from replay.trace import TraceRequest
 
@@ -66,9 +69,37 @@ def test_live_replay_measures_ttft_itl_and_reuse(stub_url: str) -> None:
 
 def test_live_replay_refuses_remote_hosts_and_bad_urls() -> None:
     with pytest.raises(ValueError, match="loopback"):
-        LiveConfig(url="http://10.1.2.3:8000").check_target()
+        LiveConfig(url="http://10.1.2.3:8000")
+    assert LiveConfig(url="http://10.1.2.3:8000", allow_remote=True).allow_remote
     with pytest.raises(ValueError, match="http://HOST:PORT"):
         LiveConfig(url="ftp://127.0.0.1")
+    with pytest.raises(ValueError, match="Port out of range"):
+        LiveConfig(url="http://127.0.0.1:99999")
+
+
+@pytest.mark.parametrize(
+    ("url", "code", "error"),
+    [
+        ("http://10.1.2.3:8000", 2, "url: 10.1.2.3 is not a loopback address (pass --allow-"),
+        ("http://127.0.0.1:99999", 2, "url: Port out of range 0-65535"),
+        ("http://127.0.0.1:{refused}", 1, "cannot reach http://127.0.0.1:{refused}: "),
+    ],
+)
+def test_live_command_reports_a_bad_or_dead_endpoint_in_one_line(
+    url: str, code: int, error: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Each was a traceback: the loopback check and the port ran outside the settings'
+    validation, and the served-model question was not guarded."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        refused = s.getsockname()[1]
+    url, error = url.format(refused=refused), error.format(refused=refused)
+    trace = tmp_path / "trace.jsonl"
+    row = {"timestamp": 0, "input_length": 600, "output_length": 2, "hash_ids": [1, 2]}
+    trace.write_text(json.dumps(row) + "\n")
+    assert replay_main(["live", "--url", url, str(trace), "--quiet"]) == code
+    err = capsys.readouterr().err
+    assert err.startswith("warply bench live: ") and error in err and "Traceback" not in err
 
 
 def test_live_replay_stops_at_its_deadline(stub_url: str) -> None:
