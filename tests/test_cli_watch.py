@@ -56,3 +56,33 @@ def test_watch_prints_each_event_with_named_fields() -> None:
     assert removed == {**removed, "event": "BlockRemoved", "block_hashes": [11]}
     assert snap["event"] == "LoadSnapshot" and snap["kv_bytes_per_block"] == 4096
     assert lines[-1]["event"] == "summary" and sum(lines[-1]["counts"].values()) >= 3
+
+
+def _watch(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "warply", "watch", *args, "--duration", "5"],
+        cwd=ROOT, capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+
+
+def test_bad_endpoints_are_usage_errors_before_any_socket() -> None:
+    """A bad replay endpoint was a traceback at the first gap (the replay socket opens then); a
+    port out of range went unnoticed."""
+    for args, error in [
+        (("--replay", "nowhere"), "argument --replay: 'nowhere' is not a ZMQ endpoint"),
+        (("nowhere",), "argument endpoint: 'nowhere' is not a ZMQ endpoint"),
+        (("tcp://127.0.0.1:99999", "--bind"), "port 99999 out of range in 'tcp://127.0.0.1:99999'"),
+    ]:
+        out = _watch(*args)
+        assert out.returncode == 2 and error in out.stderr and "Traceback" not in out.stderr
+        assert out.stdout == ""
+
+
+def test_an_address_in_use_is_one_line() -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        endpoint = f"tcp://127.0.0.1:{taken.getsockname()[1]}"
+        out = _watch(endpoint, "--bind")
+    assert out.returncode == 2 and "Traceback" not in out.stderr
+    assert out.stderr.startswith(f"warply watch: cannot open {endpoint}: ")
