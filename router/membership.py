@@ -63,7 +63,7 @@ class Membership:
 
     def join(self, pool_name: str, body: dict[str, Any]) -> Worker:
         """Add the worker `body` describes to pool `pool_name`: 404 for an unknown pool, 400 for
-        an invalid field, 409 when its name is taken."""
+        an invalid field, 409 when its name or its url is taken."""
         pool = self._workers.pool(pool_name)
         if pool is None:
             raise ApiError(404, f"no pool named {pool_name!r}", "pool_not_found")
@@ -74,6 +74,12 @@ class Membership:
             raise ApiError(400, str(exc), "invalid_value") from None
         if config.name in self._workers:
             raise ApiError(409, f"a worker named {config.name!r} exists", "worker_exists", "name")
+        # as in the config file (one engine's requests and index entries would be split); a
+        # leaving worker's url is free, for the engine that comes back under a new name
+        for other in self._workers.values():
+            if other.config.url == config.url and not other.leaving:
+                msg = f"worker {other.name!r} has the url {config.url}"
+                raise ApiError(409, msg, "worker_exists", "url")
         worker = self._workers.add(pool, config)
         try:
             self._feed.add(worker)

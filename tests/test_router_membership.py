@@ -115,16 +115,20 @@ def test_a_leaving_worker_finishes_its_requests_then_is_gone(tokenizer_dir: Path
                 assert status == 409 and _is_error(body, "worker_leaving")
                 _, listed = await call("GET", "/warply/workers")
                 assert [w["leaving"] for w in listed["workers"]] == [True, False]
+                # the engine back under a new name while its old entry drains
+                again = {"name": "a2", "url": engines[0].url}
+                status, _ = await call("POST", "/warply/pools/p/workers", again)
+                assert status == 201
                 assert len(engines[0].bodies) == 1
                 engines[0].hang = False
                 rest = await r.read()
                 assert r.status == 200 and rest.endswith(b"data: [DONE]\n\n")
             await _until(lambda: "a" not in router.workers)
             _, listed = await call("GET", "/warply/workers")
-            assert [w["name"] for w in listed["workers"]] == ["b"]
+            assert [w["name"] for w in listed["workers"]] == ["b", "a2"]
             assert await _held(router, "a", TOKENS) == 0
             _, stats = await call("GET", "/warply/cache_stats")
-            assert set(stats["workers"]) == {"b"}
+            assert set(stats["workers"]) == {"b", "a2"}
             _, text = await call("GET", "/metrics")
             assert 'worker="a"' not in text and 'warply_worker_healthy{worker="b"}' in text
             assert "a" not in (await router.index.stats()).overpredicted
@@ -143,7 +147,7 @@ def test_join_and_leave_need_the_token_and_valid_entries(tokenizer_dir: Path) ->
             _s,
             _b,
         ):
-            url = engines[1].url
+            url = "http://127.0.0.1:1"  # no engine: each join below is refused before a probe
             status, body = await call("POST", "/warply/pools/p/workers", {"name": "c", "url": url})
             assert status == 401 and _is_error(body, "invalid_api_key")
             status, _ = await call("DELETE", "/warply/workers/a")
@@ -157,6 +161,9 @@ def test_join_and_leave_need_the_token_and_valid_entries(tokenizer_dir: Path) ->
             assert status == 404 and _is_error(body, "pool_not_found")
             status, body = await join("p", {"name": "a", "url": url})
             assert status == 409 and body["error"]["param"] == "name"
+            status, body = await join("p", {"name": "c", "url": engines[1].url + "/"})
+            assert status == 409 and body["error"]["param"] == "url"
+            assert body["error"]["message"] == f"worker 'b' has the url {engines[1].url}"
             for entry, field in (
                 ({"url": url}, "name"),
                 ({"name": "c", "url": "ftp://x"}, "url"),
