@@ -37,7 +37,7 @@ from replay.report import summarize
 from replay.sim import simulate
 from replay.trace import ExpandedTrace, read_trace
 from replay.workloads import GENERATORS, write
-from warply.common.argtypes import choice_list, non_negative, number_list, positive
+from warply.common.argtypes import choice_list, non_negative, number_list, output_folder, positive
 
 TRACES = Path(__file__).resolve().parents[1] / "../shared/traces"
 SHARED = {
@@ -176,7 +176,9 @@ def report(results: dict[tuple[str, float, int, str], dict[str, Any]], labels: l
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    ap.add_argument("--out", required=True, type=Path, help="work folder (traces, results)")
+    ap.add_argument(
+        "--out", required=True, type=output_folder, help="work folder (traces, results)"
+    )
     ap.add_argument("--jobs", type=positive(int), default=2, help="replays in parallel (default 2)")
     ap.add_argument("--workers", type=number_list(int), default="4,8,32", help="fleet sizes")
     ap.add_argument("--rates", type=number_list(float), default="1,2,4",

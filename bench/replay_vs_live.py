@@ -45,7 +45,7 @@ from replay.references import lru_reuse  # noqa: E402
 from replay.report import summarize  # noqa: E402
 from replay.sim import simulate  # noqa: E402
 from replay.trace import ExpandedTrace, read_trace  # noqa: E402
-from warply.common.argtypes import fraction, non_negative, positive  # noqa: E402
+from warply.common.argtypes import fraction, non_negative, output_folder, positive  # noqa: E402
 from warply.launch import exit_on_termination  # noqa: E402
 
 STRATEGIES = ("round_robin", "prefix_affinity", "kv-reuse")
@@ -282,7 +282,9 @@ def main() -> int:
     ap.add_argument("--sim-only", action="store_true", help="skip the live part")
     ap.add_argument("--tie", type=fraction, default=0.02, help="reuse gap counted as a tie")
     ap.add_argument("--deadline", type=positive(float), default=1200.0, help="whole run, seconds")
-    ap.add_argument("--workdir", type=Path, help="slice, logs, JSON (default: a temp folder)")
+    ap.add_argument(
+        "--workdir", type=output_folder, help="slice, logs, JSON (default: a temp folder)"
+    )
     args = ap.parse_args()
     exit_on_termination()
     if not args.sim_only and args.model is None:

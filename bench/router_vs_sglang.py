@@ -63,7 +63,7 @@ sys.path.insert(0, str(ROOT / "scripts"))
 import demo  # noqa: E402  (the demo's engines, workload and client; not a package)
 
 from replay.__main__ import StrategySpec, parse_strategy, strategy_arg  # noqa: E402
-from warply.common.argtypes import non_negative, positive  # noqa: E402
+from warply.common.argtypes import non_negative, output_folder, positive  # noqa: E402
 from warply.launch import (  # noqa: E402
     HOST,
     EngineProcess,
@@ -455,7 +455,9 @@ def main() -> int:
                     help="pairs for the router-added latency at 1 in flight (0: skip)")
     ap.add_argument("--timeout-s", type=positive(float), default=300, help="per row")
     ap.add_argument("--deadline", type=positive(float), default=1500, help="whole run, seconds")
-    ap.add_argument("--workdir", type=Path, help="logs and configs (default: a temp folder)")
+    ap.add_argument(
+        "--workdir", type=output_folder, help="logs and configs (default: a temp folder)"
+    )
     args = ap.parse_args()
     if args.sglang_tuned is None:
         args.sglang_tuned = [("1", "1.2"), ("2", "1.1")]

@@ -49,7 +49,7 @@ from _models import newest_tiny
 from prometheus_client.parser import text_string_to_metric_families
 
 from router.config import RouterConfig
-from warply.common.argtypes import non_negative, output_file, positive
+from warply.common.argtypes import non_negative, output_file, output_folder, positive
 from warply.launch import EngineProcess, RouterServer, SimWorkers, exit_on_termination, free_port
 
 MODEL = "tiny"
@@ -613,7 +613,9 @@ def main() -> int:
                     help="per request, seconds")
     ap.add_argument("--seed", type=non_negative(int), default=0, help="seed of the conversations")
     ap.add_argument("--json", type=output_file, help="write the report here")
-    ap.add_argument("--workdir", type=Path, help="logs and config (default: a temp folder)")
+    ap.add_argument(
+        "--workdir", type=output_folder, help="logs and config (default: a temp folder)"
+    )
     args = ap.parse_args()
     exit_on_termination()
     if args.tokenizer is None or not (args.tokenizer / "tokenizer.json").is_file():

@@ -27,7 +27,7 @@ from typing import Any
 
 import aiohttp
 
-from warply.common.argtypes import positive
+from warply.common.argtypes import output_folder, positive
 from warply.launch import (
     KvEvents,
     RouterServer,
@@ -286,13 +286,14 @@ def main() -> int:
         action="append",
         help=f"router strategy to run, in turn (repeatable; default: {', '.join(STRATEGIES)})",
     )
-    ap.add_argument("--workdir", type=Path, help="where logs go (default: a temp folder)")
+    ap.add_argument("--workdir", type=output_folder, help="where logs go (default: a temp folder)")
     args = ap.parse_args()
     exit_on_termination()
     if not args.trace.is_file():
         print(f"demo: trace not found: {args.trace}", file=sys.stderr)
         return 1
     workdir = args.workdir or Path(tempfile.mkdtemp(prefix="warply-demo-"))
+    workdir.mkdir(parents=True, exist_ok=True)
     try:
         return asyncio.run(_run(args, workdir))
     except (RuntimeError, TimeoutError) as exc:

@@ -107,6 +107,10 @@ def test_the_programs_numbers_are_checked_at_their_flags(
         ("bench/pd_replay.py", ["--sweep", "a"], "argument --sweep: 'a' is not an integer"),
         ("examples/quickstart.py", ["--model", "x", "--turns", "0"],
          "argument --turns: '0' must be > 0"),
+        ("bench/soak.py", ["--workdir", str(ROOT / "pyproject.toml")],
+         f"argument --workdir: '{ROOT}/pyproject.toml' is a file, not a folder"),
+        ("bench/placement_matrix.py", ["--out", str(ROOT / "pyproject.toml" / "x")],
+         f"argument --out: '{ROOT}/pyproject.toml/x': '{ROOT}/pyproject.toml' is a file"),
         (
             "bench/placement_matrix.py",
             ["--out", "x", "--workers", "4,x"],
@@ -139,9 +143,10 @@ def test_the_programs_refuse_a_bad_value_at_its_flag(
     program: str, args: list[str], error: str, monkeypatch: pytest.MonkeyPatch,
     capsys: pytest.CaptureFixture[str],
 ) -> None:
-    """A number out of range, a list with a bad item or a misspelt strategy stops the program
-    with one line naming the flag (each of these used to end in a traceback, some after long
-    work: a bad strategy failed in a worker process after the replays before it)."""
+    """A number out of range, a list with a bad item, a misspelt strategy or a folder that
+    cannot be one stops the program with one line naming the flag (each of these used to end in
+    a traceback, some after long work: a bad strategy failed in a worker process after the
+    replays before it)."""
     parser = _parser_of(program, monkeypatch)
     monkeypatch.undo()
     with pytest.raises(SystemExit) as exit_:

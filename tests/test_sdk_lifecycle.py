@@ -43,6 +43,14 @@ def test_gpu_pools_on_a_host_without_gpus(
         spec.up(run_dir=tmp_path, progress=None)
 
 
+def test_a_run_folder_that_cannot_be_made_is_an_up_error(model_dir: str, tmp_path: Path) -> None:
+    (tmp_path / "file").write_text("")
+    run_dir = tmp_path / "file" / "run"
+    error = f"^cannot make the run folder {run_dir}: Not a directory$"
+    with pytest.raises(wp.UpError, match=error):
+        wp.Engine(model=model_dir, pool=wp.Pool("cpu")).up(run_dir=run_dir, progress=None)
+
+
 def test_down_without_a_run(tmp_path: Path) -> None:
     with pytest.raises(FileNotFoundError, match="no running deployment in"):
         down(tmp_path, progress=None)

@@ -131,7 +131,10 @@ def up(
     say = progress or (lambda _: None)
     extra_env = dict(env or {})
     run_dir = run_dir or runs_home() / time.strftime(f"%Y%m%d-%H%M%S-{os.getpid()}")
-    run_dir.mkdir(parents=True, exist_ok=True)
+    try:
+        run_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise UpError(f"cannot make the run folder {run_dir}: {exc.strerror}") from None
     try:
         gpus = _gpu_count(spec)
         check_devices(spec, gpus)

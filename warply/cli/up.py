@@ -7,7 +7,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from warply.common.argtypes import positive
+from warply.common.argtypes import output_folder, positive
 
 
 def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -23,7 +23,7 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     u.add_argument("spec", type=Path, help="spec file (YAML)")
     u.add_argument("--vllm", help="the `vllm` program to run (default: found, see docs/sdk.md)")
     u.add_argument("--sglang-python", help="the Python with SGLang (backend sglang)")
-    u.add_argument("--run-dir", type=Path, help="folder for logs and state (default: "
+    u.add_argument("--run-dir", type=output_folder, help="folder for logs and state (default: "
                    "~/.cache/warply/runs/TIME-PID)")  # fmt: skip
     u.add_argument(
         "--timeout", type=positive(float), default=600, help="seconds per stage (default 600)"

@@ -82,6 +82,23 @@ def output_file(text: str) -> Path:
     return path
 
 
+def output_folder(text: str) -> Path:
+    """A folder a command writes into (made later, with its parents, when missing), checked
+    when parsed as `output_file` is: a folder or nothing at that path, under a folder that may
+    be written."""
+    path = Path(text)
+    if path.exists() and not path.is_dir():
+        raise argparse.ArgumentTypeError(f"{text!r} is a file, not a folder")
+    parent = path.absolute()
+    while not parent.exists():
+        parent = parent.parent
+    if not parent.is_dir():
+        raise argparse.ArgumentTypeError(f"{text!r}: {str(parent)!r} is a file, not a folder")
+    if not os.access(parent, os.W_OK):
+        raise argparse.ArgumentTypeError(f"{text!r}: folder {str(parent)!r} is not writable")
+    return path
+
+
 def fraction(text: str) -> float:
     """A number in [0, 1]."""
     value = _number(float, text)
