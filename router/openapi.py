@@ -80,9 +80,25 @@ _MESSAGE = {
                 {
                     "type": "array",
                     "items": {
-                        "type": "object",
-                        "required": ["type", "text"],
-                        "properties": {"type": {"const": "text"}, "text": {"type": "string"}},
+                        "anyOf": [
+                            {
+                                "type": "object",
+                                "required": ["type", "text"],
+                                "properties": {
+                                    "type": {"const": "text"},
+                                    "text": {"type": "string"},
+                                },
+                            },
+                            {
+                                "type": "object",
+                                "description": "image, audio, video, ...: sent to the engine as "
+                                "it came, the request placed by load",
+                                "required": ["type"],
+                                "properties": {
+                                    "type": {"type": "string", "not": {"const": "text"}}
+                                },
+                            },
+                        ]
                     },
                 },
             ]

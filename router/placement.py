@@ -304,10 +304,15 @@ class Placement:
         prefix_reuse: bool = True,
         exclude: Collection[str] = (),
         lineage: Lineage | None = None,
+        prompt_tokens: int | None = None,
     ) -> Decision:
-        """The placement for a prompt; raises `NoCandidate` when no worker may take it."""
+        """The placement for a prompt; raises `NoCandidate` when no worker may take it.
+        `prompt_tokens`: its length, when `tokens` are not the whole prompt (none of it for a
+        prompt the router cannot tokenize the engine's way, one with images: placed by length
+        and load alone)."""
+        whole = len(tokens) if prompt_tokens is None else prompt_tokens
         decision = await self._choose(
-            tokens, len(tokens), namespace, prefix_reuse, exclude, False, lineage
+            tokens, whole, namespace, prefix_reuse, exclude, False, lineage
         )
         assert decision is not None  # only early choices give up
         return decision

@@ -30,7 +30,7 @@ from router.errors import ApiError, read_body
 from router.metrics import RouterMetrics
 from router.placement import Decision, Placement
 from router.strategies import NoCandidate
-from router.tokenize import Prompt, PromptError, RouterTokenizer, start_prompts
+from router.tokenize import Prompt, PromptError, RouterTokenizer, has_media, start_prompts
 from router.upstream import Timeouts, Upstream
 from warply.protocol import request_namespace
 from warply.protocol.api import CacheKey, Overrides
@@ -60,6 +60,8 @@ class _Prepared:
     prefix_reuse: bool
     stream: bool
     client_wants_usage: bool
+    keyed: bool = True
+    """Its tokens are the engine's (a prompt with images is placed by its length alone)."""
     single: bool = True
     """One prompt and one choice (`n` 1): a request a P/D hand-off can carry."""
     rest: asyncio.Future[Prompt] | None = None
@@ -244,6 +246,10 @@ class Proxy:
             if prep.rest is not None:  # a retry after an early placement
                 prep.prompt, prep.rest = await prep.rest, None
             prompt = prep.prompt
+            if not prep.keyed:
+                return await self._placement.choose(
+                    (), prep.namespace, False, tried, None, prompt_tokens=prompt.estimate
+                )
             if not prompt.complete:
                 decision = await self._placement.choose_early(
                     prompt.tokens,
@@ -362,7 +368,11 @@ class Proxy:
             body["stream_options"] = {**base, "include_usage": True}
             untouched = False
         raw = raw if untouched else None
-        return _Prepared(body, raw, first, namespace, ov.prefix_reuse, stream, wants_usage, single)
+        keyed = not (kind == "chat" and has_media(body))
+        return _Prepared(
+            body, raw, first, namespace, ov.prefix_reuse and keyed, stream, wants_usage, keyed,
+            single,
+        )
 
     async def tokens(self, body: dict[str, Any], kind: str) -> tuple[list[int], str, bool]:
         """The request's (first) prompt, whole, as the engine tokenizes it, with its namespace

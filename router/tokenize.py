@@ -137,19 +137,36 @@ def _model_vocab(folder: Path) -> int:
 
 
 def _message_content(content: Any) -> Any:
-    """vLLM's "string" content format: text parts joined by newlines; other parts rejected."""
+    """vLLM's "string" content format: text parts joined by newlines. Other parts (images,
+    audio, video) are left out: such a prompt is placed by load alone (`has_media`)."""
     if content is None or isinstance(content, str):
         return content
     if isinstance(content, list):
         texts = []
         for part in content:
-            if not isinstance(part, Mapping) or part.get("type") != "text":
-                raise PromptError("only text content parts are supported by the router")
+            if not isinstance(part, Mapping) or not isinstance(kind := part.get("type"), str):
+                raise PromptError("each content part needs a string 'type'")
+            if kind != "text":
+                continue
             if not isinstance(text := part.get("text"), str):
                 raise PromptError("a text content part needs a string 'text'")
             texts.append(text)
         return "\n".join(texts)
-    raise PromptError("message content must be a string or a list of text parts")
+    raise PromptError("message content must be a string or a list of content parts")
+
+
+def has_media(body: Mapping[str, Any]) -> bool:
+    """Whether a /v1/chat/completions body has content parts other than text. The engine puts
+    their placeholder tokens in the prompt and their content hashes in its block hashes, which
+    the router cannot reproduce: such a request is placed by load, not by cached prefix, and
+    its body is sent on as it came."""
+    messages = body.get("messages")
+    return isinstance(messages, list) and any(
+        isinstance(m, Mapping)
+        and isinstance(content := m.get("content"), list)
+        and any(isinstance(p, Mapping) and p.get("type") != "text" for p in content)
+        for m in messages
+    )
 
 
 class RouterTokenizer:

@@ -334,6 +334,47 @@ def test_a_body_the_router_need_not_rewrite_is_sent_as_it_came(tokenizer_dir: Pa
     _run(scenario())
 
 
+def test_a_chat_with_an_image_is_served_by_load_and_sent_as_it_came(tokenizer_dir: Path) -> None:
+    """The engine's block hashes of a prompt with images hold the images' own hashes, which
+    the router cannot compute: the request is placed by load alone, predicted nothing, and
+    its body reaches the engine byte for byte (it was a 400 before)."""
+
+    async def scenario() -> None:
+        engines = [FakeEngine("a"), FakeEngine("b")]
+        async with running(tokenizer_dir, engines) as (router, _c, session, base):
+            text = "the cache holds a prefix of tokens the cache holds a prefix"
+            plain = {"model": "m", "messages": [{"role": "user", "content": text}]}
+            ids = RouterTokenizer(tokenizer_dir).chat_tokens(plain)
+            n = len(ids) // BS * BS
+            stored = BlockStored(list(range(1, n // BS + 1)), None, ids[:n], BS)
+            await router.index.apply("b", [stored])
+            image = {"type": "image_url", "image_url": {"url": "data:image/png;base64,iVBORw0K"}}
+            parts = [{"type": "text", "text": text}, image]
+            media = {"model": "m", "messages": [{"role": "user", "content": parts}]}
+
+            async def placed(body: dict[str, Any]) -> tuple[str, int, bytes]:
+                raw = json.dumps(body).encode()
+                async with session.post(
+                    base + "/v1/chat/completions", data=raw,
+                    headers={"Content-Type": "application/json"},
+                ) as r:  # fmt: skip
+                    assert r.status == 200, await r.text()
+                    predicted = int(r.headers["X-Warply-Predicted-Cached"])
+                    return r.headers["X-Warply-Worker"], predicted, raw
+
+            for _ in range(2):  # the text alone: its cached prefix on b decides
+                worker, predicted, _ = await placed(plain)
+                assert worker == "b" and predicted > 0
+            seen = []
+            for _ in range(4):
+                worker, predicted, raw = await placed(media)
+                seen.append(worker)
+                assert predicted == 0 and engines["ab".index(worker)].raw[-1] == raw
+            assert sorted(seen) == ["a", "a", "b", "b"]  # idle and equal: in turn
+
+    _run(scenario())
+
+
 def test_cache_key_namespaces_the_key_chain(tokenizer_dir: Path) -> None:
     async def scenario() -> None:
         async with running(tokenizer_dir, [FakeEngine("a"), FakeEngine("b")]) as (

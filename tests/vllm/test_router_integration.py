@@ -247,6 +247,22 @@ def test_errors_are_openai_shaped(stack: dict[str, Any]) -> None:
     assert _post(url + "/v1/completions", req)[0] == 200
 
 
+def test_a_chat_with_an_image_is_the_engines_to_judge(stack: dict[str, Any]) -> None:
+    """The router sends a chat with an image part on as it came (placed by load: it cannot
+    know the engine's hashes of media); what the engine answers it directly, it answers
+    through the router (the router answered 400 itself before). The tiny model is text-only."""
+    image = {"type": "image_url", "image_url": {"url": "data:image/png;base64,iVBORw0KGgo="}}
+    parts = [{"type": "text", "text": "What is in the picture?"}, image]
+    body = {"model": "tiny", "messages": [{"role": "user", "content": parts}], "max_tokens": 4}
+    engine = stack["engines"][0].url
+    direct_status, direct, _ = _post(engine + "/v1/chat/completions", body)
+    status, routed, headers = _post(stack["url"] + "/v1/chat/completions", body)
+    assert status == direct_status, (direct, routed)
+    assert headers["X-Warply-Predicted-Cached"] == "0"
+    if status != 200:
+        assert routed["error"]["message"] == direct["error"]["message"]
+
+
 def test_admin_token_enforced(stack: dict[str, Any]) -> None:
     url = stack["url"]
     assert http_json("GET", url + "/warply/cache_stats")[0] == 401
