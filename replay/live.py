@@ -25,6 +25,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validat
 
 from replay.report import latency_fields
 from replay.trace import TraceRequest, request_tokens
+from warply.common.urls import check_http_url
 
 
 class LiveConfig(BaseModel):
@@ -46,12 +47,9 @@ class LiveConfig(BaseModel):
     def _http_url(cls, url: str, info: ValidationInfo) -> str:
         """An http URL with a valid port, on loopback unless `allow_remote` (tests and benches
         stay local; the field comes first so that it is known here)."""
-        parts = urlsplit(url)
-        if parts.scheme != "http" or not parts.hostname:
-            raise ValueError(f"want http://HOST:PORT, got {url!r}")
-        parts.port  # noqa: B018 -- raises ValueError when out of range
-        if not info.data.get("allow_remote") and not _loopback(parts.hostname):
-            raise ValueError(f"{parts.hostname} is not a loopback address (pass --allow-remote)")
+        host = urlsplit(check_http_url(url, ("http",))).hostname or ""
+        if not info.data.get("allow_remote") and not _loopback(host):
+            raise ValueError(f"{host} is not a loopback address (pass --allow-remote)")
         return url.rstrip("/")
 
 

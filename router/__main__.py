@@ -38,7 +38,7 @@ from router.index import StoreUnavailable, shown_url
 
 _WORKER_KEYS = {"name", "events", "replay", "topic", "control", "bind"}
 _SCHEMES = ("http://", "https://")
-"""What a worker's URL starts with (`WorkerConfig.url`'s pattern)."""
+"""What a worker's URL starts with (`WorkerConfig.url`: `warply.common.urls.check_http_url`)."""
 
 
 def _worker_flag(spec: str, n: int) -> dict[str, Any]:
@@ -47,7 +47,7 @@ def _worker_flag(spec: str, n: int) -> dict[str, Any]:
     if not url.startswith(_SCHEMES):
         name, _, address = url.rpartition("=")
         if not address.startswith(_SCHEMES):
-            address = f"http://{address or '127.0.0.1:8001'}"
+            address = "http://" + (address.partition("://")[2] or address or "127.0.0.1:8001")
         example = f"{address},name={name or f'w{n}'}"
         raise ConfigError(
             f"--worker {spec!r}: write the worker's URL (http://HOST:PORT) first, then "

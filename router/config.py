@@ -14,6 +14,7 @@ from typing import Annotated, Any, Literal
 import yaml  # type: ignore[import-untyped]
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from warply.common.urls import check_http_url
 from warply.common.validation import describe
 from warply.protocol.api import Role
 from warply.protocol.endpoints import check_endpoint
@@ -38,7 +39,7 @@ class WorkerConfig(_Strict):
     """One engine server: where requests go and where its cache state comes from."""
 
     name: str = Field(min_length=1)
-    url: str = Field(pattern=r"^https?://")
+    url: str
     """OpenAI-compatible HTTP base URL (no trailing /v1)."""
     events: str | None = None
     """State-stream endpoint (stock `--kv-events-config` or the WarplyConnector's)."""
@@ -59,8 +60,8 @@ class WorkerConfig(_Strict):
 
     @field_validator("url")
     @classmethod
-    def _strip_slash(cls, url: str) -> str:
-        return url.rstrip("/")
+    def _http_url(cls, url: str) -> str:
+        return check_http_url(url).rstrip("/")
 
     @field_validator("events", "replay", "control")
     @classmethod

@@ -68,10 +68,10 @@ def test_stats_unreachable_router_is_one_line_exit_1() -> None:
 @pytest.mark.parametrize(
     ("url", "error"),
     [
-        ("ftp://127.0.0.1:1", "write the router's base URL as http://HOST:PORT"),
-        ("127.0.0.1:8000", "write the router's base URL as http://HOST:PORT"),
-        ("http://127.0.0.1:99999", "Port out of range 0-65535"),
-        ("http://[::1", "Invalid IPv6 URL"),
+        ("ftp://127.0.0.1:1", "not an http or https URL with a host (write http://HOST:PORT)"),
+        ("127.0.0.1:8000", "not an http or https URL with a host (write http://HOST:PORT)"),
+        ("http://127.0.0.1:99999", "Port out of range 0-65535 (write http://HOST:PORT)"),
+        ("http://[::1", "Invalid IPv6 URL (write http://HOST:PORT)"),
     ],
 )
 def test_a_router_url_that_is_not_one_is_a_usage_error(url: str, error: str) -> None:

@@ -61,6 +61,8 @@ def test_yaml_and_toml_load(tmp_path: Path) -> None:
         (("block_size: 32", "block_size: 0"), "pools.0.block_size"),
         (("model: tiny", "model: tiny\nmodle: x"), "modle"),
         (("url: \"http://127.0.0.1:8002\"", "url: \"ftp://x\""), "pools.0.workers.1.url"),
+        (("127.0.0.1:8002", "127.0.0.1:80020"), "pools.0.workers.1.url: Port out of range"),
+        (("127.0.0.1:8002", ":8002"), "pools.0.workers.1.url: not an http or https URL with a"),
         (("name: b,", "name: a,"), "used twice"),
         (("8002", "8001/"), "workers 'a' and 'b' have the same url http://127.0.0.1:8001"),
         (("tcp://127.0.0.1:5557", "127.0.0.1:5557"), "pools.0.workers.0.events"),
@@ -93,6 +95,8 @@ def test_flags_override_and_build_a_pool(tmp_path: Path) -> None:
         config_from_args(_parser().parse_args(["--worker", "w0=http://h:1", "--block-size", "16"]))
     with pytest.raises(ConfigError, match="e.g. http://h:1,name=w0$"):
         config_from_args(_parser().parse_args(["--worker", "h:1", "--block-size", "16"]))
+    with pytest.raises(ConfigError, match="e.g. http://h:1,name=w0$"):
+        config_from_args(_parser().parse_args(["--worker", "ftp://h:1", "--block-size", "16"]))
     with pytest.raises(ConfigError, match="--worker needs --block-size"):
         config_from_args(
             _parser().parse_args(["--config", str(_write(tmp_path, GOOD)), "--worker", "http://h:1"])

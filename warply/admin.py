@@ -6,11 +6,12 @@ from __future__ import annotations
 
 import json
 import urllib.error
-import urllib.parse
 import urllib.request
 from typing import Any, TypeVar
 
 import msgspec
+
+from warply.common.urls import check_http_url
 
 _T = TypeVar("_T")
 
@@ -36,7 +37,7 @@ def call(
     """GET `path` (POST `body` as JSON when given) on the router at `router`, decoded as
     `shape`; `token`: the router's admin token, when it has one."""
     try:
-        _check_base(router)
+        check_http_url(router)
     except ValueError as exc:
         raise AdminError(f"router URL {router!r}: {exc}", usage=True) from None
     url = router.rstrip("/") + path
@@ -60,15 +61,6 @@ def call(
         return msgspec.json.decode(raw, type=shape)
     except msgspec.DecodeError as exc:
         raise AdminError(f"{url}: not a Warply router's answer ({exc})") from None
-
-
-def _check_base(router: str) -> None:
-    """Raise ValueError unless `router` is an http(s) URL with a host and a valid port (urllib
-    would try FTP for ftp://, or report a port out of range as a refused connection)."""
-    parts = urllib.parse.urlsplit(router)
-    if parts.scheme not in ("http", "https") or not parts.hostname:
-        raise ValueError("write the router's base URL as http://HOST:PORT")
-    parts.port  # noqa: B018 -- raises ValueError when out of range
 
 
 def _message(body: bytes) -> str:
