@@ -483,12 +483,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser().parse_args(argv)
     try:
         code: int = args.func(args)
-    except (UsageError, TraceError) as exc:
+    except (UsageError, TraceError, LiveError) as exc:
         print(f"warply bench {args.command}: {exc}", file=sys.stderr)
-        return 2
-    except LiveError as exc:
-        print(f"warply bench {args.command}: {exc}", file=sys.stderr)
-        return 1
+        return 1 if isinstance(exc, LiveError) else 2  # a dead endpoint is no usage error
     return code
 
 
