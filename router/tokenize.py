@@ -159,7 +159,9 @@ def has_media(body: Mapping[str, Any]) -> bool:
     """Whether a /v1/chat/completions body has content parts other than text. The engine puts
     their placeholder tokens in the prompt and their content hashes in its block hashes, which
     the router cannot reproduce: such a request is placed by load, not by cached prefix, and
-    its body is sent on as it came."""
+    its body is sent on as it came. Only type "text" counts as text here: vLLM 0.32 also reads
+    `input_text`, `output_text`, `refusal` and `thinking` parts as text, but how each engine
+    renders those is not the router's to guess, so they are placed by load as well."""
     messages = body.get("messages")
     return isinstance(messages, list) and any(
         isinstance(m, Mapping)
