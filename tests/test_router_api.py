@@ -30,7 +30,7 @@ from router.index import MemoryStore, PrefixIndex
 from router.placement import Placement
 from router.tiering import Action, TierPolicy, TierState
 from router.token_cache import ChunkCache
-from router.tokenize import RouterTokenizer, start_prompts
+from router.tokenize import RouterTokenizer, has_media, start_prompts
 from router.upstream import ConnectTimeout
 from router.workers import Workers
 from warply.protocol import (
@@ -373,6 +373,17 @@ def test_a_chat_with_an_image_is_served_by_load_and_sent_as_it_came(tokenizer_di
             assert sorted(seen) == ["a", "a", "b", "b"]  # idle and equal: in turn
 
     _run(scenario())
+
+
+def test_only_text_parts_count_as_text() -> None:
+    def chat(*content: Any) -> dict[str, Any]:
+        return {"messages": [{"role": "user", "content": c} for c in content]}
+
+    assert not has_media(chat("x", [{"type": "text", "text": "y"}], None))
+    audio = {"type": "input_audio", "input_audio": {"data": "", "format": "wav"}}
+    assert has_media(chat("x", [audio]))
+    assert has_media(chat([{"type": "refusal", "refusal": "no"}]))  # text to vLLM, not to all
+    assert not has_media({"messages": "x"}) and not has_media({})
 
 
 def test_cache_key_namespaces_the_key_chain(tokenizer_dir: Path) -> None:
