@@ -12,6 +12,7 @@
 #     phase 1's and be handed off (scripts/gpu_pd_check.py check).
 # Usage: [TRANSFER=nixl|mooncake] bash scripts/gpu_check_sglang.sh [MODEL_DIR]
 set -euo pipefail
+source "$(dirname "${BASH_SOURCE[0]}")/script_help.sh" "$@"  # --help: the comment above
 if [[ -z "${WARPLY_GPU_CHECK_TIMED:-}" ]]; then
   WARPLY_GPU_CHECK_TIMED=1 exec timeout 480 bash "$0" "$@"
 fi

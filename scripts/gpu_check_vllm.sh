@@ -11,6 +11,7 @@
 #     handed off (scripts/gpu_pd_check.py check); the router's P/D stats are printed.
 # Usage: VLLM_PY=/path/to/cuda-venv/bin/python bash scripts/gpu_check_vllm.sh [MODEL_DIR]
 set -euo pipefail
+source "$(dirname "${BASH_SOURCE[0]}")/script_help.sh" "$@"  # --help: the comment above
 if [[ -z "${WARPLY_GPU_CHECK_TIMED:-}" ]]; then
   WARPLY_GPU_CHECK_TIMED=1 exec timeout 480 bash "$0" "$@"
 fi

@@ -3,11 +3,13 @@
 #
 #   bash scripts/setup_envs.sh [core] [vllm] [sglang] [lmcache]      (default: core)
 #
-# Venvs live in ${WARPLY_CACHE:-$HOME/.cache/warply}/venvs/NAME-<hash>, keyed by the lock file
-# and this script, so a fresh clone on the same machine reuses them; pip's cache is kept too.
+# Venvs live in ${WARPLY_CACHE:-$HOME/.cache/warply}/venvs/NAME-<hash>, keyed by the requirements
+# file and that environment's recipe below, so a fresh clone on the same machine reuses them;
+# pip's cache is kept too.
 # Each venv gets this checkout installed editable (no deps), which registers Warply's entry points
 # (vllm.general_plugins, sglang.srt.plugins) for the engine inside it.
 set -euo pipefail
+source "$(dirname "${BASH_SOURCE[0]}")/script_help.sh" "$@"  # --help: the comment above
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 CACHE="${WARPLY_CACHE:-$HOME/.cache/warply}"

@@ -5,6 +5,11 @@
 # it needs first (idempotent, cached per machine), including Debian's redis-server and libibverbs1
 # (sudo unless root).
 set -uo pipefail
+source "$(dirname "${BASH_SOURCE[0]}")/script_help.sh" "$@"  # --help: the comment above
+if [[ $# -gt 0 ]]; then
+    echo "scripts/test.sh takes no arguments (got '$1'); --help says what it runs" >&2
+    exit 2
+fi
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT"
 # Debian packages: redis-server (the shared index store's tests and the redis tier start one) and

@@ -229,3 +229,29 @@ def test_the_programs_that_start_processes_stop_them_when_terminated() -> None:
         and "exit_on_termination()" not in text
     ]  # fmt: skip
     assert missing == []
+
+
+SHELL_SCRIPTS = sorted(
+    p.relative_to(ROOT).as_posix()
+    for p in (ROOT / "scripts").glob("*.sh")
+    if p.read_text().startswith("#!")  # not the files they source
+)
+
+
+@pytest.mark.parametrize("script", SHELL_SCRIPTS)
+def test_the_shell_scripts_answer_help_and_do_nothing_else(script: str) -> None:
+    """`bash scripts/test.sh --help` ran the whole suite; demo.sh's and setup_envs.sh's first
+    installed the venvs (minutes on a fresh machine)."""
+    out = subprocess.run(
+        ["bash", script, "--help"], cwd=ROOT, capture_output=True, text=True, timeout=30
+    )
+    assert out.returncode == 0 and out.stderr == ""
+    lines = out.stdout.splitlines()
+    assert len(lines) >= 2 and not lines[0].startswith(("#", "!")), lines
+
+
+def test_the_test_script_refuses_arguments() -> None:
+    out = subprocess.run(
+        ["bash", "scripts/test.sh", "--fast"], cwd=ROOT, capture_output=True, text=True, timeout=30
+    )
+    assert out.returncode == 2 and "takes no arguments (got '--fast')" in out.stderr
