@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from warply.common.argtypes import fraction, positive
-from warply.protocol.endpoints import GRAMMAR, EndpointError, check_endpoint
+from warply.protocol.endpoints import GRAMMAR, endpoint_arg
 from warply.protocol.plugin import CONTROL_TOKEN_ENV, PluginSettings
 
 SGLANG_VERSION = "0.5.23"
@@ -31,15 +31,6 @@ class WarplySettings(PluginSettings):
     `events_endpoint` (the PUB socket connects to the router's collector), `--warply-replay` →
     `replay_endpoint`, `--warply-control` → `control_endpoint`. An empty `worker` means
     `HOST:PORT` of the SGLang server."""
-
-
-def endpoint_arg(value: str) -> str:
-    """argparse `type` for an endpoint (`warply.protocol.endpoints`); a bad one is a one-line
-    usage error."""
-    try:
-        return check_endpoint(value)
-    except EndpointError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def add_cli_args(parser: argparse.ArgumentParser) -> None:

@@ -11,7 +11,7 @@ from collections import Counter
 from typing import Any
 
 from warply.common.argtypes import non_negative
-from warply.protocol.endpoints import EndpointError, check_endpoint
+from warply.protocol.endpoints import endpoint_arg
 from warply.protocol.plugin import LOCAL_EVENTS_ENDPOINT, LOCAL_REPLAY_ENDPOINT
 
 
@@ -26,7 +26,7 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     w.add_argument(
         "endpoint",
         nargs="?",
-        type=_endpoint,
+        type=endpoint_arg,  # the replay socket opens at the first gap: checked here, not there
         help="ZMQ endpoint of the stream (default: an engine on this host with the default "
         f"endpoints, {LOCAL_EVENTS_ENDPOINT}, replay {LOCAL_REPLAY_ENDPOINT})",
     )
@@ -36,7 +36,7 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         help="bind the endpoint (for engines configured to connect to a collector)",
     )
     w.add_argument(
-        "--replay", metavar="ENDPOINT", type=_endpoint, help="the publisher's replay endpoint"
+        "--replay", metavar="ENDPOINT", type=endpoint_arg, help="the publisher's replay endpoint"
     )
     w.add_argument("--topic", default="", help="topic prefix to subscribe to (default: all)")
     w.add_argument("--name", default="worker", help="worker name used in logs")
@@ -51,15 +51,6 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         help="stop after this many seconds (0: never)",
     )
     w.set_defaults(func=_watch)
-
-
-def _endpoint(value: str) -> str:
-    """An endpoint of the grammar (`warply.protocol.endpoints`), checked as the flags are read:
-    the replay socket opens only at the first gap, where a bad one was a traceback."""
-    try:
-        return check_endpoint(value)
-    except EndpointError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def _watch(args: argparse.Namespace) -> int:

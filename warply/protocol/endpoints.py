@@ -10,6 +10,7 @@ by the publisher. Errors are one line that quotes the value.
 
 from __future__ import annotations
 
+import argparse
 import re
 from dataclasses import dataclass
 
@@ -73,6 +74,15 @@ def check_endpoint(value: str) -> str:
     """`value` unchanged if it is an endpoint; else `EndpointError`."""
     parse_endpoint(value)
     return value
+
+
+def endpoint_arg(value: str) -> str:
+    """argparse `type` for an endpoint: a bad one is a one-line usage error (the SGLang plugin's
+    `--warply-*` flags, `warply watch`)."""
+    try:
+        return check_endpoint(value)
+    except EndpointError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def binds(value: str) -> bool:
