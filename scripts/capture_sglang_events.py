@@ -27,7 +27,7 @@ import time
 from array import array
 from pathlib import Path
 
-from warply.common.argtypes import number_list
+from warply.common.argtypes import number_list, output_folder
 
 REPO = Path(__file__).resolve().parents[1]
 DEFAULT_OUT = REPO / "tests" / "data" / "events"
@@ -307,7 +307,10 @@ def main() -> None:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     ap.add_argument(
-        "--out", type=Path, default=DEFAULT_OUT, help="output folder (default: %(default)s)"
+        "--out",
+        type=output_folder,
+        default=DEFAULT_OUT,
+        help="output folder (default: %(default)s)",
     )
     ap.add_argument(
         "--page-sizes",

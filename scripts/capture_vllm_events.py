@@ -42,7 +42,7 @@ import threading
 import time
 from pathlib import Path
 
-from warply.common.argtypes import non_negative, positive
+from warply.common.argtypes import non_negative, output_folder, positive
 from warply.launch import HOST, VllmServer, exit_on_termination, free_port, http_json
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -321,6 +321,7 @@ def main() -> int:
     )
     ap.add_argument(
         "--out-dir",
+        type=output_folder,
         default=str(ROOT / "tests" / "data" / "events"),
         help="where the captures go (default: tests/data/events)",
     )
