@@ -44,7 +44,8 @@ from replay.live import LiveConfig, run_live  # noqa: E402
 from replay.references import lru_reuse  # noqa: E402
 from replay.report import summarize  # noqa: E402
 from replay.sim import simulate  # noqa: E402
-from replay.trace import ExpandedTrace, read_trace  # noqa: E402
+from replay.trace import ExpandedTrace, exiting_on_bad_trace, read_trace  # noqa: E402
+from replay.workloads import as_record  # noqa: E402
 from warply.common.argtypes import fraction, non_negative, output_folder, positive  # noqa: E402
 from warply.launch import exit_on_termination  # noqa: E402
 
@@ -59,7 +60,7 @@ def _log(msg: str) -> None:
 
 def make_slice(args: argparse.Namespace, out: Path) -> dict[str, Any]:
     """Write the slice (Mooncake JSONL at `--trace-block`); returns what it holds."""
-    rows = [json.loads(line) for line in args.trace.read_text().splitlines() if line.strip()]
+    rows = [as_record(r) for r in read_trace(args.trace)]  # checked: a bad line is named
     fits = [
         g[: args.turns]
         for g in demo.conversation_groups(rows)
@@ -295,7 +296,8 @@ def main() -> int:
     signal.signal(signal.SIGALRM, _alarm)
     signal.alarm(int(args.deadline))
     path = workdir / "slice.jsonl"
-    info = make_slice(args, path)
+    with exiting_on_bad_trace(ap.prog):
+        info = make_slice(args, path)
     min_blocks = -(-args.max_model_len // args.block_size) + 1
     if not args.num_blocks:
         args.num_blocks = max(min_blocks, int(0.55 * info["unique_blocks"]))

@@ -178,19 +178,24 @@ def test_the_programs_check_their_flags_together_before_any_work(
     assert "Traceback" not in done.stderr
 
 
-@pytest.mark.parametrize("program", ["bench/cost_replay.py", "bench/pd_replay.py",
-                                     "bench/replay_scale.py"])
-def test_the_programs_name_a_trace_they_cannot_read(program: str, tmp_path: Path) -> None:
+@pytest.mark.parametrize(
+    ("program", "flags"),
+    [("bench/cost_replay.py", []), ("bench/pd_replay.py", []), ("bench/replay_scale.py", []),
+     ("bench/replay_vs_live.py", ["--sim-only"])],
+)
+def test_the_programs_name_a_trace_they_cannot_read(
+    program: str, flags: list[str], tmp_path: Path
+) -> None:
     """A `--trace` that is missing or not a Mooncake trace ends the program with one line
     naming it (`replay.trace.exiting_on_bad_trace`), as a bad flag does; these ended in a
     traceback."""
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"timestamp": 1}\n')
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "TMPDIR": str(tmp_path)}  # their work folders
     for trace, error in [(tmp_path / "missing", "cannot read trace"),
                          (bad, f"{bad}:1: not a Mooncake trace record")]:
         done = subprocess.run(
-            [sys.executable, str(ROOT / program), "--trace", str(trace)],
+            [sys.executable, str(ROOT / program), *flags, "--trace", str(trace)],
             capture_output=True, text=True, env=env, timeout=60,
         )
         assert done.returncode == 2
