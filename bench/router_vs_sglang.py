@@ -208,9 +208,7 @@ def _row(wall: float, done: list[dict[str, Any]], before: list[dict[str, float]]
     }
 
 
-async def _main(args: argparse.Namespace, workdir: Path) -> int:
-    items = demo.workload(args.trace, args.conversations, args.turns, args.words_per_id,
-                          args.max_ids)
+async def _main(args: argparse.Namespace, workdir: Path, items: list[dict[str, Any]]) -> int:
     distinct, longest = _distinct_blocks(items, args.model, demo.BLOCK_SIZE)
     max_len = -(-(longest + 32) // 256) * 256
     min_blocks = -(-max_len // demo.BLOCK_SIZE) + 1
@@ -462,8 +460,7 @@ def main() -> int:
     if args.sglang_tuned is None:
         args.sglang_tuned = [("1", "1.2"), ("2", "1.1")]
     args.specs = [parse_strategy(s) for s in args.strategy or ["adaptive"]]
-    if not args.trace.is_file():
-        ap.error(f"trace not found: {args.trace}")
+    items = demo.flagged_workload(ap, args)
     if args.sglang_router and not Path(args.sglang_router).is_file():
         ap.error(f"no python at --sglang-router {args.sglang_router}: run `bash "
                  "scripts/setup_envs.sh sglang`, or pass --sglang-router '' to skip its rows")
@@ -474,7 +471,7 @@ def main() -> int:
     exit_on_termination()
     signal.alarm(int(args.deadline))
     try:
-        return asyncio.run(_main(args, workdir))
+        return asyncio.run(_main(args, workdir, items))
     except (RuntimeError, TimeoutError, Deadline) as exc:
         print(f"router_vs_sglang failed: {exc}", file=sys.stderr)
         return 1

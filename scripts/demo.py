@@ -27,6 +27,8 @@ from typing import Any
 
 import aiohttp
 
+from replay.trace import exiting_on_bad_trace, read_trace
+from replay.workloads import as_record
 from warply.common.argtypes import output_folder, positive
 from warply.launch import (
     KvEvents,
@@ -85,7 +87,7 @@ def workload(
     seeded with the id, so equal hash chains are equal texts; each line ends in a newline, which
     the byte-level pre-tokenizer always splits off, so equal chains are equal token prefixes too.
     """
-    rows = [json.loads(line) for line in trace.read_text().splitlines() if line.strip()]
+    rows = [as_record(r) for r in read_trace(trace)]  # a bad line is a TraceError naming it
     chosen = [g[:turns] for g in conversation_groups(rows)][:conversations]
     order = sorted((i, conv) for conv, idxs in enumerate(chosen) for i in idxs)
     lines: dict[int, str] = {}
@@ -202,8 +204,7 @@ def reset_caches(engines: list[tuple[VllmServer, KvEvents]]) -> None:
             raise RuntimeError(f"warm-up on {engine.url}: {status} {body}")
 
 
-async def _run(args: argparse.Namespace, workdir: Path) -> int:
-    items = workload(args.trace, args.conversations, args.turns, args.words_per_id, args.max_ids)
+async def _run(args: argparse.Namespace, workdir: Path, items: list[dict[str, Any]]) -> int:
     chars = sum(len(i["prompt"]) for i in items)
     _log(f"workload: {len(items)} requests in {args.conversations} conversations, "
          f"{chars} prompt characters, from {args.trace}")
@@ -276,6 +277,13 @@ def add_workload_flags(ap: argparse.ArgumentParser, conversations: int) -> None:
     ap.add_argument("--in-flight", type=positive(int), default=4, help="requests open at once")
 
 
+def flagged_workload(ap: argparse.ArgumentParser, args: argparse.Namespace) -> list[dict[str, Any]]:
+    """The `workload` its flags (`add_workload_flags`) describe; a trace that cannot be read
+    ends the program with one line naming it (exit 2), before anything starts."""
+    with exiting_on_bad_trace(ap.prog):
+        return workload(args.trace, args.conversations, args.turns, args.words_per_id, args.max_ids)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--vllm", required=True, help="the vllm CLI of the engine venv")
@@ -289,13 +297,11 @@ def main() -> int:
     ap.add_argument("--workdir", type=output_folder, help="where logs go (default: a temp folder)")
     args = ap.parse_args()
     exit_on_termination()
-    if not args.trace.is_file():
-        print(f"demo: trace not found: {args.trace}", file=sys.stderr)
-        return 1
+    items = flagged_workload(ap, args)
     workdir = args.workdir or Path(tempfile.mkdtemp(prefix="warply-demo-"))
     workdir.mkdir(parents=True, exist_ok=True)
     try:
-        return asyncio.run(_run(args, workdir))
+        return asyncio.run(_run(args, workdir, items))
     except (RuntimeError, TimeoutError) as exc:
         print(f"demo failed: {exc}", file=sys.stderr)
         return 1

@@ -181,7 +181,9 @@ def test_the_programs_check_their_flags_together_before_any_work(
 @pytest.mark.parametrize(
     ("program", "flags"),
     [("bench/cost_replay.py", []), ("bench/pd_replay.py", []), ("bench/replay_scale.py", []),
-     ("bench/replay_vs_live.py", ["--sim-only"])],
+     ("bench/replay_vs_live.py", ["--sim-only"]),
+     ("scripts/demo.py", ["--vllm", "x", "--model", "x"]),
+     ("bench/router_vs_sglang.py", ["--vllm", "x", "--model", "x"])],
 )
 def test_the_programs_name_a_trace_they_cannot_read(
     program: str, flags: list[str], tmp_path: Path
