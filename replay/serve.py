@@ -168,6 +168,8 @@ class SimWorker:
         self._last_load = 0.0
         self.events_endpoint = self.replay_endpoint = ""
         self.url = ""
+        self.driver: asyncio.Task[None] | None = None
+        """Runs the engine in real time (`start`); its end is the simulator's failure."""
         self.app = web.Application(client_max_size=64 << 20)
         self.app.add_routes(
             [
@@ -197,11 +199,13 @@ class SimWorker:
         )
         self.events_endpoint = self._publisher.endpoint
         self.replay_endpoint = self._publisher.replay_endpoint or ""
-        self._driver = asyncio.create_task(self._drive(), name=f"drive-{self.name}")
+        self.driver = asyncio.create_task(self._drive(), name=f"drive-{self.name}")
 
     async def stop(self) -> None:
-        self._driver.cancel()
-        await asyncio.gather(self._driver, return_exceptions=True)
+        if self.driver is None:
+            return
+        self.driver.cancel()
+        await asyncio.gather(self.driver, return_exceptions=True)
         await self._runner.cleanup()
         if self._publisher is not None:
             self._publisher.close()
@@ -349,7 +353,7 @@ class SimWorker:
             self._drop(live)
 
     def _validate(self, body: dict[str, Any], kind: str) -> tuple[dict[str, Any], list[int], int]:
-        if body.get("model") != self.cfg.model:
+        if body.get("model") not in (self.cfg.model, None, ""):  # vLLM 0.32: none is the base
             raise _ApiError(
                 404, f"The model `{body.get('model')}` does not exist.", "model_not_found"
             )
@@ -360,6 +364,8 @@ class SimWorker:
         if not isinstance(output, int) or isinstance(output, bool) or output < 1:
             raise _ApiError(400, "max_tokens must be a positive integer", "invalid_value")
         tokens = self._prompt(kind, body)
+        if not tokens:  # vLLM 0.32's refusal; the simulated engine would stall on it
+            raise _ApiError(400, "The decoder prompt cannot be empty", "invalid_prompt")
         if len(tokens) + output > self.cfg.max_model_len:
             raise _ApiError(
                 400,
@@ -509,11 +515,15 @@ async def serve(cfg: ServeConfig, until: Callable[[], asyncio.Future[Any]] | Non
         if cfg.manifest is not None:
             _write_manifest(cfg, workers)
         _log.info("%d simulated workers listening: %s", len(workers), workers[0].url)
-        await (until() if until is not None else _signalled())
+        stop = until() if until is not None else _signalled()
+        drivers = [w.driver for w in workers if w.driver is not None]
+        await asyncio.wait([stop, *drivers], return_when=asyncio.FIRST_COMPLETED)
+        for driver in drivers:  # a simulator bug: fail loudly rather than serve no tokens
+            if driver.done():
+                driver.result()
     finally:
         for w in workers:
-            if hasattr(w, "_driver"):
-                await w.stop()
+            await w.stop()
 
 
 def _write_manifest(cfg: ServeConfig, workers: list[SimWorker]) -> None:

@@ -24,7 +24,7 @@ from tokenizers import Tokenizer, models, pre_tokenizers, processors
 
 from replay.costmodel import ReferenceModel
 from replay.engine import EngineConfig, SimEngine, SimRequest
-from replay.serve import ServeConfig, serve
+from replay.serve import ServeConfig, SimWorker, serve
 from router.app import Router
 from router.config import RouterConfig
 from router.tokenize import RouterTokenizer
@@ -181,6 +181,34 @@ def test_bad_requests_are_openai_errors(tokenizer_dir: Path, tmp_path: Path) -> 
                 got, answer, _ = await post(url, body, raw)
                 assert (got, answer["error"]["code"]) == (status, code), (body, answer)
                 assert set(answer["error"]) == {"message", "type", "param", "code"}
+            # a chat template that renders nothing: refused as vLLM refuses it, and the
+            # simulated engine (which would stall on a prompt of no tokens) serves on
+            empty = {"messages": [{"role": "user", "content": "the"}], "chat_template": ""}
+            got, answer, _ = await post(workers[0]["url"] + "/v1/chat/completions", empty)
+            assert (got, answer["error"]["message"]) == (400, "The decoder prompt cannot be empty")
+            for model in (None, ""):  # no model (or an empty name) is the base model, as in vLLM
+                got, answer, _ = await post(url, {"model": model, "prompt": "the"})
+                assert got == 200 and answer["usage"]["prompt_tokens"] == 2, answer
+
+    _run(scenario())
+
+
+def test_a_failed_engine_driver_ends_the_simulator(
+    tokenizer_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A simulator bug in the engine loop stops the process with its error: a worker whose
+    driver died would take requests and never answer them."""
+
+    def stalled(self: SimWorker) -> float:
+        raise RuntimeError("sim0: simulator stalled")
+
+    monkeypatch.setattr(SimWorker, "_tick", stalled)
+    cfg = ServeConfig.model_validate({"model": "m", "tokenizer": tokenizer_dir})
+
+    async def scenario() -> None:
+        never = asyncio.get_running_loop().create_future
+        with pytest.raises(RuntimeError, match="stalled"):
+            await serve(cfg, never)
 
     _run(scenario())
 
