@@ -126,6 +126,12 @@ def _parser() -> argparse.ArgumentParser:
         metavar="NAME",
         help="a LoRA adapter the engines serve (repeatable); requests may name it in `model`",
     )
+    ap.add_argument(
+        "--trust-request-chat-template",
+        action="store_const",
+        const=True,
+        help=_field_help("trust_request_chat_template"),
+    )
     ap.add_argument("--block-size", type=int, help="block size of the --worker pool")
     ap.add_argument("--kv-bytes-per-token", type=int, default=0, help="for bytes-cached metrics")
     ap.add_argument(
@@ -150,6 +156,8 @@ def config_from_args(args: argparse.Namespace) -> RouterConfig:
     overrides: dict[str, Any] = {name: getattr(args, name) for name in CLI_FIELDS}
     if args.lora_adapter:
         overrides["lora_adapters"] = args.lora_adapter
+    if args.trust_request_chat_template:
+        overrides["trust_request_chat_template"] = True
     if args.worker:
         if args.block_size is None:
             raise ConfigError(

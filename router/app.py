@@ -94,6 +94,7 @@ class Router:
             config.pd.lost_after_s,
             config.upstream_idle_timeout_s,
             config.limits,
+            config.trust_request_chat_template,
         )
         self.proxy.max_model_len = config.max_model_len
         self.tiering: TierRunner | None = None

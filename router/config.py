@@ -333,6 +333,10 @@ class RouterConfig(_Strict):
     `control_token`. Default: the `WARPLY_CONTROL_TOKEN` environment variable (as the plugins
     read it), else none."""
     limits: LimitsConfig = LimitsConfig()
+    trust_request_chat_template: bool = False
+    """Render a chat request's own `chat_template` (sandboxed Jinja, as the engine would).
+    Off: such requests are refused with 400, as vLLM refuses them without its
+    `--trust-request-chat-template`; turn both on together, for clients you trust."""
     index: IndexConfig = IndexConfig()
     max_model_len: int | None = Field(None, gt=0)
     """Longest prompt accepted (unset: ask the workers' /v1/models at start-up)."""

@@ -113,6 +113,11 @@ _CHAT: dict[str, Any] = {
         **_COMMON,
         "messages": {"type": "array", "minItems": 1, "items": _MESSAGE},
         "chat_template_kwargs": {"type": ["object", "null"]},
+        "chat_template": {
+            "type": ["string", "null"],
+            "description": "refused (400 untrusted_chat_template) unless the router's "
+            "trust_request_chat_template is on",
+        },
     },
 }
 
@@ -172,7 +177,8 @@ def openapi_document(config: RouterConfig) -> dict[str, Any]:
     )
     components["Error"] = _ERROR
     components["DirectiveAck"] = _ACK
-    model = {"model": {"enum": [config.model, *config.lora_adapters, None]}}
+    names = [config.model, *config.lora_adapters, "", None]  # "" and none: the base model
+    model = {"model": {"enum": names}}
     for name, shape in (("CompletionRequest", _COMPLETION), ("ChatCompletionRequest", _CHAT)):
         components[name] = {**shape, "properties": {**model, **shape["properties"]}}
     components["WorkerConfig"] = WorkerConfig.model_json_schema()

@@ -87,6 +87,7 @@ _FIELD_TYPES: dict[str, tuple[type, ...]] = {
     "max_completion_tokens": (int,),
     "add_special_tokens": (bool,),
     "chat_template_kwargs": (dict,),
+    "chat_template": (str,),
 }
 """Types of the fields the router itself reads (null allowed: the field's default); the rest
 of the body is the engine's to check."""
@@ -119,6 +120,22 @@ def _check_fields(body: dict[str, Any]) -> None:
             raise ApiError(400, f"'{name}' must be {want}", "invalid_value", name)
 
 
+def _refuse_request_template(body: dict[str, Any]) -> None:
+    """400 for a chat body that brings its own chat template: rendering one is running the
+    client's code (a sandboxed Jinja loop can still take the router's CPU and memory), so the
+    router, like vLLM 0.32 without `--trust-request-chat-template`, takes none unless told."""
+    kwargs = body.get("chat_template_kwargs")
+    given = isinstance(kwargs, dict) and kwargs.get("chat_template") is not None
+    if body.get("chat_template") is not None or given:
+        raise ApiError(
+            400,
+            "Chat template is passed with request, but trust_request_chat_template is not set "
+            "in the router's config. Refused request with untrusted chat template.",
+            "untrusted_chat_template",
+            "chat_template",
+        )
+
+
 def _prompt_too_long(tokens: int, limit: int, param: str) -> ApiError:
     return ApiError(
         400,
@@ -149,8 +166,10 @@ class Proxy:
         lost_after_s: float = 10.0,
         idle_timeout_s: float | None = None,
         limits: LimitsConfig | None = None,
+        trust_request_chat_template: bool = False,
     ) -> None:
         self.model = model
+        self._trust_template = trust_request_chat_template
         self._served = {model, *adapters}
         """Names a request's `model` may take: the base model and its LoRA adapters."""
         self.max_model_len: int | None = None
@@ -321,8 +340,10 @@ class Proxy:
         are when nothing needs rewriting); tokenize its prompt the engine's way (a long single
         prompt only up to its second new chunk, unless its length must be checked)."""
         _check_fields(body)
+        if kind == "chat" and not self._trust_template:
+            _refuse_request_template(body)
         model = body.get("model")
-        if model is not None and model not in self._served:
+        if model and model not in self._served:
             raise ApiError(404, f"The model `{model}` does not exist.", "model_not_found", "model")
         self._check_counts(body)
         inline = raw is None or len(raw) <= _INLINE_BODY_BYTES

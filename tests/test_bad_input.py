@@ -90,7 +90,12 @@ def live(tokenizer_dir: Path) -> Iterator[Live]:  # noqa: F811
     async def serve() -> None:
         engines = [FakeEngine("a", max_model_len=4096), FakeEngine("b", max_model_len=4096)]
         async with running(
-            tokenizer_dir, engines, auth_token=TOKEN, limits=LIMITS, lora_adapters=["sql"]
+            tokenizer_dir,
+            engines,
+            auth_token=TOKEN,
+            limits=LIMITS,
+            lora_adapters=["sql"],
+            trust_request_chat_template=True,  # the template error cases below
         ) as (router, _call, session, base):
             ready.set_result(Live(router, base, loop, session))
             await stop.wait()
@@ -198,6 +203,7 @@ def test_valid_requests_still_pass(live: Live) -> None:
     for path, body in (
         ("/v1/completions", {"model": "sql", "prompt": [1, 2, 3, 4, 5], "max_tokens": None}),
         ("/v1/completions", {"prompt": [[1, 2], "the cache"], "stream": False}),
+        ("/v1/completions", {"model": "", "prompt": "the cache"}),  # vLLM: the base model
         ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}] * 8}),
     ):
         status, answer = _post(live, path, body)

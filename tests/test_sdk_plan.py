@@ -94,6 +94,19 @@ def test_aggregated_without_tiers_has_no_delegate(model_dir: str, tmp_path: Path
     assert config.tiering.policy.name == "lru_by_tier"
 
 
+def test_engines_that_trust_request_chat_templates_make_the_router_trust_them(
+    model_dir: str, tmp_path: Path
+) -> None:
+    """The router renders a request's own template only when the engines do (vLLM's flag in
+    every pool's `engine_args`); otherwise it refuses such requests as they would."""
+    flag = ["--trust-request-chat-template"]
+    trusting = wp.Engine(model=model_dir, pool=wp.Pool("cpu", engine_args=flag))
+    default = wp.Engine(model=model_dir)
+    for spec, trusted in ((trusting, True), (default, False)):
+        config = RouterConfig.model_validate(make_plan(spec, BINS, tmp_path).router_config)
+        assert config.trust_request_chat_template is trusted
+
+
 def test_a_pool_that_binds_its_own_threads_is_not_confined(model_dir: str, tmp_path: Path) -> None:
     spec = wp.Engine(model=model_dir, pool=wp.Pool("cpu", env={"VLLM_CPU_OMP_THREADS_BIND": "0-1"}))
     (engine,) = make_plan(spec, BINS, tmp_path, cpu_cores=2).engines

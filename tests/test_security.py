@@ -301,6 +301,46 @@ SECRET_TEXT = "zebra quartz violet"
 SECRET_IDS = [311, 312, 313, 314, 315]
 
 
+def test_request_chat_templates_are_refused_unless_trusted(
+    tokenizer_dir: Path,  # noqa: F811
+) -> None:
+    """A chat template in the request is the client's code: the router renders none (a
+    sandboxed loop still takes its CPU and memory) unless `trust_request_chat_template`, as
+    vLLM 0.32 without `--trust-request-chat-template`; nothing reaches the engine."""
+    loop = "{% for i in range(100000) %}{% for j in range(100000) %}x{% endfor %}{% endfor %}"
+    messages = [{"role": "user", "content": "the cache"}]
+    bodies = [
+        {"messages": messages, "chat_template": loop},
+        {"messages": messages, "chat_template_kwargs": {"chat_template": loop}},
+    ]
+
+    async def scenario() -> None:
+        engine = FakeEngine("a", max_model_len=4096)
+        async with running(tokenizer_dir, [engine], auth_token=ADMIN_TOKEN) as (
+            router,
+            call,
+            _s,
+            _b,
+        ):
+            admin = {"headers": {"Authorization": f"Bearer {ADMIN_TOKEN}"}}
+            for body in bodies:
+                for path, kw in (("/v1/chat/completions", {}), ("/warply/where", admin)):
+                    status, answer = await call("POST", path, body, **kw)
+                    assert status == 400 and _is_error(answer, "untrusted_chat_template"), answer
+                    assert answer["error"]["param"] == "chat_template"
+            assert engine.bodies == []
+            status, _ = await call("POST", "/v1/chat/completions", {"messages": messages})
+            assert status == 200 and len(engine.bodies) == 1
+        trusted = {"trust_request_chat_template": True}
+        async with running(tokenizer_dir, [engine], **trusted) as (router, call, _s, _b):
+            template = "{% for m in messages %}{{ m.content }}{% endfor %}"
+            body = {"messages": messages, "chat_template": template}
+            status, _ = await call("POST", "/v1/chat/completions", body)
+            assert status == 200 and engine.bodies[-1]["chat_template"] == template
+
+    _run(scenario())
+
+
 def test_no_prompt_or_token_ids_in_logs(
     tokenizer_dir: Path, caplog: pytest.LogCaptureFixture  # noqa: F811
 ) -> None:
@@ -310,7 +350,8 @@ def test_no_prompt_or_token_ids_in_logs(
 
     async def scenario() -> None:
         engines = [FakeEngine("a", max_model_len=4096), FakeEngine("down", down=True)]
-        async with running(tokenizer_dir, engines) as (router, call, _s, _b):
+        trusted = {"trust_request_chat_template": True}  # the template error below
+        async with running(tokenizer_dir, engines, **trusted) as (router, call, _s, _b):
             requests: list[tuple[str, dict[str, Any]]] = [
                 ("/v1/completions", {"prompt": SECRET_TEXT}),
                 ("/v1/completions", {"prompt": SECRET_IDS, "stream": True}),

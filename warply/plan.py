@@ -30,6 +30,7 @@ _ROUTER_ROLES = {"prefill": "prefill", "decode": "decode", "engine": "both"}
 _BLOCK = {"cpu": 32, "gpu": 16}
 """Engine block (page) size without LMCache; vLLM 0.32's CPU attention needs a multiple of 32."""
 _CPU_BIND = "VLLM_CPU_OMP_THREADS_BIND"
+_TRUST_TEMPLATE = "--trust-request-chat-template"
 
 
 class PlanError(ValueError):
@@ -204,6 +205,10 @@ def make_plan(
         "alerts": {"min_hit_ratio": spec.routing.min_hit_ratio},
         "pools": pools,
     }
+    if spec.backend == "vllm" and all(
+        _TRUST_TEMPLATE in p.engine_args for p in spec.pools.values()
+    ):  # the engines render a request's own chat template: the router must too, to key it
+        config["trust_request_chat_template"] = True
     if spec.routing.tier_policy is not None:
         config["tiering"] = {
             "policy": {"name": spec.routing.tier_policy, "knobs": spec.routing.tier_policy_knobs},

@@ -247,6 +247,22 @@ def test_errors_are_openai_shaped(stack: dict[str, Any]) -> None:
     assert _post(url + "/v1/completions", req)[0] == 200
 
 
+def test_the_router_takes_the_model_names_and_templates_vllm_takes(stack: dict[str, Any]) -> None:
+    """No `model` (or an empty one) is the base model, in vLLM 0.32 and through the router; a
+    request's own chat template is refused by both (neither was told to trust one)."""
+    engine = stack["engines"][0].url
+    for model in (None, ""):
+        req = {"model": model, "prompt": "the cache", "max_tokens": 1}
+        assert _post(engine + "/v1/completions", req)[0] == 200
+        assert _post(stack["url"] + "/v1/completions", req)[0] == 200
+    chat = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1,
+            "chat_template": "{{ messages[0].content }}"}  # fmt: skip
+    direct_status, direct, _ = _post(engine + "/v1/chat/completions", chat)
+    assert direct_status == 400 and "--trust-request-chat-template" in direct["error"]["message"]
+    status, routed, _ = _post(stack["url"] + "/v1/chat/completions", chat)
+    assert status == 400 and routed["error"]["code"] == "untrusted_chat_template", routed
+
+
 def test_a_chat_with_an_image_is_the_engines_to_judge(stack: dict[str, Any]) -> None:
     """The router sends a chat with an image part on as it came (placed by load: it cannot
     know the engine's hashes of media); what the engine answers it directly, it answers
