@@ -371,6 +371,8 @@ class Router:
         enabled = body.get("enabled")
         if not isinstance(enabled, bool):
             raise ApiError(400, "'enabled' must be true or false", "invalid_value", "enabled")
+        if other := sorted(set(body) - {"enabled"}):
+            raise ApiError(400, f"unknown field {other[0]!r}", "invalid_value", other[0])
         if worker.leaving:
             raise ApiError(409, f"worker {worker.name!r} is leaving", "worker_leaving")
         worker.enabled = enabled
@@ -390,8 +392,11 @@ class Router:
         """A worker leaves: drained at once, removed when its in-flight requests end. 202 with
         their number; `?wait=true` waits for the removal (up to `request_timeout_s`): 200."""
         worker = self._worker(request.match_info["name"])
+        wait = request.query.get("wait", "false")
+        if wait not in ("true", "false"):
+            raise ApiError(400, "'wait' must be true or false", "invalid_value", "wait")
         task = self.membership.leave(worker)
-        if request.query.get("wait") == "true":
+        if wait == "true":
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(asyncio.shield(task), self.config.request_timeout_s)
         body = {"name": worker.name, "in_flight": worker.load.in_flight, "removed": task.done()}

@@ -12,7 +12,15 @@ from pathlib import Path
 from typing import Annotated, Any, Literal
 
 import yaml  # type: ignore[import-untyped]
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
 from warply.common.urls import check_http_url
 from warply.common.validation import describe
@@ -29,6 +37,18 @@ TOKEN_ENV = "WARPLY_AUTH_TOKEN"
 """The admin token's environment variable, read when the config file sets none."""
 
 
+def _printable_name(name: str) -> str:
+    # a name is a response header (X-Warply-Worker), a URL path segment and a metric label:
+    # a control character there failed the request after the engine had served it
+    if not name.isprintable() or any(c.isspace() for c in name):
+        raise ValueError(f"name {name!r} must be printable, without spaces")
+    return name
+
+
+_Name = Annotated[str, Field(min_length=1), AfterValidator(_printable_name)]
+"""A worker's or pool's name."""
+
+
 class _Strict(BaseModel):
     # Attribute docstrings become field descriptions: the `--help` of warply-router's flags
     # and the OpenAPI document's WorkerConfig schema read them.
@@ -38,7 +58,7 @@ class _Strict(BaseModel):
 class WorkerConfig(_Strict):
     """One engine server: where requests go and where its cache state comes from."""
 
-    name: str = Field(min_length=1)
+    name: _Name
     url: str
     """OpenAI-compatible HTTP base URL (no trailing /v1)."""
     events: str | None = None
@@ -83,7 +103,7 @@ class StrategyConfig(_Strict):
 class PoolConfig(_Strict):
     """Workers that share a block size, a KV layout and a role."""
 
-    name: str = Field(min_length=1)
+    name: _Name
     block_size: int = Field(gt=0)
     """Must equal the engines' own block (page) size, or keys will never match."""
     kv_bytes_per_token: int = Field(0, ge=0)

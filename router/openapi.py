@@ -182,7 +182,7 @@ def openapi_document(config: RouterConfig) -> dict[str, Any]:
     for name, shape in (("CompletionRequest", _COMPLETION), ("ChatCompletionRequest", _CHAT)):
         components[name] = {**shape, "properties": {**model, **shape["properties"]}}
     components["WorkerConfig"] = WorkerConfig.model_json_schema()
-    enabled = {"type": "object", "required": ["enabled"],
+    enabled = {"type": "object", "required": ["enabled"], "additionalProperties": False,
                "properties": {"enabled": {"type": "boolean"}}}  # fmt: skip
     directive = {
         "type": "object",
@@ -225,7 +225,7 @@ def openapi_document(config: RouterConfig) -> dict[str, Any]:
             "delete": _admin(
                 {
                     "parameters": [
-                        {"name": "wait", "in": "query", "schema": {"type": "string"}}
+                        {"name": "wait", "in": "query", "schema": {"enum": ["true", "false"]}}
                     ],
                     "responses": {
                         "200": _json({"type": "object"}, "removed"),

@@ -64,6 +64,8 @@ def test_yaml_and_toml_load(tmp_path: Path) -> None:
         (("127.0.0.1:8002", "127.0.0.1:80020"), "pools.0.workers.1.url: Port out of range"),
         (("127.0.0.1:8002", ":8002"), "pools.0.workers.1.url: not an http or https URL with a"),
         (("name: b,", "name: a,"), "used twice"),
+        (("name: b,", "name: 'b 1',"), "name 'b 1' must be printable, without spaces"),
+        (("name: decode", "name: \"de\\tcode\""), "pools.0.name"),
         (("8002", "8001/"), "workers 'a' and 'b' have the same url http://127.0.0.1:8001"),
         (("tcp://127.0.0.1:5557", "127.0.0.1:5557"), "pools.0.workers.0.events"),
         (("tcp://127.0.0.1:5557", "tcp://127.0.0.1:99999"), "port 99999 out of range"),

@@ -169,6 +169,7 @@ def test_join_and_leave_need_the_token_and_valid_entries(tokenizer_dir: Path) ->
                 ({"name": "c", "url": "ftp://x"}, "url"),
                 ({"name": "c", "url": url, "events": "nowhere"}, "events"),
                 ({"name": "c", "url": url, "bogus": 1}, "bogus"),
+                ({"name": "c\nd", "url": url}, "name"),  # a header and path segment later
             ):
                 status, body = await join("p", entry)
                 assert status == 400 and body["error"]["param"] == field, (entry, body)
@@ -183,6 +184,12 @@ def test_join_and_leave_need_the_token_and_valid_entries(tokenizer_dir: Path) ->
             assert list(router.workers) == ["a", "b"]
             status, body = await call("DELETE", "/warply/workers/nope", **auth)
             assert status == 404 and _is_error(body, "worker_not_found")
+            status, body = await call("DELETE", "/warply/workers/b?wait=yes", **auth)
+            assert status == 400 and body["error"]["param"] == "wait"  # refused before leaving
+            assert not router.workers["b"].leaving
+            typo = {"enabled": False, "x": 1}
+            status, body = await call("POST", "/warply/workers/b", typo, **auth)
+            assert status == 400 and body["error"]["param"] == "x" and router.workers["b"].enabled
             status, body = await call("DELETE", "/warply/workers/b?wait=true", **auth)
             assert status == 200 and body == {"name": "b", "in_flight": 0, "removed": True}
             assert list(router.workers) == ["a"]
