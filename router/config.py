@@ -24,17 +24,13 @@ from pydantic import (
 
 from warply.common.urls import check_http_url
 from warply.common.validation import describe
-from warply.protocol.api import Role
+from warply.protocol.api import AUTH_TOKEN_ENV, Role
 from warply.protocol.endpoints import check_endpoint
 from warply.protocol.plugin import CONTROL_TOKEN_ENV
 
 
 class ConfigError(ValueError):
     """The configuration is invalid; the message names the offending field(s)."""
-
-
-TOKEN_ENV = "WARPLY_AUTH_TOKEN"
-"""The admin token's environment variable, read when the config file sets none."""
 
 
 def _printable_name(name: str) -> str:
@@ -341,7 +337,7 @@ class RouterConfig(_Strict):
     pools: list[PoolConfig] = Field(min_length=1)
     strategy: StrategyConfig = StrategyConfig()
     auth_token: str | None = Field(
-        default_factory=lambda: os.environ.get(TOKEN_ENV) or None, min_length=1
+        default_factory=lambda: os.environ.get(AUTH_TOKEN_ENV) or None, min_length=1
     )
     """When set, /warply/* admin endpoints require `Authorization: Bearer <token>`. Unset in
     the file: the `WARPLY_AUTH_TOKEN` environment variable (a Kubernetes Secret, say)."""

@@ -40,7 +40,7 @@ def test_where_prints_holdings_scores_and_the_choice(tokenizer_dir: Path) -> Non
         ):  # fmt: skip
             ids = RouterTokenizer(tokenizer_dir).encode(PROMPT, True)
             await hold(router, ids, 3, 2)
-            token = {"WARPLY_ADMIN_TOKEN": "s3cret"}
+            token = {"WARPLY_AUTH_TOKEN": "s3cret"}
             code, out, err = await warply("where", PROMPT, "--router", base, env=token)
             assert code == 0, err
             assert "choice: a (aggregated)" in out

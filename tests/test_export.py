@@ -14,9 +14,10 @@ import pytest
 import yaml
 
 import warply as wp
-from router.config import TOKEN_ENV, RouterConfig
+from router.config import RouterConfig
 from warply.cli import main
 from warply.export import ExportError, manifests
+from warply.protocol.api import AUTH_TOKEN_ENV
 from warply.protocol.plugin import CONTROL_TOKEN_ENV
 
 SCHEMAS = Path(__file__).parent / "data" / "schemas"
@@ -116,7 +117,7 @@ def test_the_router_reaches_every_engine_by_its_service(model_dir: str, shape: s
     pods = {d["metadata"]["name"]: d["spec"]["template"]["spec"] for d in docs
             if d["kind"] == "Deployment"}  # fmt: skip
     router_env = {e["name"] for e in pods["demo-router"]["containers"][0]["env"]}
-    assert {TOKEN_ENV, CONTROL_TOKEN_ENV} <= router_env
+    assert {AUTH_TOKEN_ENV, CONTROL_TOKEN_ENV} <= router_env
     for pool in config["pools"]:
         for worker in pool["workers"]:
             service = by["Service", f"demo-{worker['name']}"]

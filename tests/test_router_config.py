@@ -15,9 +15,10 @@ from test_router_api import tokenizer_dir
 
 import warply.common.loading as loading
 from router.__main__ import _parser, _summary, config_from_args
-from router.config import TOKEN_ENV, ConfigError, RouterConfig, StrategyConfig, load_config
+from router.config import ConfigError, RouterConfig, StrategyConfig, load_config
 from router.strategies import LeastLoaded, PrefixAffinity, make_strategy, strategy_class
 from router.workers import Workers
+from warply.protocol.api import AUTH_TOKEN_ENV
 
 ROOT = Path(__file__).resolve().parents[1]
 __all__ = ["tokenizer_dir"]
@@ -323,8 +324,8 @@ def test_the_admin_token_comes_from_the_environment_when_the_file_sets_none(
     config = {"model": "m", "tokenizer": "/t", "pools": [
         {"name": "p", "block_size": 16,
          "workers": [{"name": "w", "url": "http://127.0.0.1:1"}]}]}  # fmt: skip
-    monkeypatch.delenv(TOKEN_ENV, raising=False)
+    monkeypatch.delenv(AUTH_TOKEN_ENV, raising=False)
     assert RouterConfig.model_validate(config).auth_token is None
-    monkeypatch.setenv(TOKEN_ENV, "from-secret")
+    monkeypatch.setenv(AUTH_TOKEN_ENV, "from-secret")
     assert RouterConfig.model_validate(config).auth_token == "from-secret"
     assert RouterConfig.model_validate({**config, "auth_token": "file"}).auth_token == "file"

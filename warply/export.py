@@ -19,6 +19,7 @@ import yaml  # type: ignore[import-untyped]
 
 from warply import __version__
 from warply.plan import Binaries, Layout, Plan, ProcessPlan, make_plan
+from warply.protocol.api import AUTH_TOKEN_ENV
 from warply.protocol.plugin import CONTROL_TOKEN_ENV
 from warply.spec.deployment import Deployment
 
@@ -35,9 +36,6 @@ _EVENTS_BASE = 7000
 _CONFIG_DIR = PurePosixPath("/etc/warply")
 _TOKENIZER_DIR = "/warply/tokenizer"
 _MODELS_DIR = PurePosixPath("/models")
-_TOKEN_ENV = "WARPLY_AUTH_TOKEN"
-"""The router reads its admin token from here (`router.config.TOKEN_ENV`; a test keeps them
-equal: the SDK does not import the router)."""
 _NAME = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
 """A Kubernetes DNS-1123 label; a subdomain is such labels joined by dots."""
 _SUBDOMAIN = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$")
@@ -236,7 +234,7 @@ class _Pods:
                                   "periodSeconds": 5}  # fmt: skip
         pod: dict[str, Any] = {"containers": [main], "volumes": volumes}
         if p.kind == "router":
-            main["env"].append(self._secret(_TOKEN_ENV, "token"))
+            main["env"].append(self._secret(AUTH_TOKEN_ENV, "token"))
             if self.model_pvc is None:
                 pod["initContainers"] = [self._fetch_tokenizer(mounts)]
                 volumes.append({"name": "tokenizer", "emptyDir": {}})

@@ -11,6 +11,7 @@ from typing import Any, TypeVar
 
 from warply import admin
 from warply.common.argtypes import positive
+from warply.protocol.api import AUTH_TOKEN_ENV
 
 _T = TypeVar("_T")
 
@@ -30,7 +31,8 @@ class CliError(Exception):
 
 
 def add_router_args(parser: argparse.ArgumentParser) -> None:
-    """`--router URL` and `--token TOKEN` (defaults from WARPLY_ROUTER, WARPLY_ADMIN_TOKEN)."""
+    """`--router URL` and `--token TOKEN` (defaults from WARPLY_ROUTER and the router's own
+    WARPLY_AUTH_TOKEN)."""
     parser.add_argument(
         "--router",
         default=os.environ.get("WARPLY_ROUTER", DEFAULT_ROUTER),
@@ -38,8 +40,8 @@ def add_router_args(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--token",
-        default=os.environ.get("WARPLY_ADMIN_TOKEN"),
-        help="the router's admin token, when it has one (default: $WARPLY_ADMIN_TOKEN)",
+        default=os.environ.get(AUTH_TOKEN_ENV),
+        help=f"the router's admin token, when it has one (default: ${AUTH_TOKEN_ENV})",
     )
     parser.add_argument(
         "--timeout",

@@ -13,6 +13,10 @@ from typing import Annotated, Literal
 
 import msgspec
 
+AUTH_TOKEN_ENV = "WARPLY_AUTH_TOKEN"
+"""The environment variable holding the router's admin token: the router reads it when its
+config sets none, the CLI sends it, the Kubernetes manifests fill it from a Secret."""
+
 Role = Literal["prefill", "decode", "both"]
 """What a worker serves: the prompt's prefill, the decode after a hand-off, or both."""
 
