@@ -46,14 +46,16 @@ class RequestAccount:
     def _now(self) -> float:
         return time.perf_counter() - self.t0
 
-    def placed(self, decision: Decision, exact: bool = True) -> None:
+    def placed(self, decision: Decision, exact: bool = True, keyed: bool = True) -> None:
         """Workers were chosen: book the request's load on them (`exact` False: placed from
-        the prompt's leading part; `measured` gives the prompt's exact length later)."""
+        the prompt's leading part, `measured` gives the prompt's exact length later; `keyed`
+        False: placed by load alone, the prompt holding media the router cannot key)."""
         self.released()
         self.decision = decision
         rec = self._record
         rec.overhead_s = self._now()
         rec.early = not exact
+        rec.keyed = keyed
         rec.prompt_tokens = decision.prompt_tokens
         rec.prefill_cached = rec.prefill_s = rec.decode_sent_s = None
         self._answer = decision.worker.book(decision.prompt_tokens, decision.prefill_tokens)

@@ -226,7 +226,7 @@ class Proxy:
             tried: set[str] = set()
             while True:
                 decision = await self.place(prep, tried)
-                account.placed(decision, exact=prep.rest is None)
+                account.placed(decision, exact=prep.rest is None, keyed=prep.keyed)
                 try:
                     answer = await self._dispatch.send(call, decision)
                 except Retry as retry:

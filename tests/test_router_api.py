@@ -371,6 +371,12 @@ def test_a_chat_with_an_image_is_served_by_load_and_sent_as_it_came(tokenizer_di
                 seen.append(worker)
                 assert predicted == 0 and engines["ab".index(worker)].raw[-1] == raw
             assert sorted(seen) == ["a", "a", "b", "b"]  # idle and equal: in turn
+            stats = msgspec.json.decode(
+                await (await session.get(base + "/warply/cache_stats")).read(), type=CacheStats
+            )
+            assert (stats.requests, stats.placed_unkeyed) == (6, 4)  # counted, for operators
+            metrics = await (await session.get(base + "/metrics")).text()
+            assert "warply_router_unkeyed_requests_total 4.0" in metrics
 
     _run(scenario())
 

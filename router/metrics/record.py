@@ -19,6 +19,8 @@ class RequestRecord:
     prompt_tokens: int = 0
     """Exact, also after an early placement."""
     early: bool = False
+    keyed: bool = True
+    """False: placed by load alone, its prompt not keyed (a chat with images, audio or video)."""
     overhead_s: float | None = None
     """Receipt → placement done: the router's queue before the first upstream request."""
     cached: int | None = None

@@ -61,6 +61,9 @@ class RouterMetrics:
         if rec.early:
             s.early.inc()
             self.stats.totals["placed_early"] += 1
+        if not rec.keyed:
+            s.unkeyed.inc()
+            self.stats.totals["placed_unkeyed"] += 1
         prompt = rec.prompt_tokens
         reason = d.local_reason or ("remote" if d.prefill is not None else "")
         s.child(s.decisions, d.mode, reason).inc()

@@ -78,6 +78,12 @@ class Series:
             "Requests placed from the leading part of their prompt (the rest tokenized after)",
             registry=r,
         )
+        self.unkeyed = PromCounter(
+            "warply_router_unkeyed_requests",
+            "Requests placed by load alone, nothing predicted cached: the router cannot key "
+            "their prompt (chats with images, audio or video)",
+            registry=r,
+        )
         self.predicted_tokens = PromCounter(
             "warply_router_predicted_cached_tokens",
             "Prompt tokens the index predicted cached on the worker that computed the prompt",

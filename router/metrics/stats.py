@@ -302,6 +302,7 @@ class Stats:
             requests=t["requests"],
             prompt_tokens=t["prompt_tokens"],
             placed_early=t["placed_early"],
+            placed_unkeyed=t["placed_unkeyed"],
             hit_rate=HitRates(
                 predicted=ratio(t["predicted_cached_tokens"], t["prompt_tokens"]),
                 engine=ratio(t["engine_cached_tokens"], t["engine_prompt_tokens"]),

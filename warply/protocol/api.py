@@ -277,6 +277,9 @@ class CacheStats(msgspec.Struct):
     tenants: dict[str, TenantStats] = msgspec.field(default_factory=dict)
     """Per cache namespace ("" for requests without one; the most recently active ones, capped),
     the client's view: what the index predicted cached against what the engines reported."""
+    placed_unkeyed: int = 0
+    """Requests placed by load alone, nothing predicted: their prompt holds media (images,
+    audio, video) the router cannot key, so the engine may report hits it did not predict."""
 
 
 # -- /warply/workers ------------------------------------------------------------------------------
