@@ -19,12 +19,18 @@ from router.workers import Booking
 
 
 def cached_tokens(usage: Mapping[str, Any] | None) -> int | None:
-    """`usage.prompt_tokens_details.cached_tokens`, when the engine reported it."""
+    """`usage.prompt_tokens_details.cached_tokens`, when the engine reported a count it can
+    have: an integer from 0 to the usage's `prompt_tokens`. Anything else (a broken or foreign
+    upstream) is not counted: it failed the served request with a 500 (a negative count) or
+    put the hit rate in the billions."""
     if not isinstance(usage, Mapping):
         return None
     details = usage.get("prompt_tokens_details")
     cached = details.get("cached_tokens") if isinstance(details, Mapping) else None
-    return cached if isinstance(cached, int) else None
+    prompt = usage.get("prompt_tokens")
+    if type(cached) is not int or type(prompt) is not int or not 0 <= cached <= prompt:
+        return None
+    return cached
 
 
 class RequestAccount:

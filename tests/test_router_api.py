@@ -870,6 +870,28 @@ def test_an_engine_reporting_fewer_cached_tokens_is_counted_and_the_index_kept(
     _run(scenario())
 
 
+def test_an_impossible_cached_count_is_passed_on_and_not_counted(tokenizer_dir: Path) -> None:
+    """A broken upstream's usage (cached tokens negative, past its prompt, a boolean) reaches
+    the client as the engine sent it and counts nothing (a negative count was a 500 for a
+    served request; a huge one put the engine hit rate in the billions)."""
+
+    async def scenario() -> None:
+        engine = FakeEngine("a")
+        async with running(tokenizer_dir, [engine]) as (router, call, _s, _b):
+            for bad in (-5, 10**12, True):
+                engine.cached_tokens = bad
+                status, body = await call("POST", "/v1/completions", {"prompt": "the cache"})
+                assert status == 200
+                assert body["usage"]["prompt_tokens_details"]["cached_tokens"] == bad
+            engine.cached_tokens = 1
+            assert (await call("POST", "/v1/completions", {"prompt": "the cache"}))[0] == 200
+            _, stats = await call("GET", "/warply/cache_stats")
+            assert stats["engine_cached_tokens"] == 1 and stats["requests"] == 4
+            assert 0 < stats["hit_rate"]["engine"] <= 1
+
+    _run(scenario())
+
+
 def test_engine_load_and_prefix_hits_are_shown(tokenizer_dir: Path) -> None:
     """`LoadSnapshot` running / capacity on /warply/workers; `PrefixHit` (engine-confirmed reuse)
     per worker in cache_stats and on /metrics; both endpoints decode as their typed shapes."""
