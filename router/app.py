@@ -33,6 +33,7 @@ from router.load import open_ledger
 from router.loop_watch import LoopWatch
 from router.membership import Membership
 from router.metrics import RouterMetrics, kv_transfer_stats
+from router.model_cards import context_limit
 from router.openapi import openapi_document
 from router.parity import Probes
 from router.parity import check as check_parity
@@ -47,7 +48,7 @@ from warply.protocol import Directive
 from warply.protocol.api import CacheStats, IndexHealthView, WorkerList
 
 _log = logging.getLogger(__name__)
-_MODELS_TIMEOUT = aiohttp.ClientTimeout(total=2)
+_METRICS_TIMEOUT = aiohttp.ClientTimeout(total=2)
 _CATCH_UP_S = 5.0
 """Longest wait at start-up for the streams' replayed history before serving."""
 _Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
@@ -144,7 +145,9 @@ class Router:
         await self.feed.caught_up(_CATCH_UP_S)
         await self.check_health()
         if self.proxy.max_model_len is None:
-            self.proxy.max_model_len = await self._discover_max_model_len()
+            self.proxy.max_model_len = await context_limit(
+                self.proxy.session, self.workers.values(), self.config.model
+            )
         self._health_task = asyncio.create_task(self._health_loop(), name="health")
         if self.tiering is not None:
             self.tiering.start()
@@ -219,7 +222,7 @@ class Router:
     async def _read_transfers(self, worker: Worker) -> None:
         try:
             async with self.proxy.session.get(
-                worker.config.url + "/metrics", timeout=_MODELS_TIMEOUT
+                worker.config.url + "/metrics", timeout=_METRICS_TIMEOUT
             ) as resp:
                 if resp.status != 200:
                     return
@@ -232,24 +235,6 @@ class Router:
         while True:
             await asyncio.sleep(self.config.health_interval_s)
             await self.check_health()
-
-    async def _discover_max_model_len(self) -> int | None:
-        """The engines' context limit from their /v1/models (vLLM reports `max_model_len`)."""
-        for w in self.workers.values():
-            if not w.healthy:
-                continue
-            try:
-                async with self.proxy.session.get(
-                    w.config.url + "/v1/models", timeout=_MODELS_TIMEOUT
-                ) as resp:
-                    data = await resp.json()
-                limits = [m.get("max_model_len") for m in data.get("data", [])]
-                found = [n for n in limits if isinstance(n, int)]
-                if found:
-                    return min(found)
-            except (aiohttp.ClientError, TimeoutError, ValueError, AttributeError):
-                continue
-        return None
 
     # -- middleware ------------------------------------------------------------------------------
 

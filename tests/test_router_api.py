@@ -109,6 +109,8 @@ class FakeEngine:
     down: bool = False
     """Not served: its port refuses connections."""
     max_model_len: int = 64
+    models: bytes | None = None
+    """What its /v1/models answers instead of its card (a broken or foreign engine)."""
     bodies: list[dict[str, Any]] = field(default_factory=list)
     raw: list[bytes] = field(default_factory=list)
     """The bytes of each body, as received."""
@@ -134,6 +136,8 @@ class FakeEngine:
         return web.json_response({})
 
     async def _models(self, _: web.Request) -> web.Response:
+        if self.models is not None:
+            return web.Response(body=self.models, content_type="application/json")
         return web.json_response({"data": [{"id": "m", "max_model_len": self.max_model_len}]})
 
     async def _metrics(self, _: web.Request) -> web.Response:
@@ -868,6 +872,39 @@ def test_an_engine_reporting_fewer_cached_tokens_is_counted_and_the_index_kept(
             assert f'warply_index_overpredicted_blocks{{worker="a"}} {predicted // BS - 1}' in text
 
     _run(scenario())
+
+
+@pytest.mark.parametrize(
+    "models",
+    [
+        b'{"data": [{"id": "m", "max_model_len": -1}]}',
+        b'{"data": [{"id": "m", "max_model_len": true}]}',
+        b'{"data": [{"id": "m", "max_model_len": "64"}]}',
+        b'{"data": 5}',
+        b"[1]",
+        b"not json",
+        b'{"data": [{"id": "other", "max_model_len": 64}]}',
+    ],
+)
+def test_a_context_limit_it_cannot_trust_is_left_to_the_engine(
+    tokenizer_dir: Path, models: bytes, caplog: pytest.LogCaptureFixture
+) -> None:
+    """An odd /v1/models answer neither stops the router's start (`{"data": 5}` was a
+    traceback that ended the process) nor becomes its limit (-1 and `true` refused every
+    request): the limit stays unknown and the engine judges prompt lengths. A worker that lists
+    other models only is named in a warning."""
+    caplog.set_level(logging.WARNING, "warply.router")
+
+    async def scenario() -> None:
+        engine = FakeEngine("a", models=models)
+        async with running(tokenizer_dir, [engine]) as (router, call, _s, _b):
+            assert router.proxy.max_model_len is None
+            status, _ = await call("POST", "/v1/completions", {"prompt": "the cache " * 40})
+            assert status == 200 and len(engine.bodies) == 1
+
+    _run(scenario())
+    foreign = [r.getMessage() for r in caplog.records if "the router's model" in r.getMessage()]
+    assert bool(foreign) is (b"other" in models), foreign
 
 
 def test_an_impossible_cached_count_is_passed_on_and_not_counted(tokenizer_dir: Path) -> None:
