@@ -39,7 +39,7 @@ from router.parity import Probes
 from router.parity import check as check_parity
 from router.placement import Placement
 from router.proxy import Proxy
-from router.tasks import cancel
+from router.tasks import cancel, periodic
 from router.tiering import TierRunner
 from router.tokenize import RouterTokenizer
 from router.where import where
@@ -148,7 +148,7 @@ class Router:
             self.proxy.max_model_len = await context_limit(
                 self.proxy.session, self.workers.values(), self.config.model
             )
-        self._health_task = asyncio.create_task(self._health_loop(), name="health")
+        self._health_task = periodic(self.check_health, self.config.health_interval_s, "health")
         if self.tiering is not None:
             self.tiering.start()
 
@@ -230,11 +230,6 @@ class Router:
         except (aiohttp.ClientError, TimeoutError, UnicodeDecodeError):
             return
         self.metrics.engine_transfers(worker.name, kv_transfer_stats(text))
-
-    async def _health_loop(self) -> None:
-        while True:
-            await asyncio.sleep(self.config.health_interval_s)
-            await self.check_health()
 
     # -- middleware ------------------------------------------------------------------------------
 

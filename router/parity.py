@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 import aiohttp
+import msgspec
 
 from router.tokenize import PromptError, RouterTokenizer
 
@@ -28,6 +29,12 @@ _CHAT: dict[str, Any] = {
     ],
     "add_generation_prompt": True,
 }
+
+
+class _Tokenized(msgspec.Struct):
+    """What vLLM's and SGLang's `/tokenize` answer (other fields ignored)."""
+
+    tokens: list[int]
 
 
 @dataclass(frozen=True, slots=True)
@@ -58,17 +65,19 @@ async def check(session: aiohttp.ClientSession, url: str, probes: Probes) -> tup
             async with session.post(url + "/tokenize", json=body, timeout=_TIMEOUT) as resp:
                 if resp.status != 200:
                     return "unchecked", f"/tokenize answered {resp.status}"
-                got = (await resp.json()).get("tokens")
-        except (aiohttp.ClientError, TimeoutError, ValueError, AttributeError) as exc:
+                got = msgspec.json.decode(await resp.read(), type=_Tokenized).tokens
+        except (aiohttp.ClientError, TimeoutError) as exc:
             return "unchecked", f"/tokenize failed: {type(exc).__name__}"
+        except msgspec.DecodeError as exc:
+            return "unchecked", f"/tokenize answered no token list: {exc}"
         if got != want:
             kind = "chat" if "messages" in body else "completion"
             at = next(
-                (i for i, (a, b) in enumerate(zip(got or [], want, strict=False)) if a != b),
-                min(len(got or []), len(want)),
+                (i for i, (a, b) in enumerate(zip(got, want, strict=False)) if a != b),
+                min(len(got), len(want)),
             )
             return "mismatch", (
-                f"{kind} probe: {len(got or [])} engine tokens vs {len(want)} router tokens, "
+                f"{kind} probe: {len(got)} engine tokens vs {len(want)} router tokens, "
                 f"first difference at {at}"
             )
     return "ok", ""

@@ -27,7 +27,8 @@ from aiohttp import web
 from router.config import BreakerConfig, IndexConfig
 from router.index import WorkerMatch
 from router.index_health import IndexHealth
-from router.metrics import RequestRecord
+from router.metrics import RequestRecord, kv_transfer_stats
+from router.tasks import cancel, periodic
 from router.tokenize import RouterTokenizer
 from router.workers import Breaker
 from tests.test_router_api import (  # noqa: F401
@@ -54,8 +55,8 @@ class FaultyEngine(FakeEngine):
 
     stall: bool = False
     delay_s: float = 0.0
-    tokens: Callable[[dict[str, Any]], list[int]] | None = None
-    """What its /tokenize answers (None: no /tokenize, 404)."""
+    tokens: Callable[[dict[str, Any]], Any] | None = None
+    """What its /tokenize answers as `tokens` (None: no /tokenize, 404)."""
 
     def app(self) -> web.Application:
         app = super().app()
@@ -382,6 +383,41 @@ def test_a_tokenizer_or_block_size_mismatch_falls_back_to_load_loudly(
         assert "worker c: engine blocks have 8 tokens" in logged
 
     _run(scenario())
+
+
+def test_odd_engine_answers_leave_the_health_checks_running(
+    tokenizer_dir: Path,  # noqa: F811
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A /tokenize that answers no token list leaves parity `unchecked` (a number there was a
+    TypeError out of the start-up health check); NaN and infinite KV-transfer counters are
+    skipped (int() of them raised in every health round). And a health round that fails for a
+    reason not foreseen is logged, and the next one runs: the loop ended for good before."""
+
+    async def scenario() -> None:
+        engine = FaultyEngine("a", tokens=lambda body: 5)
+        streams = {"a": {"events": f"tcp://{HOST}:{free_port()}"}}
+        async with running(tokenizer_dir, [engine], streams) as (router, call, _s, _b):
+            assert router.health.view("a").parity == "unchecked"
+            assert (await call("POST", "/v1/completions", {"prompt": PROMPT}))[0] == 200
+        rounds: list[float] = []
+
+        async def round_() -> None:
+            rounds.append(time.monotonic())
+            if len(rounds) == 1:
+                raise RuntimeError("an answer no one foresaw")
+
+        task = periodic(round_, 0.01, "health")
+        await _until(lambda: len(rounds) >= 3, "rounds after the failed one")
+        await cancel([task])
+
+    with caplog.at_level(logging.ERROR, logger="warply.router"):
+        _run(scenario())
+    failed = [r for r in caplog.records if r.getMessage().startswith("health round failed")]
+    assert len(failed) == 1 and "an answer no one foresaw" in (failed[0].exc_text or "")
+    clean = kv_transfer_stats("vllm:nixl_num_failed_transfers_total 1.0\n")
+    odd = "vllm:nixl_bytes_transferred_sum NaN\nvllm:nixl_xfer_time_seconds_sum +Inf\n"
+    assert kv_transfer_stats(odd + "vllm:nixl_num_failed_transfers_total 1.0\n") == clean
 
 
 def test_a_joining_worker_is_checked_for_parity_once_healthy(

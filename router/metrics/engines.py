@@ -9,6 +9,7 @@ its health probe and shows them per decode worker; nothing here does I/O.
 
 from __future__ import annotations
 
+import math
 import re
 
 from warply.protocol.api import KvTransferStats
@@ -38,9 +39,11 @@ def kv_transfer_stats(text: str) -> KvTransferStats:
             field = "p2p"
         if field is not None:
             try:
-                found[field] += float(value)
+                number = float(value)
             except ValueError:
                 continue
+            if math.isfinite(number):  # NaN / ±Inf (a broken exporter): int() of it raised
+                found[field] += number
     return KvTransferStats(
         transfers=int(found["transfers"]),
         bytes=int(found["bytes"]),

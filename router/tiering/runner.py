@@ -16,7 +16,6 @@ simulated engines.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import itertools
 import logging
 import time
@@ -32,6 +31,7 @@ from router.metrics.record import RequestRecord
 from router.metrics.registry import Series
 from router.metrics.stats import block_bytes, tier_bytes
 from router.placement import Decision
+from router.tasks import cancel, periodic
 from router.tiering.base import Action, TierPolicy
 from router.tiering.budget import PinKey, PinLedger
 from router.tiering.registry import make_policy
@@ -97,18 +97,11 @@ class TierRunner:
     # -- lifecycle -------------------------------------------------------------------------------
 
     def start(self) -> None:
-        self._task = asyncio.create_task(self._loop(), name="tiering")
+        self._task = periodic(self.round, self.config.interval_s, "tiering")
 
     async def stop(self) -> None:
         if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
-
-    async def _loop(self) -> None:
-        while True:
-            await asyncio.sleep(self.config.interval_s)
-            await self.round()
+            await cancel([self._task])
 
     # -- one round -------------------------------------------------------------------------------
 
