@@ -47,13 +47,15 @@ def test_a_run_folder_that_cannot_be_made_is_an_up_error(model_dir: str, tmp_pat
     (tmp_path / "file").write_text("")
     run_dir = tmp_path / "file" / "run"
     error = f"^cannot make the run folder {run_dir}: Not a directory$"
-    with pytest.raises(wp.UpError, match=error):
-        wp.Engine(model=model_dir, pool=wp.Pool("cpu")).up(run_dir=run_dir, progress=None)
+    for folder in (run_dir, str(run_dir)):  # a path as text too
+        with pytest.raises(wp.UpError, match=error):
+            wp.Engine(model=model_dir, pool=wp.Pool("cpu")).up(run_dir=folder, progress=None)
 
 
 def test_down_without_a_run(tmp_path: Path) -> None:
-    with pytest.raises(FileNotFoundError, match="no running deployment in"):
-        down(tmp_path, progress=None)
+    for run_dir in (tmp_path, str(tmp_path)):  # a path as text too
+        with pytest.raises(FileNotFoundError, match="no running deployment in"):
+            down(run_dir, progress=None)
 
 
 def test_up_stops_on_sigterm_while_it_is_up(

@@ -134,7 +134,7 @@ def test_yaml_round_trip(model_dir: str, tmp_path: Path) -> None:
     )  # fmt: skip
     path = tmp_path / "spec.yaml"
     path.write_text(engine.model_dump_yaml())
-    assert wp.load_spec(path) == engine
+    assert wp.load_spec(path) == wp.load_spec(str(path)) == engine  # a path as text too
 
 
 @pytest.mark.parametrize(

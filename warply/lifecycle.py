@@ -115,7 +115,7 @@ class Running:
 def up(
     spec: Deployment,
     *,
-    run_dir: Path | None = None,
+    run_dir: str | os.PathLike[str] | None = None,
     vllm: str | None = None,
     sglang_python: str | None = None,
     router_python: str | None = None,
@@ -130,7 +130,7 @@ def up(
     `router_python` pick the programs; `env` is added to every process's environment."""
     say = progress or (lambda _: None)
     extra_env = dict(env or {})
-    run_dir = run_dir or runs_home() / time.strftime(f"%Y%m%d-%H%M%S-{os.getpid()}")
+    run_dir = Path(run_dir or runs_home() / time.strftime(f"%Y%m%d-%H%M%S-{os.getpid()}"))
     try:
         run_dir.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
@@ -404,12 +404,14 @@ def current_run() -> Path | None:
     return path if (path / "state.json").is_file() else None
 
 
-def down(run_dir: Path | None = None, progress: Progress | None = _stderr) -> list[str]:
+def down(
+    run_dir: str | os.PathLike[str] | None = None, progress: Progress | None = _stderr
+) -> list[str]:
     """Stop every process of a run started by another process (`warply up`): each process
     group, by the PID in its state file, if that PID is still the process that was started.
     Returns the names stopped; raises FileNotFoundError when there is no such run."""
     say = progress or (lambda _: None)
-    run_dir = run_dir or current_run()
+    run_dir = Path(run_dir) if run_dir is not None else current_run()
     if run_dir is None or not (run_dir / "state.json").is_file():
         raise FileNotFoundError(f"no running deployment{f' in {run_dir}' if run_dir else ''}")
     state = json.loads((run_dir / "state.json").read_text())

@@ -14,6 +14,7 @@ read a YAML spec (`load_spec`), so `warply up SPEC.yaml` and the SDK share every
 
 from __future__ import annotations
 
+import os
 import re
 from collections.abc import Callable
 from pathlib import Path
@@ -382,8 +383,9 @@ class SpecError(ValueError):
     """A spec file that cannot be read or validated; the message names each bad field."""
 
 
-def load_spec(path: Path) -> Deployment:
+def load_spec(path: str | os.PathLike[str]) -> Deployment:
     """Read a YAML spec (`kind: Engine` or `kind: DisaggEngine`, then the fields)."""
+    path = Path(path)
     try:
         data = yaml.safe_load(path.read_text())
     except OSError as exc:
