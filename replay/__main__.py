@@ -348,8 +348,10 @@ def parser() -> argparse.ArgumentParser:
         "or against a running OpenAI-compatible endpoint (live).",
     )
     sub = ap.add_subparsers(dest="command", required=True)
+    # no abbreviations: `--trace FILE` (for the positional TRACE) was read as --trace-block
     r = sub.add_parser(
         "replay",
+        allow_abbrev=False,
         help="simulated engines + the router's real index and strategies",
         description="Replay a trace through the router's index and strategies over N simulated "
         "engines (simulated time; default engine = the reference model of ENGINES.md). "
@@ -461,6 +463,7 @@ def parser() -> argparse.ArgumentParser:
     r.set_defaults(func=_replay)
     lv = sub.add_parser(
         "live",
+        allow_abbrev=False,
         help="replay against a running OpenAI-compatible endpoint with real timing",
         description="Send the trace's requests to URL (/v1/completions, streaming, token-id "
         "prompts) at their trace times divided by --speedup; measures TTFT and ITL per request. "

@@ -117,6 +117,10 @@ def test_missing_trace_and_bad_numbers(capsys: pytest.CaptureFixture[str]) -> No
     with pytest.raises(SystemExit):
         main(["replay", "t.jsonl", "--jobs", "two"])
     assert "'two' is not an integer" in capsys.readouterr().err
+    for mode in (["replay"], ["live", "--url", "http://127.0.0.1:1"]):  # no abbreviations:
+        with pytest.raises(SystemExit):  # --trace was taken for --trace-block
+            main([*mode, "--trace", "t.jsonl"])
+        assert "unrecognized arguments: --trace" in capsys.readouterr().err
 
 
 def test_an_output_that_cannot_be_written_is_refused_before_the_replay(
