@@ -87,6 +87,10 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
 def settings_from_args(args: argparse.Namespace) -> WarplySettings | None:
     """The settings `args` ask for, or None without `--enable-warply`; SystemExit if incomplete."""
     if not getattr(args, "enable_warply", False):
+        given = [f"--warply-{n}" for n in ("router", "control", "replay")
+                 if getattr(args, f"warply_{n}", None)]  # fmt: skip
+        if given:  # the plugin would stay off without a word
+            raise SystemExit(f"error: {', '.join(given)} given without --enable-warply")
         return None
     if not args.warply_router:
         raise SystemExit("error: --enable-warply needs --warply-router tcp://HOST:PORT")

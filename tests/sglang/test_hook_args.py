@@ -71,6 +71,13 @@ def test_enable_warply_needs_a_router() -> None:
         prepare_server_args(["--model-path", "dummy", "--enable-warply"])
 
 
+def test_warply_endpoints_without_enable_warply_are_refused() -> None:
+    """The plugin stayed off without a word when --enable-warply was forgotten."""
+    router = ["--warply-router", "tcp://127.0.0.1:1", "--warply-replay", "tcp://127.0.0.1:2"]
+    with pytest.raises(SystemExit, match="--warply-router, --warply-replay given without"):
+        prepare_server_args(["--model-path", "dummy", *router])
+
+
 def test_conflicting_kv_events_config_is_refused() -> None:
     with pytest.raises(SystemExit, match="kv-events-config"):
         prepare_server_args(
