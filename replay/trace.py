@@ -96,6 +96,8 @@ def read_trace(path: str | Path, limit: int | None = None) -> list[TraceRequest]
                     requests.append(_parse_line(line, f"{path}:{lineno}"))
     except OSError as exc:
         raise TraceError(f"cannot read trace {path}: {exc.strerror}") from None
+    except UnicodeDecodeError:
+        raise TraceError(f"trace {path} is not UTF-8 text") from None
     if not requests:
         raise TraceError(f"{path}: no requests")
     requests.sort(key=lambda r: r.arrival_ms)

@@ -500,13 +500,16 @@ def check_knobs(
 
 def _read(path: Path) -> dict[str, Any]:
     try:
-        text = path.read_text()
+        text = path.read_text(encoding="utf-8")
     except OSError as exc:
         raise ConfigError(f"cannot read config {path}: {exc.strerror}") from None
+    except UnicodeDecodeError:
+        raise ConfigError(f"config {path} is not UTF-8 text") from None
+    kind = "TOML" if path.suffix == ".toml" else "YAML"
     try:
-        data = tomllib.loads(text) if path.suffix == ".toml" else yaml.safe_load(text)
+        data = tomllib.loads(text) if kind == "TOML" else yaml.safe_load(text)
     except (tomllib.TOMLDecodeError, yaml.YAMLError) as exc:
-        raise ConfigError(f"config {path} is not valid {path.suffix.lstrip('.')}: {exc}") from None
+        raise ConfigError(f"config {path} is not valid {kind}: {exc}") from None
     if data is None:
         return {}
     if not isinstance(data, dict):

@@ -193,9 +193,12 @@ def test_the_programs_name_a_trace_they_cannot_read(
     traceback."""
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"timestamp": 1}\n')
+    binary = tmp_path / "binary.jsonl"
+    binary.write_bytes(b"\xff\xfe\x00")
     env = {**os.environ, "PYTHONPATH": str(ROOT), "TMPDIR": str(tmp_path)}  # their work folders
     for trace, error in [(tmp_path / "missing", "cannot read trace"),
-                         (bad, f"{bad}:1: not a Mooncake trace record")]:
+                         (bad, f"{bad}:1: not a Mooncake trace record"),
+                         (binary, f"trace {binary} is not UTF-8 text")]:
         done = subprocess.run(
             [sys.executable, str(ROOT / program), *flags, "--trace", str(trace)],
             capture_output=True, text=True, env=env, timeout=60,

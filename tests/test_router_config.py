@@ -47,6 +47,15 @@ def _write(tmp_path: Path, text: str, suffix: str = ".yaml") -> Path:
     return path
 
 
+def test_a_config_that_is_not_text_or_not_yaml_says_so(tmp_path: Path) -> None:
+    binary = tmp_path / "router.yaml"
+    binary.write_bytes(b"\xff\xfe\x00")  # a UnicodeDecodeError traceback before
+    with pytest.raises(ConfigError, match="is not UTF-8 text"):
+        load_config(binary)
+    with pytest.raises(ConfigError, match=r"router\.json is not valid YAML"):
+        load_config(_write(tmp_path, "model: [\n", ".json"))  # read as YAML, named so
+
+
 def test_yaml_and_toml_load(tmp_path: Path) -> None:
     cfg = load_config(_write(tmp_path, GOOD))
     assert cfg.pools[0].workers[0].url == "http://127.0.0.1:8001"

@@ -137,6 +137,13 @@ def test_yaml_round_trip(model_dir: str, tmp_path: Path) -> None:
     assert wp.load_spec(path) == wp.load_spec(str(path)) == engine  # a path as text too
 
 
+def test_a_spec_that_is_not_text_says_so(tmp_path: Path) -> None:
+    path = tmp_path / "spec.yaml"
+    path.write_bytes(b"\xff\xfe\x00")  # a UnicodeDecodeError traceback before
+    with pytest.raises(wp.SpecError, match="is not UTF-8 text"):
+        wp.load_spec(path)
+
+
 @pytest.mark.parametrize(
     ("text", "message"),
     [

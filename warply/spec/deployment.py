@@ -387,9 +387,11 @@ def load_spec(path: str | os.PathLike[str]) -> Deployment:
     """Read a YAML spec (`kind: Engine` or `kind: DisaggEngine`, then the fields)."""
     path = Path(path)
     try:
-        data = yaml.safe_load(path.read_text())
+        data = yaml.safe_load(path.read_text(encoding="utf-8"))
     except OSError as exc:
         raise SpecError(f"cannot read spec {path}: {exc.strerror}") from None
+    except UnicodeDecodeError:
+        raise SpecError(f"spec {path} is not UTF-8 text") from None
     except yaml.YAMLError as exc:
         raise SpecError(f"spec {path} is not valid YAML: {exc}") from None
     if not isinstance(data, dict):
