@@ -42,7 +42,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from replay.costmodel import ReferenceModel, Scaled
 from replay.engine import EngineConfig, SimEngine, SimRequest
-from router.tokenize import PromptError, RouterTokenizer
+from router.tokenize import PromptError, RouterTokenizer, TokenizerError
 from warply.common.argtypes import output_file
 from warply.launch import HOST
 from warply.protocol import LoadSnapshot, chain_keys, request_namespace, root_seed
@@ -627,8 +627,6 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     try:
         cfg = config_from_args(argv)
-        if not (cfg.tokenizer / "tokenizer.json").is_file():
-            raise ValueError(f"--tokenizer {cfg.tokenizer}: no tokenizer.json there")
     except ValueError as exc:
         print(exc, file=sys.stderr)
         return 2
@@ -640,7 +638,10 @@ def main(argv: list[str] | None = None) -> int:
         factory = uvloop.new_event_loop
     with asyncio.Runner(loop_factory=factory) as runner:
         try:
-            runner.run(serve(cfg))
+            runner.run(serve(cfg))  # the tokenizer is loaded first, before anything listens
+        except TokenizerError as exc:
+            print(f"--tokenizer: {exc}", file=sys.stderr)
+            return 2
         except (OSError, zmq.ZMQError) as exc:
             print(f"cannot start the simulated workers: {exc}", file=sys.stderr)
             return 1

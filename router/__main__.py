@@ -35,6 +35,7 @@ from router.app import Router
 from router.config import CLI_FIELDS, ConfigError, IndexConfig, RouterConfig, load_config
 from router.drain import GRACE_S
 from router.index import StoreUnavailable, shown_url
+from router.tokenize import TokenizerError
 
 _WORKER_KEYS = {"name", "events", "replay", "topic", "control", "bind"}
 _SCHEMES = ("http://", "https://")
@@ -220,7 +221,7 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as exc:
         print(f"warply-router: {exc}", file=sys.stderr)
         return 2
-    except FileNotFoundError as exc:
+    except TokenizerError as exc:
         print(f"warply-router: tokenizer: {exc}", file=sys.stderr)
         return 2
     except StoreUnavailable as exc:

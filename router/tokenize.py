@@ -42,6 +42,10 @@ class PromptError(ValueError):
     """The request's prompt or messages cannot be tokenized (the router answers 400)."""
 
 
+class TokenizerError(ValueError):
+    """The model folder's tokenizer files cannot be used; the message names the file."""
+
+
 class Deferred(Exception):
     """Tokenizing would encode more text than the caller's budget: run it off the event loop."""
 
@@ -116,10 +120,26 @@ def _token_text(value: Any) -> str | None:
     return None
 
 
+def _read_json(path: Path) -> dict[str, Any]:
+    """A JSON object file of the model folder ({} when there is none)."""
+    if not path.is_file():
+        return {}
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:  # UnicodeDecodeError is a ValueError
+        raise TokenizerError(f"{path} is not a readable JSON file: {exc}") from None
+    if not isinstance(data, dict):
+        raise TokenizerError(f"{path} holds no JSON object")
+    return data
+
+
 def _default_template(folder: Path, config: Mapping[str, Any]) -> str | None:
     jinja_file = folder / "chat_template.jinja"
     if jinja_file.is_file():
-        return jinja_file.read_text()
+        try:
+            return jinja_file.read_text(encoding="utf-8")
+        except (OSError, ValueError) as exc:
+            raise TokenizerError(f"cannot read {jinja_file}: {exc}") from None
     template = config.get("chat_template")
     if isinstance(template, list):  # named templates: use "default"
         named = {t.get("name"): t.get("template") for t in template if isinstance(t, Mapping)}
@@ -179,17 +199,18 @@ class RouterTokenizer:
         try:
             self._tok = Tokenizer.from_file(str(self.folder / "tokenizer.json"))
         except Exception as exc:  # tokenizers raises a bare Exception for unreadable files
-            raise FileNotFoundError(f"no usable tokenizer.json in {self.folder}: {exc}") from None
-        config_path = self.folder / "tokenizer_config.json"
-        config: dict[str, Any] = {}
-        if config_path.is_file():
-            config = json.loads(config_path.read_text())
+            raise TokenizerError(f"no usable tokenizer.json in {self.folder}: {exc}") from None
+        config = _read_json(self.folder / "tokenizer_config.json")
         self._special = {
             name: text for name in _SPECIAL_NAMES if (text := _token_text(config.get(name)))
         }
         self._env = _environment()
         source = _default_template(self.folder, config)
-        self._template = self._env.from_string(source) if source else None
+        try:
+            self._template = self._env.from_string(source) if source else None
+        except jinja2.TemplateError as exc:
+            msg = f"the chat template in {self.folder} does not parse: {exc}"
+            raise TokenizerError(msg) from None
         self.cache = ChunkCache(self._tok, cache_bytes)
         tokenizer_vocab = self._tok.get_vocab_size(with_added_tokens=True)
         self.vocab_size = max(tokenizer_vocab, _model_vocab(self.folder))

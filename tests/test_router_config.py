@@ -183,6 +183,33 @@ def test_check_builds_the_config_prints_it_and_exits(tmp_path: Path, tokenizer_d
     assert out.stdout == ""
 
 
+@pytest.mark.parametrize(
+    ("name", "content", "message"),
+    [
+        ("tokenizer_config.json", b"not json", "tokenizer_config.json is not a readable JSON"),
+        ("tokenizer_config.json", b"[1]", "tokenizer_config.json holds no JSON object"),
+        ("tokenizer_config.json", b"\xff\xfe", "tokenizer_config.json is not a readable JSON"),
+        ("tokenizer_config.json", b'{"chat_template": "{% for %}"}', "does not parse"),
+        ("chat_template.jinja", b"{{ x", "does not parse"),
+        ("tokenizer.json", b"{}", "no usable tokenizer.json"),
+    ],
+)
+def test_a_broken_tokenizer_folder_is_named_in_one_line(
+    tmp_path: Path, tokenizer_dir: Path, name: str, content: bytes, message: str
+) -> None:
+    """Each was a traceback at start-up (JSONDecodeError, AttributeError, Jinja's syntax
+    error); now exit 2 and the file named."""
+    folder = tmp_path / "model"
+    folder.mkdir()
+    for f in tokenizer_dir.iterdir():
+        (folder / f.name).write_bytes(f.read_bytes())
+    (folder / name).write_bytes(content)
+    config = _write(tmp_path, GOOD.replace("/models/tiny", str(folder)))
+    out = _router_cli("--config", str(config), "--check")
+    assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr
+    assert out.stderr.startswith("warply-router: tokenizer: ") and message in out.stderr
+
+
 def test_the_check_summary_hides_the_stores_password(tmp_path: Path) -> None:
     url = "redis://:hunter2@127.0.0.1:6379/0"
     config = load_config(_write(tmp_path, GOOD + f"index: {{store: redis, url: '{url}'}}\n"))
