@@ -61,7 +61,8 @@ class ApiError(Exception):
 
 async def read_body(request: web.Request) -> tuple[dict[str, Any], bytes]:
     """The request's body as a JSON object, and its bytes: 413 past the app's
-    `client_max_size` (`limits.max_body_bytes`), 400 when it is not a JSON object."""
+    `client_max_size` (`limits.max_body_bytes`), 400 when it is not a JSON object or cannot
+    be read as its `Content-Encoding` says (a "gzip" body that is not gzip was a 500)."""
     try:
         raw = await request.read()
     except web.HTTPRequestEntityTooLarge:
@@ -71,6 +72,9 @@ async def read_body(request: web.Request) -> tuple[dict[str, Any], bytes]:
             "(the router's limits.max_body_bytes)",
             "request_too_large",
         ) from None
+    except web.RequestPayloadError as exc:
+        msg = f"request body cannot be read: {' '.join(str(exc).split())}"
+        raise ApiError(400, msg, "invalid_json") from None
     try:
         body = msgspec.json.decode(raw)
     except (msgspec.DecodeError, RecursionError) as exc:  # RecursionError: nested too deep

@@ -7,6 +7,7 @@ Example counts are small and derandomized: seconds on 2 cores, the same examples
 from __future__ import annotations
 
 import asyncio
+import gzip
 import json
 import threading
 from collections.abc import Iterator
@@ -182,6 +183,20 @@ def test_deeply_nested_json_is_400(live: Live) -> None:
         raw = b'{"prompt": ' + b"[" * 30_000 + b"]" * 30_000 + b"}"
         status, answer = live.call("POST", path, raw, **ADMIN)
         assert status == 400 and _is_error(answer, "invalid_json"), answer
+
+
+def test_a_body_not_in_its_content_encoding_is_400(live: Live) -> None:
+    """A body said to be gzip that is not was a 500 (aiohttp's payload error escaped); a gzip
+    body that is one is served."""
+    json_gzip = {"Content-Type": "application/json", "Content-Encoding": "gzip"}
+    before = live.errors().get(("400", "invalid_json"), 0)
+    for path in ("/v1/completions", "/warply/directives"):
+        status, answer = live.call("POST", path, b"not gzip", **json_gzip, **ADMIN)
+        assert status == 400 and _is_error(answer, "invalid_json"), answer
+        assert "content-encoding: gzip" in answer["error"]["message"]
+    assert live.errors()[("400", "invalid_json")] == before + 2
+    body = gzip.compress(json.dumps({"prompt": "the cache", "max_tokens": 1}).encode())
+    assert live.call("POST", "/v1/completions", body, **json_gzip)[0] == 200
 
 
 def test_negative_token_id_names_it(live: Live) -> None:
