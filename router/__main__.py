@@ -31,6 +31,7 @@ from typing import Any
 import uvloop
 from aiohttp import web
 
+from router.access_log import AccessLog, keep_requests_out_of_logs
 from router.app import Router
 from router.config import CLI_FIELDS, ConfigError, IndexConfig, RouterConfig, load_config
 from router.drain import GRACE_S
@@ -234,6 +235,7 @@ def main(argv: list[str] | None = None) -> int:
         level=args.log_level,
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
+    keep_requests_out_of_logs()
     collect_less()
     fixed_mmap_threshold()
 
@@ -261,6 +263,7 @@ def main(argv: list[str] | None = None) -> int:
             # router); the kernel caps it at net.core.somaxconn.
             backlog=4096,
             print=serving,
+            access_log_class=AccessLog,
             loop=uvloop.new_event_loop(),  # libuv's loop: about a third less CPU per request
         )
     except OSError as exc:  # binding the listener: a port in use or not allowed, a foreign host

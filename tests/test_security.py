@@ -12,6 +12,8 @@ import asyncio
 import logging
 import re
 import time
+import urllib.error
+import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -432,6 +434,42 @@ def test_router_process_listens_on_loopback_only(
                 break
             time.sleep(0.1)
         assert _listening(port) == {"0100007F"}, router.log_tail()  # 127.0.0.1, little-endian hex
+
+
+def test_the_router_process_logs_no_query_strings_or_request_bytes(
+    tokenizer_dir: Path, tmp_path: Path  # noqa: F811
+) -> None:
+    """aiohttp's access line held the query string (`/warply/where?prompt=...` at INFO), and
+    its parser logged a refused request with its first 100 bytes and a traceback: each showed a
+    prompt. The process's log holds the path, the status and the error's class only."""
+    port = free_port()
+    config = {
+        "model": "m", "tokenizer": str(tokenizer_dir), "port": port, "max_model_len": 64,
+        "pools": [{"name": "p", "block_size": 4,
+                   "workers": [{"name": "a", "url": f"http://{HOST}:{free_port()}"}]}],
+    }  # fmt: skip
+    base = f"http://{HOST}:{port}"
+    with RouterServer(config, tmp_path) as router:
+        for _ in range(600):
+            try:
+                urllib.request.urlopen(base + "/health", timeout=1)
+                break
+            except urllib.error.HTTPError:
+                break  # 503: no healthy worker, but it listens
+            except OSError:
+                time.sleep(0.1)
+        for path, headers in (
+            (f"/warply/where?prompt={SECRET_TEXT.replace(' ', '%20')}", {}),
+            ("/v1/models?" + "zebra" * 2000, {}),  # a request line past aiohttp's limit
+            ("/health", {"X-Note": "zebra" * 2000}),  # a header past it
+        ):
+            try:
+                urllib.request.urlopen(urllib.request.Request(base + path, headers=headers))
+            except urllib.error.HTTPError as err:
+                assert err.code in (200, 400, 503), err
+    log = router.log_path.read_text()
+    assert '"GET /warply/where" 200' in log and "LineTooLong (400)" in log, log
+    assert "zebra" not in log and "Traceback" not in log, log
 
 
 def test_wildcard_control_socket_without_token_warns(caplog: pytest.LogCaptureFixture) -> None:
