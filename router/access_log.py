@@ -19,6 +19,10 @@ from aiohttp.http_exceptions import HttpProcessingError
 class AccessLog(AbstractAccessLogger):
     """One line per request: client, method, path without its query, status, bytes, time."""
 
+    @property
+    def enabled(self) -> bool:
+        return self.logger.isEnabledFor(logging.INFO)  # not called at all below INFO
+
     def log(self, request: web.BaseRequest, response: web.StreamResponse, time: float) -> None:
         self.logger.info(
             '%s "%s %s" %d %d %.1f ms',
