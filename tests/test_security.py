@@ -15,6 +15,7 @@ import time
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -416,14 +417,13 @@ def _listening(port: int) -> set[str]:
     return found
 
 
-def test_router_process_listens_on_loopback_only(
-    tokenizer_dir: Path, tmp_path: Path  # noqa: F811
-) -> None:
-    """`warply-router` started with no host listens on 127.0.0.1 alone (the kernel's table of
-    listening sockets, not a connection attempt that a firewall could also refuse)."""
+@contextmanager
+def _router_process(tokenizer: Path, tmp_path: Path) -> Iterator[tuple[RouterServer, int]]:
+    """`warply-router` (no host given) over one worker that is not there, and its port, once
+    it listens or has exited."""
     port = free_port()
     config = {
-        "model": "m", "tokenizer": str(tokenizer_dir), "port": port, "max_model_len": 64,
+        "model": "m", "tokenizer": str(tokenizer), "port": port, "max_model_len": 64,
         "pools": [{"name": "p", "block_size": 4,
                    "workers": [{"name": "a", "url": f"http://{HOST}:{free_port()}"}]}],
     }  # fmt: skip
@@ -433,6 +433,15 @@ def test_router_process_listens_on_loopback_only(
             if _listening(port) or router.proc.poll() is not None:
                 break
             time.sleep(0.1)
+        yield router, port
+
+
+def test_router_process_listens_on_loopback_only(
+    tokenizer_dir: Path, tmp_path: Path  # noqa: F811
+) -> None:
+    """`warply-router` started with no host listens on 127.0.0.1 alone (the kernel's table of
+    listening sockets, not a connection attempt that a firewall could also refuse)."""
+    with _router_process(tokenizer_dir, tmp_path) as (router, port):
         assert _listening(port) == {"0100007F"}, router.log_tail()  # 127.0.0.1, little-endian hex
 
 
@@ -442,22 +451,9 @@ def test_the_router_process_logs_no_query_strings_or_request_bytes(
     """aiohttp's access line held the query string (`/warply/where?prompt=...` at INFO), and
     its parser logged a refused request with its first 100 bytes and a traceback: each showed a
     prompt. The process's log holds the path, the status and the error's class only."""
-    port = free_port()
-    config = {
-        "model": "m", "tokenizer": str(tokenizer_dir), "port": port, "max_model_len": 64,
-        "pools": [{"name": "p", "block_size": 4,
-                   "workers": [{"name": "a", "url": f"http://{HOST}:{free_port()}"}]}],
-    }  # fmt: skip
-    base = f"http://{HOST}:{port}"
-    with RouterServer(config, tmp_path) as router:
-        for _ in range(600):
-            try:
-                urllib.request.urlopen(base + "/health", timeout=1)
-                break
-            except urllib.error.HTTPError:
-                break  # 503: no healthy worker, but it listens
-            except OSError:
-                time.sleep(0.1)
+    with _router_process(tokenizer_dir, tmp_path) as (router, port):
+        assert _listening(port), router.log_tail()
+        base = f"http://{HOST}:{port}"
         for path, headers in (
             (f"/warply/where?prompt={SECRET_TEXT.replace(' ', '%20')}", {}),
             ("/v1/models?" + "zebra" * 2000, {}),  # a request line past aiohttp's limit
