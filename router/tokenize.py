@@ -148,10 +148,11 @@ def _default_template(folder: Path, config: Mapping[str, Any]) -> str | None:
 
 
 def _model_vocab(folder: Path) -> int:
-    """`vocab_size` of the model folder's config.json (0 when absent or unreadable)."""
+    """`vocab_size` of the model folder's config.json (0 when absent or unusable: the
+    tokenizer's vocabulary then counts alone)."""
     try:
-        size = json.loads((Path(folder) / "config.json").read_text()).get("vocab_size")
-    except (OSError, ValueError, AttributeError):
+        size = _read_json(Path(folder) / "config.json").get("vocab_size")
+    except TokenizerError:
         return 0
     return size if isinstance(size, int) else 0
 
