@@ -1,7 +1,8 @@
 """The router's aiohttp application: routes, admin auth, worker health, start-up and shutdown.
 
-Client API: /v1/completions, /v1/chat/completions, /v1/models, /health, /metrics, and the
-OpenAPI document of all of them, /openapi.json (`router.openapi`).
+Client API: /v1/completions, /v1/chat/completions, /v1/models, /health, /metrics, /tokenize and
+/detokenize (forwarded to a worker: `router.passthrough`), and the OpenAPI document of all of
+them, /openapi.json (`router.openapi`).
 Admin API (Bearer token when `auth_token` is set): /warply/cache_stats, /warply/workers,
 POST /warply/workers/{name} (`{"enabled": false}` drains a worker), POST /warply/directives,
 POST /warply/pools/{pool}/workers and DELETE /warply/workers/{name} (workers join and leave),
@@ -37,6 +38,7 @@ from router.model_cards import context_limit
 from router.openapi import openapi_document
 from router.parity import Probes
 from router.parity import check as check_parity
+from router.passthrough import FORWARDED_PATHS, Forwarder
 from router.placement import Placement
 from router.proxy import Proxy
 from router.tasks import cancel, periodic
@@ -108,6 +110,14 @@ class Router:
                 control_token=config.control_token,
             )
             self.metrics.on_request.append(self.tiering.observe)
+        self._forwarder = Forwarder(
+            self.proxy.upstream,
+            self.proxy.drain,
+            self.workers,
+            self.proxy.served,
+            self.metrics,
+            self.proxy.timeouts,
+        )
         self._health_task: asyncio.Task[None] | None = None
         self._loop_watch = LoopWatch(self.metrics.series.loop_lag, config.loop_stall_dump_s)
         self.app = web.Application(
@@ -129,6 +139,7 @@ class Router:
                 web.delete("/warply/workers/{name}", self._remove_worker),
                 web.post("/warply/pools/{pool}/workers", self._add_worker),
                 web.post("/warply/directives", self._directive),
+                *(web.post(path, self._forwarder.handle) for path in FORWARDED_PATHS),
             ]
         )
         self._openapi_doc = openapi_document(config)

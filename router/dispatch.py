@@ -59,7 +59,6 @@ from router.placement import Decision
 from router.tokenize import Prompt
 from router.upstream import (
     ConnectFailed,
-    ConnectTimeout,
     Disconnected,
     Response,
     Timeouts,
@@ -250,16 +249,9 @@ class Dispatcher:
     async def _post(
         self, url: str, body: dict[str, Any] | bytes, headers: Mapping[str, str], timeouts: Timeouts
     ) -> Response:
-        """POST a JSON body (bytes are sent as they are); the response once its headers arrived
-        (the caller releases it). Retried once when nothing reached the engine: a pooled
-        connection it closed meanwhile (its keep-alive ran out: the server disconnects before
-        answering), or a connection not made in time (a stalled machine). A refused connection
-        is not retried (`ConnectFailed`: the caller tries another worker)."""
+        """POST a JSON body (bytes are sent as they are): `Upstream.send`."""
         data = body if isinstance(body, bytes) else msgspec.json.encode(body)
-        try:
-            return await self._upstream.post(url, data, headers, timeouts)
-        except (Disconnected, ConnectTimeout):
-            return await self._upstream.post(url, data, headers, timeouts)
+        return await self._upstream.send(url, data, headers, timeouts)
 
     async def send(self, call: Call, decision: Decision) -> Answer:
         """Serve one placed request; raises `Retry` or `ApiError`."""

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from typing import Any
 
 import msgspec
@@ -87,3 +87,14 @@ async def read_body(request: web.Request) -> tuple[dict[str, Any], bytes]:
 async def read_object(request: web.Request) -> dict[str, Any]:
     """The request's body as a JSON object (`read_body`'s checks)."""
     return (await read_body(request))[0]
+
+
+def check_model(model: Any, served: Collection[str]) -> None:
+    """400 when a request's `model` is not a string, 404 `model_not_found` when it names a
+    model the router does not serve (none or empty: the base model, as vLLM takes it)."""
+    if model is None:
+        return
+    if not isinstance(model, str):
+        raise ApiError(400, "'model' must be str", "invalid_value", "model")
+    if model and model not in served:
+        raise ApiError(404, f"The model `{model}` does not exist.", "model_not_found", "model")

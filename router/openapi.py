@@ -4,7 +4,8 @@ Response and admin shapes come from their definitions: the msgspec structs of
 `warply.protocol.api` and `warply.protocol.directives`, the pydantic `WorkerConfig` a joining
 worker's body is validated with. The two OpenAI request bodies are written here and declare only
 what the router itself checks (`router.proxy`): every other field passes to the engine unchanged,
-so the engine's own schema applies to it. The tests fuzz the router against this document.
+so the engine's own schema applies to it; so do the forwarded /tokenize and /detokenize bodies,
+of which the router checks only `model`. The tests fuzz the router against this document.
 """
 
 from __future__ import annotations
@@ -31,7 +32,11 @@ _ERROR = {
                 "message": {"type": "string"},
                 "type": {"type": "string"},
                 "param": {"type": ["string", "null"]},
-                "code": {"type": ["string", "null"]},
+                "code": {
+                    "type": ["string", "integer", "null"],
+                    "description": "the router's: a string; an engine's relayed error: vLLM "
+                    "0.32 puts the HTTP status here",
+                },
             },
         }
     },
@@ -161,6 +166,27 @@ def _generation(body: str, summary: str) -> dict[str, Any]:
     }
 
 
+def _forwarded(body: str, summary: str) -> dict[str, Any]:
+    return {
+        "post": {
+            "summary": summary,
+            "requestBody": _body(body),
+            "responses": {
+                "200": _json({"type": "object"}, "the engine's answer"),
+                **_errors(413, 502, 503, 504),
+                "default": {
+                    "description": "the engine's own answer, errors included (plain text from "
+                    "an engine without the endpoint), or the router's own 400 / 404 (`model`)",
+                    "content": {
+                        "application/json": {"schema": {}},
+                        "text/plain": {"schema": {"type": "string"}},
+                    },
+                },
+            },
+        }
+    }
+
+
 def _admin(op: dict[str, Any]) -> dict[str, Any]:
     return {**op, "security": [{"bearer": []}], "responses": {**op["responses"], **_errors(401)}}
 
@@ -181,6 +207,12 @@ def openapi_document(config: RouterConfig) -> dict[str, Any]:
     model = {"model": {"enum": names}}
     for name, shape in (("CompletionRequest", _COMPLETION), ("ChatCompletionRequest", _CHAT)):
         components[name] = {**shape, "properties": {**model, **shape["properties"]}}
+    for name, what in (("TokenizeRequest", "prompt or messages"), ("DetokenizeRequest", "tokens")):
+        components[name] = {
+            "type": "object",
+            "description": f"the engine's {name} ({what}), forwarded as it came",
+            "properties": model,
+        }
     components["WorkerConfig"] = WorkerConfig.model_json_schema()
     enabled = {"type": "object", "required": ["enabled"], "additionalProperties": False,
                "properties": {"enabled": {"type": "boolean"}}}  # fmt: skip
@@ -194,6 +226,8 @@ def openapi_document(config: RouterConfig) -> dict[str, Any]:
     paths: dict[str, Any] = {
         "/v1/completions": _generation("CompletionRequest", "a completion, placed and proxied"),
         "/v1/chat/completions": _generation("ChatCompletionRequest", "a chat completion"),
+        "/tokenize": _forwarded("TokenizeRequest", "the engine's tokenization, forwarded"),
+        "/detokenize": _forwarded("DetokenizeRequest", "the engine's detokenization, forwarded"),
         "/v1/models": {"get": {"responses": {"200": _json({"type": "object"}, "served models")}}},
         "/health": {
             "get": {

@@ -26,7 +26,7 @@ from router.accounting import RequestAccount
 from router.config import LimitsConfig
 from router.dispatch import Call, Dispatcher, Retry
 from router.drain import SHUTTING_DOWN, Drain, withdraw_cancel
-from router.errors import ApiError, read_body
+from router.errors import ApiError, check_model, read_body
 from router.metrics import RouterMetrics
 from router.placement import Decision, Placement
 from router.strategies import NoCandidate
@@ -37,7 +37,6 @@ from warply.protocol.api import CacheKey, Overrides
 
 _T = TypeVar("_T")
 _FORWARD_HEADERS = ("Authorization", "X-Request-Id")
-_JSON = {"Content-Type": "application/json"}
 _INLINE_CHARS = 8192
 """A prompt is tokenized on the event loop (while the tokenizer thread is idle) when this much
 new text at most must be encoded before the choice: ~0.4 ms in `tokenizers`, about what handing
@@ -66,6 +65,14 @@ class _Prepared:
     """One prompt and one choice (`n` 1): a request a P/D hand-off can carry."""
     rest: asyncio.Future[Prompt] | None = None
     """The whole prompt, being tokenized after an early placement."""
+
+
+def upstream_headers(request: web.Request) -> dict[str, str]:
+    """The headers an engine gets with a client's request: the client's `Authorization` (an
+    engine's `--api-key`) and `X-Request-Id`, and the JSON content type."""
+    headers = {h: request.headers[h] for h in _FORWARD_HEADERS if h in request.headers}
+    headers["Content-Type"] = "application/json"
+    return headers
 
 
 def _overrides(body: dict[str, Any]) -> Overrides:
@@ -170,7 +177,7 @@ class Proxy:
     ) -> None:
         self.model = model
         self._trust_template = trust_request_chat_template
-        self._served = {model, *adapters}
+        self.served = frozenset((model, *adapters))
         """Names a request's `model` may take: the base model and its LoRA adapters."""
         self.max_model_len: int | None = None
         self._limits = limits or LimitsConfig()
@@ -181,11 +188,11 @@ class Proxy:
             total=timeout_s, sock_connect=5, sock_read=idle_timeout_s
         )
         self._session: aiohttp.ClientSession | None = None
-        self._upstream = Upstream()
+        self.upstream = Upstream()
+        self.timeouts = Timeouts(timeout_s, 5, idle_timeout_s)
+        """Of a request to an engine: the whole exchange, a new connection, the longest silence."""
         self.drain = Drain()
-        self._dispatch = Dispatcher(
-            self._upstream, Timeouts(timeout_s, 5, idle_timeout_s), prefill_timeout_s, lost_after_s
-        )
+        self._dispatch = Dispatcher(self.upstream, self.timeouts, prefill_timeout_s, lost_after_s)
         # One thread: a cold 8k-token prompt (10-30 ms in `tokenizers`, which releases the GIL)
         # must not stall the event loop. The chunk cache is not thread-safe: the lock lets the
         # loop tokenize a prompt with little new text itself while the thread is idle.
@@ -209,7 +216,7 @@ class Proxy:
         if self._session is not None:
             await self._session.close()
             self._session = None
-        self._upstream.close()
+        self.upstream.close()
         self._tokenize_pool.shutdown(wait=False, cancel_futures=True)
 
     async def handle(self, request: web.Request, kind: str) -> web.StreamResponse:
@@ -220,9 +227,7 @@ class Proxy:
         try:
             body, raw = await read_body(request)
             prep = await self.prepare(body, kind, raw)
-            headers = {h: request.headers[h] for h in _FORWARD_HEADERS if h in request.headers}
-            headers.update(_JSON)
-            call = Call(request, kind, prep, account, headers, flight)
+            call = Call(request, kind, prep, account, upstream_headers(request), flight)
             tried: set[str] = set()
             while True:
                 decision = await self.place(prep, tried)
@@ -342,9 +347,7 @@ class Proxy:
         _check_fields(body)
         if kind == "chat" and not self._trust_template:
             _refuse_request_template(body)
-        model = body.get("model")
-        if model and model not in self._served:
-            raise ApiError(404, f"The model `{model}` does not exist.", "model_not_found", "model")
+        check_model(body.get("model"), self.served)
         self._check_counts(body)
         inline = raw is None or len(raw) <= _INLINE_BODY_BYTES
         untouched = "warply" not in body

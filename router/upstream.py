@@ -414,6 +414,18 @@ class Upstream:
             raise
         return resp
 
+    async def send(
+        self, url: str, body: bytes, headers: Mapping[str, str], timeouts: Timeouts
+    ) -> Response:
+        """`post`, retried once when nothing reached the engine: a pooled connection it closed
+        meanwhile (its keep-alive ran out: the server disconnects before answering), or a
+        connection not made in time (a stalled machine). A refused connection is not retried
+        (`ConnectFailed`: the caller tries another worker)."""
+        try:
+            return await self.post(url, body, headers, timeouts)
+        except (Disconnected, ConnectTimeout):
+            return await self.post(url, body, headers, timeouts)
+
     def close(self) -> None:
         """Close every idle connection (those in use close when released)."""
         for conns in self._idle.values():

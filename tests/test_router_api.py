@@ -115,6 +115,9 @@ class FakeEngine:
     raw: list[bytes] = field(default_factory=list)
     """The bytes of each body, as received."""
     cancelled: asyncio.Event = field(default_factory=asyncio.Event)
+    tokenize: bool = False
+    """Serves /tokenize and /detokenize (one id per word: the router's parity probe then finds
+    a mismatch, so off unless a test forwards them)."""
     metrics_text: str = ""
     """What its /metrics answers (e.g. vLLM's KV-transfer counters)."""
     url: str = ""
@@ -130,6 +133,10 @@ class FakeEngine:
                 web.post("/v1/chat/completions", self._generate),
             ]
         )
+        if self.tokenize:
+            app.add_routes(
+                [web.post("/tokenize", self._tokenize), web.post("/detokenize", self._tokenize)]
+            )
         return app
 
     async def _health(self, _: web.Request) -> web.Response:
@@ -142,6 +149,23 @@ class FakeEngine:
 
     async def _metrics(self, _: web.Request) -> web.Response:
         return web.Response(text=self.metrics_text)
+
+    async def _tokenize(self, request: web.Request) -> web.Response:
+        """/tokenize (a string `prompt`: one id per word) and /detokenize (`tokens`: a word per
+        id), naming the engine; anything else is a 400 in vLLM's error shape."""
+        self.raw.append(await request.read())
+        body = json.loads(self.raw[-1])
+        self.bodies.append(body)
+        prompt, tokens = body.get("prompt"), body.get("tokens")
+        if request.path == "/tokenize" and isinstance(prompt, str):
+            ids = [len(word) for word in prompt.split()]
+            answer = {"count": len(ids), "max_model_len": self.max_model_len, "tokens": ids}
+        elif request.path == "/detokenize" and isinstance(tokens, list):
+            answer = {"prompt": " ".join("w" * t for t in tokens if isinstance(t, int))}
+        else:
+            error = {"message": "bad input", "type": "BadRequestError", "param": None, "code": 400}
+            return web.json_response({"error": error}, status=400)
+        return web.json_response({**answer, "engine": self.name})
 
     async def _generate(self, request: web.Request) -> web.StreamResponse:
         self.raw.append(await request.read())
@@ -819,22 +843,70 @@ def test_refused_connection_is_retried_on_another_worker(tokenizer_dir: Path) ->
     _run(scenario())
 
 
+def test_tokenize_and_detokenize_are_forwarded_as_they_came(tokenizer_dir: Path) -> None:
+    """To the available worker with the least in flight, past one that refuses connections;
+    the engine's answer, errors included, is the client's; the model is checked first."""
+
+    async def scenario() -> None:
+        engines = [FakeEngine("a", down=True), FakeEngine("b"), FakeEngine("c", tokenize=True)]
+        async with running(tokenizer_dir, engines, health_interval_s=60) as (
+            router, call, session, base,
+        ):  # fmt: skip
+            a, b = router.workers["a"], router.workers["b"]
+            a.set_health(True)  # as if it went down after its last probe
+            b.load.in_flight = 2
+            raw = b'{"model": "m",  "prompt": "the cache holds", "return_token_strs": false}'
+            async with session.post(base + "/tokenize", data=raw) as resp:
+                assert resp.status == 200 and resp.headers["X-Warply-Worker"] == "c"
+                assert await resp.json() == {
+                    "count": 3, "max_model_len": 64, "tokens": [3, 5, 5], "engine": "c"
+                }
+            assert engines[2].raw == [raw] and not a.healthy
+            status, body = await call("POST", "/detokenize", {"tokens": [1, 2]})
+            assert (status, body) == (200, {"prompt": "w ww", "engine": "c"})
+            status, body = await call("POST", "/tokenize", {"messages": []})
+            assert status == 400 and body["error"]["message"] == "bad input"  # the engine's
+            status, body = await call("POST", "/tokenize", {"model": "x", "prompt": "hi"})
+            assert status == 404 and _is_error(body, "model_not_found")
+            status, body = await call("POST", "/tokenize", {"model": 3, "prompt": "hi"})
+            assert status == 400 and _is_error(body, "invalid_value")
+            status, _ = await call("GET", "/tokenize")
+            assert status == 405
+            assert len(engines[2].raw) == 3  # the router's own refusals sent nothing
+            b.enabled = router.workers["c"].enabled = False
+            status, body = await call("POST", "/detokenize", {"tokens": [1]})
+            assert status == 503 and _is_error(body, "no_healthy_worker")
+            forwarded = {
+                (s.labels["endpoint"], s.labels["worker"], s.labels["status"]): s.value
+                for f in text_string_to_metric_families((await call("GET", "/metrics"))[1])
+                if f.name == "warply_router_forwarded_requests"
+                for s in f.samples
+                if s.name.endswith("_total")
+            }
+            assert forwarded == {
+                ("tokenize", "c", "200"): 1, ("detokenize", "c", "200"): 1,
+                ("tokenize", "c", "400"): 1,
+            }  # fmt: skip
+
+    _run(scenario())
+
+
 def test_a_connection_not_made_in_time_is_tried_once_more(tokenizer_dir: Path) -> None:
     """Nothing reached the engine (a stalled machine): the same worker is asked again."""
 
     async def scenario() -> None:
         async with running(tokenizer_dir, [FakeEngine("a")]) as (router, call, _s, _b):
-            real = router.proxy._dispatch._upstream
+            upstream = router.proxy.upstream
+            post = upstream.post
             calls = []
 
-            class _Stalled:
-                async def post(self, url: str, *args: Any) -> Any:
-                    calls.append(url)
-                    if len(calls) == 1:
-                        raise ConnectTimeout(f"no connection to {url} in 5 s")
-                    return await real.post(url, *args)
+            async def stalled(url: str, *args: Any) -> Any:
+                calls.append(url)
+                if len(calls) == 1:
+                    raise ConnectTimeout(f"no connection to {url} in 5 s")
+                return await post(url, *args)
 
-            router.proxy._dispatch._upstream = _Stalled()
+            upstream.post = stalled  # type: ignore[method-assign]
             status, body = await call("POST", "/v1/completions", {"prompt": "a prefix"})
             assert status == 200 and body["choices"][0]["text"] == "a"
             assert len(calls) == 2 and router.workers["a"].healthy

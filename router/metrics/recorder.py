@@ -117,6 +117,11 @@ class RouterMetrics:
         s = self.series
         s.child(s.errors, str(status), code or "").inc()
 
+    def forwarded(self, endpoint: str, worker: str, status: int) -> None:
+        """A request forwarded without placement (`router.passthrough`) was answered."""
+        s = self.series
+        s.child(s.forwarded, endpoint, worker, str(status)).inc()
+
     def stream_rejections(self, worker: str, rejected: Mapping[str, int]) -> None:
         """A worker's subscriber's rejection counts so far (set before each scrape)."""
         for reason, n in rejected.items():

@@ -61,6 +61,13 @@ class Series:
             ["status", "code"],
             registry=r,
         )
+        self.forwarded = PromCounter(
+            "warply_router_forwarded_requests",
+            "Requests forwarded without placement (/tokenize, /detokenize), by endpoint, worker "
+            "and the status answered (502 / 504: the router's own for a failed upstream)",
+            ["endpoint", "worker", "status"],
+            registry=r,
+        )
         self.stream_rejected = Gauge(
             "warply_stream_rejected",
             "State-stream frames (or events) a worker's subscriber rejected, by reason",
@@ -343,6 +350,7 @@ class Series:
         self._children.clear()
         for metric in (
             self.requests,
+            self.forwarded,
             self.kv_transfer_bytes,
             self.kv_transfer_seconds,
             self.kv_transfers,

@@ -319,6 +319,27 @@ def test_tokenization_parity_with_vllm(stack: dict[str, Any]) -> None:
             assert tok.completion_tokens(body) == [want["tokens"]], prompt
 
 
+def test_tokenize_and_detokenize_through_the_router_are_the_engines(
+    stack: dict[str, Any],
+) -> None:
+    """vLLM 0.32's /tokenize and /detokenize answer through the router as they do directly,
+    errors included; a model the router does not serve is its own 404."""
+    engine, url = stack["engines"][0].url, stack["url"]
+    bodies = [
+        ("/tokenize", {"model": "tiny", "prompt": PROMPTS[1], "return_token_strs": True}),
+        ("/tokenize", {"messages": CHATS[0], "add_generation_prompt": True}),
+        ("/detokenize", {"model": "tiny", "tokens": [1, 2, 3]}),
+        ("/detokenize", {"tokens": [-1]}),
+    ]
+    for path, body in bodies:
+        direct_status, direct = http_json("POST", engine + path, body)
+        status, routed = http_json("POST", url + path, body)
+        assert (status, routed) == (direct_status, direct), (path, body)
+    assert direct_status == 400  # the negative id, refused by the engine
+    status, body = http_json("POST", url + "/tokenize", {"model": "other", "prompt": "hi"})
+    assert status == 404 and body["error"]["code"] == "model_not_found"
+
+
 def test_a_missed_prediction_keeps_what_the_engine_stored_again(stack: dict[str, Any]) -> None:
     """An engine's cache emptied behind the router's back (vLLM 0.32 publishes AllBlocksCleared
     only at its next scheduler step, so the index still credits it) reports no hit for a prompt
