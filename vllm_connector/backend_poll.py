@@ -57,3 +57,7 @@ class PolledBackend(abc.ABC):
                 failures += 1
                 if failures == 1:  # once per run of failures: a down backend does not flood
                     _log.warning("Warply: %s unreadable: %s", self._what, exc)
+            except Exception:  # a reading bug must not end the thread (the figures would freeze)
+                failures += 1
+                if failures == 1:
+                    _log.exception("Warply: reading %s failed", self._what)

@@ -21,12 +21,14 @@ writes every chunk to every adapter by itself), and its `/quota` scopes only L2 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import time
 import urllib.error
 import urllib.parse
 import urllib.request
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -46,7 +48,22 @@ _PAGE = 5000
 
 
 class LMCacheError(BackendError):
-    """The server answered with an error, or could not be reached."""
+    """The server answered with an error, or in a shape LMCache 0.5.6 does not send, or could
+    not be reached."""
+
+
+_SHAPE_ERRORS = (KeyError, IndexError, TypeError, ValueError, AttributeError)
+"""What reading a reply that is not in the expected shape raises."""
+
+
+@contextlib.contextmanager
+def _reply(what: str) -> Iterator[None]:
+    """Read a reply of `what` (e.g. `GET /status`): one not in its expected shape is an
+    `LMCacheError` naming it, not an exception that ends the polling thread or the directive."""
+    try:
+        yield
+    except _SHAPE_ERRORS as exc:
+        raise LMCacheError(f"{what}: unexpected reply ({exc!r})") from None
 
 
 class LMCacheServer(PolledBackend):
@@ -71,7 +88,7 @@ class LMCacheServer(PolledBackend):
     def status(self) -> dict[str, Any]:
         """`GET /status` (raises `LMCacheError`)."""
         status: dict[str, Any] = self._request("GET", "/status")
-        try:
+        with _reply("GET /status"):
             self._layout = (int(status["chunk_size"]), str(status["hash_algorithm"]))
             manager = status["storage_manager"]
             found = {Tier.CPU: int(manager["l1_usage"][0])}
@@ -79,8 +96,6 @@ class LMCacheServer(PolledBackend):
                 if adapter.get("type") == "FSL2Adapter":
                     self._fs_root = Path(adapter["base_path"])
                     found[Tier.SSD] = _folder_bytes(self._fs_root)
-        except (KeyError, IndexError, TypeError, ValueError) as exc:
-            raise LMCacheError(f"GET /status: unexpected reply ({exc!r})") from None
         store = self._object_store_bytes()
         if store is not None:
             found[Tier.OBJECT_STORE] = store
@@ -104,7 +119,9 @@ class LMCacheServer(PolledBackend):
             assert self._fs_root is not None
             files = {_file_key(f.name) for f in self._fs_root.glob("*@*.data")}
             return sum((*k[:4], "") in files for k in keys), len(keys)
-        listed = {_key_id(e["key"]) for e in self._listing(adapter, model_name)}
+        entries = self._listing(adapter, model_name)
+        with _reply("GET /cache/objects"):
+            listed = {_key_id(e["key"]) for e in entries}
         return sum(k in listed for k in keys), len(keys)
 
     def evict(
@@ -119,7 +136,8 @@ class LMCacheServer(PolledBackend):
         if tier is not Tier.CPU:
             body = {"keys": keys, "tier": "l2", "adapter": self.adapter(tier)}
         reply = self._request("DELETE", "/cache/objects", body)
-        return int(reply["deleted"]), int(reply["skipped"])
+        with _reply("DELETE /cache/objects"):
+            return int(reply["deleted"]), int(reply["skipped"])
 
     def prefetch(
         self, token_ids: list[int], cache_salt: str, model_name: str, world_size: int
@@ -128,7 +146,8 @@ class LMCacheServer(PolledBackend):
         body = {"model_name": model_name, "world_size": world_size, "token_ids": token_ids,
                 "cache_salt": cache_salt, "source_tier": "l2", "target_tier": "l1"}  # fmt: skip
         reply = self._request("POST", "/cache/prefetches", body)
-        return int(reply.get("chunks", 0))
+        with _reply("POST /cache/prefetches"):
+            return int(reply.get("chunks", 0))
 
     def adapter(self, tier: Tier) -> str:
         """The type name of the server's L2 adapter that holds `tier` (raises `LMCacheError`)."""
@@ -141,7 +160,8 @@ class LMCacheServer(PolledBackend):
     def _adapter_types(self) -> list[str]:
         if self._adapters is None:
             reply = self._request("GET", "/config/adapters")
-            self._adapters = [str(a["type_name"]) for a in reply["adapters"]]
+            with _reply("GET /config/adapters"):
+                self._adapters = [str(a["type_name"]) for a in reply["adapters"]]
         return self._adapters
 
     def _object_store_bytes(self) -> int | None:
@@ -155,7 +175,9 @@ class LMCacheServer(PolledBackend):
         try:
             kinds = self._adapter_types()
             if "s3" in kinds:
-                self._store_bytes = sum(int(e["size_bytes"]) for e in self._listing("s3"))
+                entries = self._listing("s3")
+                with _reply("GET /cache/objects"):
+                    self._store_bytes = sum(int(e["size_bytes"]) for e in entries)
             elif "resp" in kinds:
                 self._store_bytes = self._redis_bytes()
         except LMCacheError as exc:
@@ -174,12 +196,14 @@ class LMCacheServer(PolledBackend):
             query["model_name"] = model_name
         while True:
             page = self._request("GET", "/cache/objects?" + urllib.parse.urlencode(query))
-            entries += page["entries"]
+            with _reply("GET /cache/objects"):
+                entries += list(page["entries"])
+                token = page.get("next_page_token")
             if len(entries) > _MAX_OBJECTS:
                 raise LMCacheError(f"the {adapter} adapter holds over {_MAX_OBJECTS} objects")
-            if not page.get("next_page_token"):
+            if not token:
                 return entries
-            query["page_token"] = str(page["next_page_token"])
+            query["page_token"] = str(token)
 
     def _redis_bytes(self) -> int:
         """Bytes of the values LMCache's `resp` adapter wrote to its redis server: its keys are
@@ -207,16 +231,15 @@ class LMCacheServer(PolledBackend):
 
         if self._redis is not None:
             return
-        try:
-            index = self._adapter_types().index("resp")
-            manager = self._request("GET", "/config")["storage_manager"]
-            conf = manager["l2_adapter_config"]["adapters"][index]
+        adapters = self._adapter_types()
+        config = self._request("GET", "/config")
+        with _reply("GET /config (the resp adapter's address)"):
+            configs = config["storage_manager"]["l2_adapter_config"]["adapters"]
+            conf = configs[adapters.index("resp")]
             self._redis = redis.Redis(
                 host=conf["host"], port=int(conf["port"]), username=conf["username"] or None,
                 password=conf["password"] or None, socket_timeout=_TIMEOUT_S,
             )  # fmt: skip
-        except (KeyError, IndexError, TypeError, ValueError) as exc:
-            raise LMCacheError(f"GET /config: no resp adapter address ({exc!r})") from None
 
     def _in_redis(self, keys: list[_KeyId]) -> int:
         """How many of `keys` the `resp` adapter's redis server holds (one EXISTS)."""
