@@ -28,6 +28,7 @@ from router.config import BreakerConfig, IndexConfig
 from router.index import WorkerMatch
 from router.index_health import IndexHealth
 from router.metrics import RequestRecord, kv_transfer_stats
+from router.metrics.registry import tenant_label
 from router.tasks import cancel, periodic
 from router.tokenize import RouterTokenizer
 from router.workers import Breaker
@@ -512,7 +513,8 @@ def test_predicted_and_engine_hit_rates_per_worker_and_tenant(
             w = stats.workers["a"]
             assert w.engine_hit_rate == 12 / w.prompt_tokens and w.index_state == "fallback"
             _, text = await call("GET", "/metrics")
-            assert 'warply_router_tenant_tokens{kind="engine_cached",tenant="t1"} 8.0' in text
+            t1_label = tenant_label("t1")
+            assert f'tenant_tokens{{kind="engine_cached",tenant="{t1_label}"}} 8.0' in text
             assert 'warply_router_worker_tokens{kind="engine_cached",worker="a"} 12.0' in text
 
     _run(scenario())

@@ -27,6 +27,7 @@ from hypothesis import strategies as st
 from router.config import PoolConfig, RouterConfig, WorkerConfig
 from router.control import send_directive, send_payload
 from router.index import MemoryStore, PrefixIndex, completed
+from router.metrics.registry import tenant_label
 from sglang_hook.settings import add_cli_args, settings_from_args
 from tests.test_router_api import (  # noqa: F401
     FakeEngine,
@@ -379,6 +380,31 @@ def test_no_prompt_or_token_ids_in_logs(
         text = record.getMessage() + (record.exc_text or "")
         assert SECRET_TEXT not in text and "zebra" not in text, text
         assert not ids.search(text), text
+
+
+def test_no_cache_key_in_metrics(tokenizer_dir: Path) -> None:  # noqa: F811
+    """/metrics (no token) names tenants by a digest of their cache key, never by the key: a
+    tenant's key is what keeps its KV apart, so another client holding it gets its hits."""
+    key = "tenant-secret-7Qm2x"
+
+    async def scenario() -> None:
+        engines = [FakeEngine("a", max_model_len=4096)]
+        async with running(tokenizer_dir, engines, lora_adapters=["sql"]) as (
+            router, call, _s, _b,
+        ):  # fmt: skip
+            for model in ("m", "sql"):
+                body = {"model": model, "prompt": "the cache", "warply": {"cache_key": key}}
+                assert (await call("POST", "/v1/completions", body))[0] == 200
+            assert (await call("POST", "/v1/completions", {"prompt": "the cache"}))[0] == 200
+            _, text = await call("GET", "/metrics")
+            assert key not in text
+            series = r'warply_router_tenant_tokens\{kind="prompt",tenant="([^"]*)"'
+            tenants = set(re.findall(series, text))
+            assert tenants == {tenant_label(key), f"{tenant_label(key)}:sql", ""}
+            assert re.fullmatch(r"[0-9a-f]{12}", tenant_label(key))
+            assert key in (await router.cache_stats()).tenants  # the admin API (token) keeps it
+
+    _run(scenario())
 
 
 # -- listeners bind to loopback by default -------------------------------------------------------

@@ -15,7 +15,7 @@ from test_tiering import Sticky, _setup, fake_plugin
 
 from router.config import ConfigError, PinBudgetConfig, PoolConfig, TieringConfig, load_config
 from router.index import MemoryStore, PrefixIndex
-from router.metrics.registry import Series
+from router.metrics.registry import Series, tenant_label
 from router.tiering import Action, TierPolicy, TierRunner, TierState
 from router.tiering.budget import PinLedger, Refusal
 from router.workers import Workers
@@ -25,6 +25,9 @@ from warply.protocol import BlockStored, DirectiveKind, Tier
 BLOCK = 20
 """Bytes per block of `_setup`'s pool (block_size 2 × kv_bytes_per_token 10); its tracked
 prefixes have 2 blocks: a pin of one holds 40 bytes."""
+
+_A, _B = tenant_label("a"), tenant_label("b")
+"""The /metrics labels of namespaces "a" and "b"."""
 
 
 async def _runner(
@@ -54,9 +57,9 @@ def test_one_tenant_over_its_budget_is_refused_while_the_other_pins() -> None:
             assert stats.directives == {"pin": {"applied": 1, "refused": 1}}
             assert stats.pinned_bytes == {"b": 2 * BLOCK}
             text = series.render().decode()
-            refused = 'warply_tiering_pins_refused_total{namespace="a",reason="over_budget"} 1.0'
+            refused = f'pins_refused_total{{namespace="{_A}",reason="over_budget"}} 1.0'
             assert refused in text
-            gauge = 'warply_tiering_pinned_bytes{namespace="b",tier="gpu"} 40.0'
+            gauge = f'pinned_bytes{{namespace="{_B}",tier="gpu"}} 40.0'
             assert gauge in text
             state = await runner.snapshot()
             pinned = {p.namespace: p.pinned_on for p in state.prefixes}
@@ -114,8 +117,8 @@ def test_the_budget_spans_tiers() -> None:
             assert len(seen) == 3
             assert runner.stats().directives["pin"] == {"applied": 2, "refused": 2}
             text = series.render().decode()
-            assert 'warply_tiering_pinned_bytes{namespace="a",tier="cpu"} 40.0' in text
-            assert 'warply_tiering_pinned_bytes{namespace="a",tier="gpu"} 0.0' in text
+            assert f'pinned_bytes{{namespace="{_A}",tier="cpu"}} 40.0' in text
+            assert f'pinned_bytes{{namespace="{_A}",tier="gpu"}} 0.0' in text
 
     asyncio.run(asyncio.wait_for(scenario(), 30))
 
@@ -128,7 +131,7 @@ def test_a_zero_budget_allows_no_pin_and_an_override_lifts_the_default() -> None
             await runner.round()
             assert [d.namespace for d in seen] == ["vip"]
             assert runner.stats().pinned_bytes == {"vip": 2 * BLOCK}
-            refused = 'warply_tiering_pins_refused_total{namespace="a",reason="over_budget"} 1.0'
+            refused = f'pins_refused_total{{namespace="{_A}",reason="over_budget"}} 1.0'
             assert refused in series.render().decode()
 
     asyncio.run(asyncio.wait_for(scenario(), 30))
@@ -157,7 +160,7 @@ def test_a_pin_of_unknown_size_is_refused_under_a_budget_and_charged_0_without()
             await runner.round()
             assert [d.namespace for d in seen] == ["free"]
             assert runner.stats().pinned_bytes == {"free": 0}
-            refused = 'warply_tiering_pins_refused_total{namespace="a",reason="unknown_bytes"} 1.0'
+            refused = f'pins_refused_total{{namespace="{_A}",reason="unknown_bytes"}} 1.0'
             assert refused in series.render().decode()
 
     asyncio.run(asyncio.wait_for(scenario(), 30))

@@ -7,6 +7,7 @@ current state by `refresh` just before each scrape.
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Iterable, Mapping
 from typing import TypeVar, cast
 
@@ -28,6 +29,17 @@ _BREAKER_STATES = ("closed", "open", "half_open")
 _OVERHEAD_BUCKETS = (5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 0.1)
 _LAG_BUCKETS = (1e-3, 5e-3, 0.01, 0.05, 0.1, 0.5, 1, 5, 10)
 _TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
+
+
+def tenant_label(namespace: str) -> str:
+    """A cache namespace as a /metrics label: its cache salt (a request's `cache_key`, vLLM's
+    `cache_salt`: the secret that keeps a tenant's KV apart, and /metrics needs no token) as a
+    12-hex-digit BLAKE2b digest, then `:ADAPTER` in a LoRA adapter's namespace; "" for the
+    unsalted base model. The same label on every replica and after a restart."""
+    salt, _, adapter = namespace.partition("\0")
+    digest = hashlib.blake2b(salt.encode("utf-8", "surrogatepass"), digest_size=6)
+    label = digest.hexdigest() if salt else ""
+    return f"{label}:{adapter}" if adapter else label
 
 
 def _remove_worker(metric: PromCounter | Gauge, worker: str) -> None:
@@ -301,8 +313,9 @@ class Series:
         )
         self.tenant_tokens = Gauge(
             "warply_router_tenant_tokens",
-            "Per tenant (cache namespace; the most recently active ones): prompt tokens, tokens "
-            "predicted cached, engine-reported cached tokens, prompt tokens that reported usage",
+            "Per tenant (a digest of its cache key, `:ADAPTER` added for a LoRA adapter; the most "
+            "recently active ones): prompt tokens, tokens predicted cached, engine-reported "
+            "cached tokens, prompt tokens that reported usage",
             ["tenant", "kind"],
             registry=r,
         )
@@ -324,14 +337,16 @@ class Series:
         )
         self.tiering_pins_refused = PromCounter(
             "warply_tiering_pins_refused",
-            "Pins of tier policies refused by the runner, not sent, per namespace and reason "
+            "Pins of tier policies refused by the runner, not sent, per namespace (a digest of its "
+            "cache key) and reason "
             "(over_budget: past tiering.pin_budget; unknown_bytes: size not known under a budget)",
             ["namespace", "reason"],
             registry=r,
         )
         self.tiering_pinned_bytes = Gauge(
             "warply_tiering_pinned_bytes",
-            "Bytes the tier runner's applied pins hold per namespace and tier, all workers",
+            "Bytes the tier runner's applied pins hold per namespace (a digest of its cache key) "
+            "and tier, all workers",
             ["namespace", "tier"],
             registry=r,
         )
@@ -446,7 +461,8 @@ class Series:
                     stats.engine_prompt_tokens(name)
                 )
         self.tenant_tokens.clear()
-        for tenant, t in stats.tenants.items():
+        for namespace, t in stats.tenants.items():
+            tenant = tenant_label(namespace)
             self.tenant_tokens.labels(tenant, "prompt").set(t.prompt_tokens)
             self.tenant_tokens.labels(tenant, "predicted_cached").set(t.predicted_cached_tokens)
             self.tenant_tokens.labels(tenant, "engine_cached").set(t.engine_cached_tokens)

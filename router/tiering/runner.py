@@ -28,7 +28,7 @@ from router.config import TieringConfig
 from router.control import send_directive
 from router.index import PrefixIndex
 from router.metrics.record import RequestRecord
-from router.metrics.registry import Series
+from router.metrics.registry import Series, tenant_label
 from router.metrics.stats import block_bytes, tier_bytes
 from router.placement import Decision
 from router.tasks import cancel, periodic
@@ -203,7 +203,8 @@ class TierRunner:
             self.config.pin_budget.limit(action.namespace),
         )
         self._count(action.kind, "refused")
-        self._series.child(self._series.tiering_pins_refused, action.namespace, refusal.value).inc()
+        refused = self._series.tiering_pins_refused
+        self._series.child(refused, tenant_label(action.namespace), refusal.value).inc()
         return False
 
     async def _over_zmq(self, worker_name: str, directive: Directive) -> DirectiveAck | None:
@@ -275,10 +276,11 @@ class TierRunner:
     def _publish_pins(self) -> None:
         """Set the pinned-bytes gauge per (namespace, tier); pairs with no pins left read 0."""
         now = self._pins.pinned_bytes()
+        gauge = self._series.tiering_pinned_bytes
         for namespace, tier in self._gauged - now.keys():
-            self._series.tiering_pinned_bytes.labels(namespace, tier.value).set(0)
+            gauge.labels(tenant_label(namespace), tier.value).set(0)
         for (namespace, tier), nbytes in now.items():
-            self._series.tiering_pinned_bytes.labels(namespace, tier.value).set(nbytes)
+            gauge.labels(tenant_label(namespace), tier.value).set(nbytes)
         self._gauged |= now.keys()
 
     def _count(self, kind: DirectiveKind, outcome: str) -> None:
