@@ -5,6 +5,7 @@ for NVIDIA Dynamo, validated against the published schemas vendored in tests/dat
 from __future__ import annotations
 
 import json
+import stat
 from functools import cache
 from pathlib import Path
 from typing import Any
@@ -214,6 +215,7 @@ def test_cli_export(model_dir: str, tmp_path: Path, capsys: pytest.CaptureFixtur
     assert main(["export", str(spec), "--target", "dynamo", "--name", "demo", "-o", str(out)]) == 0
     docs = list(yaml.safe_load_all(out.read_text()))
     assert [e for doc in docs for e in _errors(doc)] == []
+    assert stat.S_IMODE(out.stat().st_mode) == 0o600  # its Secret holds the router's tokens
     assert main(["export", str(spec), "--name", "Bad_Name"]) == 2
     assert "lowercase letters" in capsys.readouterr().err
     with pytest.raises(SystemExit, match="2"):

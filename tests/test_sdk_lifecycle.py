@@ -4,11 +4,13 @@ run. Real starts and failures: tests/vllm/test_sdk_lifecycle.py, tests/lmcache/t
 from __future__ import annotations
 
 import signal
+import stat
 from pathlib import Path
 
 import pytest
 
 import warply as wp
+from warply.common.files import write_private
 from warply.lifecycle import down
 
 
@@ -32,6 +34,22 @@ def test_an_engine_environment_without_the_modules_is_named(
         "(pass vllm=PATH or set WARPLY_VLLM)"
     )
     assert not list(tmp_path.glob("*.log")) and not (tmp_path / "state.json").exists()
+
+
+def test_a_new_run_folder_and_the_token_files_are_the_owners_alone(
+    model_dir: str, tmp_path: Path
+) -> None:
+    """The run folder's router.yaml and state.json hold the router's admin and control tokens."""
+    run = tmp_path / "run"
+    with pytest.raises(wp.UpError):
+        wp.Engine(model=model_dir).up(run_dir=run, vllm=str(tmp_path / "vllm"), progress=None)
+    assert stat.S_IMODE(run.stat().st_mode) == 0o700
+    token_file = tmp_path / "router.yaml"
+    token_file.write_text("before")
+    token_file.chmod(0o644)
+    write_private(token_file, "auth_token: t")
+    assert stat.S_IMODE(token_file.stat().st_mode) == 0o600
+    assert token_file.read_text() == "auth_token: t"
 
 
 def test_gpu_pools_on_a_host_without_gpus(

@@ -25,6 +25,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any
 
+from warply.common.files import write_private
+
 if TYPE_CHECKING:
     from prometheus_client.samples import Sample
 
@@ -400,7 +402,7 @@ class RouterServer(EngineProcess):
         import yaml  # type: ignore[import-untyped]
 
         self.config_path.parent.mkdir(parents=True, exist_ok=True)
-        self.config_path.write_text(yaml.safe_dump(self.config))
+        write_private(self.config_path, yaml.safe_dump(self.config))  # it may hold the tokens
         super().start()
         return self
 

@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any
 import yaml  # type: ignore[import-untyped]
 
 from warply.admin import call
+from warply.common.files import PRIVATE_DIR, write_private
 from warply.launch import EngineProcess, http_json
 from warply.plan import Binaries, Plan, PlanError, ProcessPlan, check_devices, make_plan
 from warply.protocol.api import Where
@@ -132,7 +133,7 @@ def up(
     extra_env = dict(env or {})
     run_dir = Path(run_dir or runs_home() / time.strftime(f"%Y%m%d-%H%M%S-{os.getpid()}"))
     try:
-        run_dir.mkdir(parents=True, exist_ok=True)
+        run_dir.mkdir(parents=True, exist_ok=True, mode=PRIVATE_DIR)
     except OSError as exc:
         raise UpError(f"cannot make the run folder {run_dir}: {exc.strerror}") from None
     try:
@@ -143,8 +144,8 @@ def up(
     except PlanError as exc:
         raise UpError(str(exc)) from None
     for name, text in plan.files.items():
-        (run_dir / name).write_text(text)
-    (run_dir / "router.yaml").write_text(yaml.safe_dump(plan.router_config, sort_keys=False))
+        write_private(run_dir / name, text)
+    write_private(run_dir / "router.yaml", yaml.safe_dump(plan.router_config, sort_keys=False))
     say(f"run folder {run_dir} (one log per process)")
     started: list[_Started] = []
     try:
@@ -378,7 +379,7 @@ def _write_state(
         "processes": [{"name": p.name, "pid": proc.pid, "start": _start_ticks(proc.pid)}
                       for p, proc in started],
     }  # fmt: skip
-    (run_dir / "state.json").write_text(json.dumps(state, indent=1))
+    write_private(run_dir / "state.json", json.dumps(state, indent=1))
     home = runs_home()
     home.mkdir(parents=True, exist_ok=True)
     (home / "current").write_text(str(run_dir))

@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import stat
 import subprocess
 import sys
 import time
@@ -66,6 +67,9 @@ def test_cli_up_leaves_it_running_and_down_stops_it(tiny_model: str, tmp_path: P
     assert up.returncode == 0, up.stderr
     state = json.loads((run / "state.json").read_text())
     pids = {p["name"]: p["pid"] for p in state["processes"]}
+    modes = {f.name: stat.S_IMODE(f.stat().st_mode) for f in (run, run / "router.yaml",
+                                                             run / "state.json")}  # fmt: skip
+    assert modes == {"run": 0o700, "router.yaml": 0o600, "state.json": 0o600}  # the tokens
     try:
         assert set(pids) == {"router", "engine-0"}
         assert all(alive(pid) for pid in pids.values())  # `warply up` has exited

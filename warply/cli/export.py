@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 
 from warply.common.argtypes import output_file
+from warply.common.files import write_private
 
 
 def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -45,6 +46,6 @@ def _export(args: argparse.Namespace) -> int:
     if args.output is None:
         sys.stdout.write(text)
     else:
-        args.output.write_text(text)
+        write_private(args.output, text)  # its Secret holds the router's tokens
         print(f"wrote {args.output}", file=sys.stderr)
     return 0

@@ -1,1 +1,2 @@
-"""Helpers every layer may use: loading `module:attr` objects and entry points, CLI value types."""
+"""Helpers every layer may use: loading `module:attr` objects and entry points, CLI value types,
+files written for their owner only."""
