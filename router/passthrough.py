@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Collection, Mapping
+from dataclasses import dataclass
 
 from aiohttp import web
 
@@ -25,28 +26,21 @@ from router.workers import Worker
 FORWARDED_PATHS = ("/tokenize", "/detokenize")
 
 
+@dataclass(frozen=True, slots=True)
 class Forwarder:
     """Forwards the `FORWARDED_PATHS` requests over the generation path's connections and drain."""
 
-    def __init__(
-        self,
-        upstream: Upstream,
-        drain: Drain,
-        workers: Mapping[str, Worker],
-        served: Collection[str],
-        metrics: RouterMetrics,
-        timeouts: Timeouts,
-    ) -> None:
-        self._upstream = upstream
-        self._drain = drain
-        self._workers = workers
-        self._served = served
-        self._metrics = metrics
-        self._timeouts = timeouts
+    upstream: Upstream
+    drain: Drain
+    workers: Mapping[str, Worker]
+    served: Collection[str]
+    """The model names a request may give (the base model and its LoRA adapters)."""
+    metrics: RouterMetrics
+    timeouts: Timeouts
 
     async def handle(self, request: web.Request) -> web.Response:
         """One forwarded request; a stopping router's drain waits for it, then answers 503."""
-        flight = self._drain.enter()
+        flight = self.drain.enter()
         try:
             return await self._forward(request)
         except asyncio.CancelledError:
@@ -55,18 +49,18 @@ class Forwarder:
             withdraw_cancel()
             raise ApiError(503, SHUTTING_DOWN, "shutting_down") from None
         finally:
-            self._drain.leave(flight)
+            self.drain.leave(flight)
 
     async def _forward(self, request: web.Request) -> web.Response:
         body, raw = await read_body(request)
-        check_model(body.get("model"), self._served)
+        check_model(body.get("model"), self.served)
         headers = upstream_headers(request)
         tried: set[str] = set()
         while True:
             worker = self._pick(tried)
             try:
-                up = await self._upstream.send(
-                    worker.config.url + request.path, raw, headers, self._timeouts
+                up = await self.upstream.send(
+                    worker.config.url + request.path, raw, headers, self.timeouts
                 )
                 try:
                     answer = await up.read()
@@ -96,10 +90,10 @@ class Forwarder:
 
     def _pick(self, tried: Collection[str]) -> Worker:
         """The available worker with the fewest requests in flight (503 when none is left)."""
-        ready = [w for w in self._workers.values() if w.available and w.name not in tried]
+        ready = [w for w in self.workers.values() if w.available and w.name not in tried]
         if not ready:
             raise ApiError(503, "no healthy worker to forward the request to", "no_healthy_worker")
         return min(ready, key=lambda w: (w.load.in_flight, w.load.in_flight_tokens))
 
     def _count(self, path: str, worker: str, status: int) -> None:
-        self._metrics.forwarded(path.removeprefix("/"), worker, status)
+        self.metrics.forwarded(path.removeprefix("/"), worker, status)
