@@ -26,6 +26,7 @@ from sglang.srt.mem_cache.hicache_storage import HiCacheStorage, HiCacheStorageC
 from sglang.srt.mem_cache.utils import hash_str_to_int64
 
 from sglang_hook import publisher
+from warply.common.files import PRIVATE_DIR, write_private
 from warply.protocol import BlockRemoved, Event, Tier, engine_block_id
 
 
@@ -39,17 +40,17 @@ class _Store(Protocol):
 
 
 class FileStore:
-    """One file per page under `root` (tier ssd)."""
+    """One file per page under `root` (tier ssd), its owner's alone: a page is a tenant's KV."""
 
     tier = Tier.SSD
 
     def __init__(self, root: str) -> None:
         self._root = Path(root)
-        self._root.mkdir(parents=True, exist_ok=True)
+        self._root.mkdir(parents=True, exist_ok=True, mode=PRIVATE_DIR)
 
     def put(self, name: str, data: bytes) -> None:
         tmp = self._root / f".{name}.tmp"
-        tmp.write_bytes(data)
+        write_private(tmp, data)
         tmp.replace(self._root / name)  # atomic: a reader never sees half a page
 
     def get(self, name: str) -> bytes | None:
@@ -103,13 +104,18 @@ class S3Store:
 
 
 def _make_store(extra: dict[str, Any]) -> _Store:
+    """The store the extra config names; a ValueError naming what it lacks (no default folder:
+    one in /tmp would take pages another local user put there)."""
     kind = extra.get("store", "file")
+    need = {"file": "path", "s3": "bucket"}.get(kind)
+    if need is None:
+        raise ValueError(f"warply L3 store {kind!r}: expected 'file' or 's3'")
+    if not isinstance(extra.get(need), str) or not extra[need]:
+        raise ValueError(f"warply L3 store {kind!r} needs {need!r} (a non-empty string)")
     if kind == "file":
-        return FileStore(extra.get("path", "/tmp/warply-l3"))
-    if kind == "s3":
-        client = {k: extra[k] for k in ("endpoint_url", "region_name") if k in extra}
-        return S3Store(extra["bucket"], extra.get("prefix", ""), **client)
-    raise ValueError(f"warply L3 store {kind!r}: expected 'file' or 's3'")
+        return FileStore(extra["path"])
+    client = {k: extra[k] for k in ("endpoint_url", "region_name") if k in extra}
+    return S3Store(extra["bucket"], extra.get("prefix", ""), **client)
 
 
 def _page_id(key: str) -> int:

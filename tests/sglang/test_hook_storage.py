@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import shutil
 import signal
+import stat
 import subprocess
 import sys
 import time
@@ -173,6 +174,20 @@ def test_pages_round_trip_and_bytes_match(store: dict[str, Any]) -> None:
     assert backend.bytes_held == (len(keys) - 3) * per_page == _held_on_store(store)
     backend.clear()
     assert backend.bytes_held == 0 == _held_on_store(store)
+
+
+def test_a_file_store_needs_its_folder_and_keeps_pages_to_its_owner(tmp_path: Path) -> None:
+    """No default folder (one in /tmp would take pages another local user put there); the
+    folder it makes and the pages it writes are its owner's alone (a page is a tenant's KV)."""
+    for extra, missing in (({"store": "file"}, "'path'"), ({"store": "file", "path": ""},
+                           "'path'"), ({"store": "s3"}, "'bucket'")):  # fmt: skip
+        with pytest.raises(ValueError, match=f"needs {missing}"):
+            _backend(extra)
+    root = tmp_path / "l3"
+    backend = _backend({"store": "file", "path": str(root)})
+    assert backend.batch_set(_page_keys(DOC)[:2], [torch.zeros(PAGE, 8) for _ in range(2)])
+    assert stat.S_IMODE(root.stat().st_mode) == 0o700
+    assert [stat.S_IMODE(p.stat().st_mode) for p in root.iterdir()] == [0o600, 0o600]
 
 
 @contextmanager

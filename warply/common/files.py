@@ -1,5 +1,5 @@
 """Files that hold a deployment's secrets (the router's admin and control tokens, a manifest's
-Secret): written readable by their owner only."""
+Secret) or its tenants' data (KV pages): written readable by their owner only."""
 
 from __future__ import annotations
 
@@ -7,12 +7,13 @@ import os
 from pathlib import Path
 
 PRIVATE_DIR = 0o700
-"""A run folder's mode: its files hold the tokens, its logs the engines' output."""
+"""The mode of a folder of such files (a run folder: the tokens, the engines' logs)."""
 
 
-def write_private(path: Path, text: str) -> None:
-    """Write `text` to `path` with mode 0600, also over a file that had wider permissions."""
+def write_private(path: Path, data: str | bytes) -> None:
+    """Write `data` (text as UTF-8) to `path` with mode 0600, also over a file that had wider
+    permissions."""
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "w", encoding="utf-8") as out:
+    with os.fdopen(fd, "wb") as out:
         os.fchmod(out.fileno(), 0o600)
-        out.write(text)
+        out.write(data.encode() if isinstance(data, str) else data)
