@@ -7,9 +7,11 @@ another process (`warply down`) do it. Every process's log stays in the run fold
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import re
+import secrets
 import shutil
 import signal
 import socket
@@ -27,6 +29,7 @@ from warply.common.files import PRIVATE_DIR, write_private
 from warply.launch import EngineProcess, http_json
 from warply.plan import Binaries, Plan, PlanError, ProcessPlan, check_devices, make_plan
 from warply.protocol.api import Where
+from warply.protocol.plugin import CONTROL_TOKEN_ENV
 from warply.spec.deployment import Deployment, DisaggEngine
 
 if TYPE_CHECKING:
@@ -140,7 +143,7 @@ def up(
         gpus = _gpu_count(spec)
         check_devices(spec, gpus)
         bins = _binaries(spec, vllm, sglang_python, router_python, extra_env)
-        plan = make_plan(spec, bins, run_dir, gpus=gpus)
+        plan = _signed(make_plan(spec, bins, run_dir, gpus=gpus), extra_env)
     except PlanError as exc:
         raise UpError(str(exc)) from None
     for name, text in plan.files.items():
@@ -169,6 +172,20 @@ def up(
         raise
     say(f"up: router {plan.router.url}, model {spec.served_name!r}")
     return Running(spec, run_dir, plan, started)
+
+
+def _signed(plan: Plan, env: Mapping[str, str]) -> Plan:
+    """`plan` with the router signing its directives and the engines' plugins applying only
+    signed ones (`warply.protocol.control`): one control token (the one `env` or a pool's `env`
+    gives, else a fresh one) in the router's config file and the engines' environment, on no
+    command line."""
+    given = [p.env[CONTROL_TOKEN_ENV] for p in plan.engines if CONTROL_TOKEN_ENV in p.env]
+    token = env.get(CONTROL_TOKEN_ENV) or (given[0] if given else secrets.token_hex(16))
+    return dataclasses.replace(
+        plan,
+        router_config={**plan.router_config, "control_token": token},
+        engines=[p.with_env({CONTROL_TOKEN_ENV: token}) for p in plan.engines],
+    )
 
 
 def _fail(p: ProcessPlan, proc: EngineProcess, what: str) -> UpError:

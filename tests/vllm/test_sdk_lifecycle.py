@@ -20,11 +20,15 @@ import time
 import urllib.request
 from pathlib import Path
 
+import msgspec
 import pytest
+import yaml
+from conftest import send_directive
 from processes import alive
 
 import warply as wp
 from warply.lifecycle import group_members
+from warply.protocol import Directive
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -79,6 +83,18 @@ def test_cli_up_leaves_it_running_and_down_stops_it(tiny_model: str, tmp_path: P
                                      headers={"Content-Type": "application/json"})  # fmt: skip
         with urllib.request.urlopen(req, timeout=120) as resp:
             assert json.loads(resp.read())["usage"]["prompt_tokens"] > 0
+        control = yaml.safe_load((run / "router.yaml").read_text())["pools"][0]["workers"][0]
+        pin = {"id": "p", "kind": "pin", "token_ids": list(range(64)), "ttl_s": 1}
+        unsigned = send_directive(control["control"], msgspec.convert(pin, Directive))
+        assert unsigned.reason.startswith("unauthenticated"), unsigned  # `up` set a token
+        admin = {"Authorization": f"Bearer {state['token']}", "Content-Type": "application/json"}
+        req = urllib.request.Request(
+            url.removesuffix("/v1") + "/warply/directives", headers=admin,
+            data=json.dumps({"worker": "engine-0", "directive": pin}).encode(),
+        )  # fmt: skip
+        with urllib.request.urlopen(req, timeout=30) as resp:
+            signed = json.loads(resp.read())
+        assert not signed["reason"].startswith("unauthenticated"), signed  # the router signs
         members = {m for pid in pids.values() for m in group_members(pid)}
         if {0, 1} <= os.sched_getaffinity(0):  # the plan gives engine-0 core 0
             assert {frozenset(_cores(m)) for m in group_members(pids["engine-0"])} - {
