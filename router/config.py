@@ -26,7 +26,7 @@ from warply.common.urls import check_http_url
 from warply.common.validation import describe
 from warply.protocol.api import AUTH_TOKEN_ENV, Role
 from warply.protocol.endpoints import check_endpoint
-from warply.protocol.plugin import CONTROL_TOKEN_ENV
+from warply.protocol.plugin import CONTROL_TOKEN_ENV, CONTROL_TOKEN_MIN_CHARS
 
 
 class ConfigError(ValueError):
@@ -342,7 +342,8 @@ class RouterConfig(_Strict):
     """When set, /warply/* admin endpoints require `Authorization: Bearer <token>`. Unset in
     the file: the `WARPLY_AUTH_TOKEN` environment variable (a Kubernetes Secret, say)."""
     control_token: str | None = Field(
-        default_factory=lambda: os.environ.get(CONTROL_TOKEN_ENV) or None, min_length=16
+        default_factory=lambda: os.environ.get(CONTROL_TOKEN_ENV) or None,
+        min_length=CONTROL_TOKEN_MIN_CHARS,
     )
     """When set, directives to the plugins' control sockets are signed with it (HMAC-SHA256,
     timestamp and nonce: `warply.protocol.control`); give the plugins the same

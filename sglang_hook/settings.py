@@ -12,7 +12,7 @@ from typing import Any
 
 from warply.common.argtypes import fraction, positive
 from warply.protocol.endpoints import GRAMMAR, endpoint_arg
-from warply.protocol.plugin import CONTROL_TOKEN_ENV, PluginSettings
+from warply.protocol.plugin import CONTROL_TOKEN_ENV, CONTROL_TOKEN_MIN_CHARS, PluginSettings
 
 SGLANG_VERSION = "0.5.23"
 """The SGLang release whose internals the hooks target."""
@@ -62,8 +62,8 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
         "--warply-control-token",
         default="",
         help="Apply only directives signed with this token (control_token: the router's "
-        f"control_token, >= 16 characters; default: ${CONTROL_TOKEN_ENV}, which keeps it off "
-        "the command line).",
+        f"control_token, >= {CONTROL_TOKEN_MIN_CHARS} characters; default: ${CONTROL_TOKEN_ENV}, "
+        "which keeps it off the command line).",
     )
     group.add_argument("--warply-worker", default="", help="Worker id (default: HOST:PORT).")
     group.add_argument(

@@ -52,6 +52,22 @@ def test_a_new_run_folder_and_the_token_files_are_the_owners_alone(
     assert token_file.read_text() == "auth_token: t"
 
 
+def test_a_short_control_token_is_named_before_anything_starts(
+    model_dir: str, tmp_path: Path
+) -> None:
+    """`up()` gives its router and engines the WARPLY_CONTROL_TOKEN a caller or pool sets; one
+    the router and the plugins would refuse is an UpError naming it, not a router that exits."""
+    error = "^WARPLY_CONTROL_TOKEN has 5 characters; .* at least 16$"
+    short = {"WARPLY_CONTROL_TOKEN": "short"}
+    for spec, env in (
+        (wp.Engine(model=model_dir, pool=wp.Pool("cpu", env=short)), {}),
+        (wp.Engine(model=model_dir), short),
+    ):
+        with pytest.raises(wp.UpError, match=error):
+            spec.up(run_dir=tmp_path / "run", env=env, progress=None)
+    assert not list((tmp_path / "run").iterdir())
+
+
 def test_gpu_pools_on_a_host_without_gpus(
     model_dir: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

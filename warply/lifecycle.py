@@ -29,7 +29,7 @@ from warply.common.files import PRIVATE_DIR, write_private
 from warply.launch import EngineProcess, http_json
 from warply.plan import Binaries, Plan, PlanError, ProcessPlan, check_devices, make_plan
 from warply.protocol.api import Where
-from warply.protocol.plugin import CONTROL_TOKEN_ENV
+from warply.protocol.plugin import CONTROL_TOKEN_ENV, CONTROL_TOKEN_MIN_CHARS
 from warply.spec.deployment import Deployment, DisaggEngine
 
 if TYPE_CHECKING:
@@ -140,10 +140,11 @@ def up(
     except OSError as exc:
         raise UpError(f"cannot make the run folder {run_dir}: {exc.strerror}") from None
     try:
+        control_token = _control_token(spec, extra_env)
         gpus = _gpu_count(spec)
         check_devices(spec, gpus)
         bins = _binaries(spec, vllm, sglang_python, router_python, extra_env)
-        plan = _signed(make_plan(spec, bins, run_dir, gpus=gpus), extra_env)
+        plan = _signed(make_plan(spec, bins, run_dir, gpus=gpus), control_token)
     except PlanError as exc:
         raise UpError(str(exc)) from None
     for name, text in plan.files.items():
@@ -174,13 +175,24 @@ def up(
     return Running(spec, run_dir, plan, started)
 
 
-def _signed(plan: Plan, env: Mapping[str, str]) -> Plan:
-    """`plan` with the router signing its directives and the engines' plugins applying only
-    signed ones (`warply.protocol.control`): one control token (the one `env` or a pool's `env`
-    gives, else a fresh one) in the router's config file and the engines' environment, on no
-    command line."""
-    given = [p.env[CONTROL_TOKEN_ENV] for p in plan.engines if CONTROL_TOKEN_ENV in p.env]
-    token = env.get(CONTROL_TOKEN_ENV) or (given[0] if given else secrets.token_hex(16))
+def _control_token(spec: Deployment, env: Mapping[str, str]) -> str:
+    """The one control token of a deployment's router and engines: the `WARPLY_CONTROL_TOKEN`
+    that `env` or a pool's `env` gives, else a fresh one (PlanError when a given one is too
+    short for the plugins and the router)."""
+    pools = [p.env[CONTROL_TOKEN_ENV] for p in spec.pools.values() if CONTROL_TOKEN_ENV in p.env]
+    token = env.get(CONTROL_TOKEN_ENV) or next(iter(pools), "")
+    if token and len(token) < CONTROL_TOKEN_MIN_CHARS:
+        raise PlanError(
+            f"{CONTROL_TOKEN_ENV} has {len(token)} characters; the router and the engines' "
+            f"plugins take a control token of at least {CONTROL_TOKEN_MIN_CHARS}"
+        )
+    return token or secrets.token_hex(16)  # 16 random bytes, as the admin token
+
+
+def _signed(plan: Plan, token: str) -> Plan:
+    """`plan` with the router signing its directives with `token` and the engines' plugins
+    applying only directives so signed (`warply.protocol.control`): in the router's config file
+    and the engines' environment, on no command line."""
     return dataclasses.replace(
         plan,
         router_config={**plan.router_config, "control_token": token},

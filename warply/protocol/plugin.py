@@ -33,6 +33,8 @@ from warply.protocol.endpoints import EndpointError, check_endpoint, parse_endpo
 CONTROL_TOKEN_ENV = "WARPLY_CONTROL_TOKEN"
 """Where `control_token` is read from when the settings do not give one (keeps the secret off
 the engine's command line)."""
+CONTROL_TOKEN_MIN_CHARS = 16
+"""The shortest control token the plugins and the router take."""
 
 _log = logging.getLogger(__name__)
 
@@ -103,8 +105,10 @@ class PluginSettings:
             raise SettingsError("snapshot_interval_s", "must be greater than 0")
         if not 0 <= self.max_pinned_fraction <= 1:
             raise SettingsError("max_pinned_fraction", "must be between 0 and 1")
-        if 0 < len(self.control_token) < 16:
-            raise SettingsError("control_token", "must be at least 16 characters")
+        if 0 < len(self.control_token) < CONTROL_TOKEN_MIN_CHARS:
+            raise SettingsError(
+                "control_token", f"must be at least {CONTROL_TOKEN_MIN_CHARS} characters"
+            )
         control = self.control_endpoint
         if control and not self.control_token and parse_endpoint(control).wildcard:
             _log.warning(
