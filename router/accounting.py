@@ -19,15 +19,17 @@ from router.workers import Booking
 
 
 def cached_tokens(usage: Mapping[str, Any] | None) -> int | None:
-    """`usage.prompt_tokens_details.cached_tokens`, when the engine reported a count it can
-    have: an integer from 0 to the usage's `prompt_tokens`. Anything else (a broken or foreign
-    upstream) is not counted: it failed the served request with a 500 (a negative count) or
-    put the hit rate in the billions."""
+    """`usage.prompt_tokens_details.cached_tokens` (the Responses API's
+    `usage.input_tokens_details.cached_tokens`), when the engine reported a count it can have:
+    an integer from 0 to the usage's `prompt_tokens` (`input_tokens`). Anything else (a broken
+    or foreign upstream) is not counted: it failed the served request with a 500 (a negative
+    count) or put the hit rate in the billions."""
     if not isinstance(usage, Mapping):
         return None
-    details = usage.get("prompt_tokens_details")
+    side = "prompt" if "prompt_tokens" in usage else "input"
+    details = usage.get(f"{side}_tokens_details")
     cached = details.get("cached_tokens") if isinstance(details, Mapping) else None
-    prompt = usage.get("prompt_tokens")
+    prompt = usage.get(f"{side}_tokens")
     if type(cached) is not int or type(prompt) is not int or not 0 <= cached <= prompt:
         return None
     return cached
@@ -102,8 +104,10 @@ class RequestAccount:
         self._record.decode_sent_s = self._now()
 
     def first_event(self) -> None:
-        """The stream's first event reached the router."""
+        """The stream's first output reached the router (later calls change nothing)."""
         rec = self._record
+        if rec.ttft_s is not None:
+            return
         rec.ttft_s = self._now()
         self._metrics.first_token(rec.ttft_s)
 

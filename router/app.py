@@ -1,8 +1,9 @@
 """The router's aiohttp application: routes, admin auth, worker health, start-up and shutdown.
 
-Client API: /v1/completions, /v1/chat/completions, /v1/models, /health, /metrics, /tokenize and
-/detokenize (forwarded to a worker: `router.passthrough`), and the OpenAPI document of all of
-them, /openapi.json (`router.openapi`).
+Client API: /v1/completions, /v1/chat/completions, /v1/responses, /v1/models, /health, /metrics,
+/tokenize, /detokenize and a stored response's GET /v1/responses/{id} and its cancel (forwarded
+to a worker: `router.passthrough`), and the OpenAPI document of all of them, /openapi.json
+(`router.openapi`).
 Admin API (Bearer token when `auth_token` is set): /warply/cache_stats, /warply/workers,
 POST /warply/workers/{name} (`{"enabled": false}` drains a worker), POST /warply/directives,
 POST /warply/pools/{pool}/workers and DELETE /warply/workers/{name} (workers join and leave),
@@ -34,11 +35,11 @@ from router.load import open_ledger
 from router.loop_watch import LoopWatch
 from router.membership import Membership
 from router.metrics import RouterMetrics, kv_transfer_stats
-from router.model_cards import context_limit
+from router.model_cards import read_cards
 from router.openapi import openapi_document
 from router.parity import Probes
 from router.parity import check as check_parity
-from router.passthrough import FORWARDED_PATHS, Forwarder
+from router.passthrough import FORWARDED_PATHS, STORED_RESPONSE, Forwarder
 from router.placement import Placement
 from router.proxy import Proxy
 from router.tasks import cancel, periodic
@@ -127,6 +128,9 @@ class Router:
             [
                 web.post("/v1/completions", self._completions),
                 web.post("/v1/chat/completions", self._chat),
+                web.post("/v1/responses", self._responses),
+                web.get(STORED_RESPONSE, self._forwarder.handle),
+                web.post(STORED_RESPONSE + "/cancel", self._forwarder.handle),
                 web.get("/v1/models", self._models),
                 web.get("/health", self._health),
                 web.get("/metrics", self._metrics),
@@ -155,10 +159,10 @@ class Router:
         self.ledger.start(lambda: [w.load for w in self.workers.values()])
         await self.feed.caught_up(_CATCH_UP_S)
         await self.check_health()
+        served = await read_cards(self.proxy.session, self.workers.values(), self.config.model)
+        self.proxy.engine = served.engine
         if self.proxy.max_model_len is None:
-            self.proxy.max_model_len = await context_limit(
-                self.proxy.session, self.workers.values(), self.config.model
-            )
+            self.proxy.max_model_len = served.max_model_len
         self._health_task = periodic(self.check_health, self.config.health_interval_s, "health")
         if self.tiering is not None:
             self.tiering.start()
@@ -283,6 +287,9 @@ class Router:
 
     async def _chat(self, request: web.Request) -> web.StreamResponse:
         return await self.proxy.handle(request, "chat")
+
+    async def _responses(self, request: web.Request) -> web.StreamResponse:
+        return await self.proxy.handle(request, "responses")
 
     async def _models(self, _: web.Request) -> web.Response:
         """The base model and its LoRA adapters (each with `parent`, as vLLM lists them)."""

@@ -50,6 +50,7 @@ from typing import Any, Protocol, TypeVar
 import msgspec
 from aiohttp import web
 
+from router import responses
 from router.accounting import RequestAccount
 from router.drain import SHUTTING_DOWN, InFlight, withdraw_cancel
 from router.errors import ApiError
@@ -71,7 +72,8 @@ _log = logging.getLogger("warply.router")
 _T = TypeVar("_T")
 WATCH_S = 0.25
 """How often a leg waiting on a prefill worker checks that worker's health."""
-PATHS = {"chat": "/v1/chat/completions", "completion": "/v1/completions"}
+PATHS = {"chat": "/v1/chat/completions", "completion": "/v1/completions",
+         "responses": responses.PATH}  # fmt: skip
 _SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
 
 
@@ -163,7 +165,39 @@ def _usage(raw: bytes) -> dict[str, Any] | None:
         return None
 
 
-def _error_event(status: int, message: str) -> bytes:
+def _chat_event(event: bytes, account: RequestAccount, wants_usage: bool) -> tuple[bool, bool]:
+    """(relay it, it is the last) for one SSE event of a completion or chat stream, its usage
+    and generated tokens told to `account`; the final usage chunk is hidden unless the client
+    asked for it."""
+    if b'"usage"' in event and event.startswith(b"data: {"):
+        parsed = _chunk(event[6:])
+        if parsed is not None and parsed.usage is not None:
+            # Recorded now: a client that stops reading at `[DONE]` (the OpenAI SDK closes its
+            # response there) cancels this handler before the engine's stream ends.
+            account.usage(parsed.usage)
+            return bool(parsed.choices) or wants_usage, False
+    elif event.startswith(b"data: {"):
+        account.generated(1)
+    return True, event == b"data: [DONE]"
+
+
+def _response_event(event: bytes, account: RequestAccount, _: bool) -> tuple[bool, bool]:
+    """`_chat_event` for a Responses stream: every event is relayed; the last one
+    (`response.completed`, `.incomplete` or `.failed`) holds the usage."""
+    last, usage = responses.event_usage(event)
+    if last:
+        account.usage(usage)
+    elif responses.is_output(event):
+        account.first_event()
+        if responses.is_delta(event):
+            account.generated(1)
+    return True, last
+
+
+def _error_event(kind: str, status: int, message: str) -> bytes:
+    """The event that ends a started stream with an error (`kind`'s shape)."""
+    if kind == "responses":
+        return responses.error_event(status, message)
     err = ApiError(status, message)
     body = {"error": {"message": message, "type": err.type, "param": None, "code": status}}
     return b"data: " + msgspec.json.encode(body) + b"\n\ndata: [DONE]\n\n"
@@ -259,7 +293,7 @@ class Dispatcher:
         account = call.account
         if decision.prefill is not None and decision.worker.pool.kv_handoff == "vllm":
             if not call.prep.single:  # several prompts or choices: one hand-off cannot carry them
-                account.relocate("batch")
+                account.relocate("responses" if call.kind == "responses" else "batch")
             else:
                 params = await self._prefill(call, decision)
         assert account.decision is not None
@@ -359,6 +393,8 @@ class Dispatcher:
         body: dict[str, Any] | bytes = prep.body if prep.raw is None else prep.raw
         if params is not None:
             body = {**prep.body, "kv_transfer_params": params}
+        elif call.kind == "responses" and "request_id" not in prep.body:
+            body = {**prep.body, "request_id": responses.new_response_id(worker.name)}
         call.account.answer_sent()
         started = asyncio.Event()
         relay = self._relay(call, decision, body, started)
@@ -472,6 +508,7 @@ class Dispatcher:
         that, or the end of a stopping router's drain, ends the stream with an error event."""
         account, request = call.account, call.request
         wants_usage = call.prep.client_wants_usage
+        read = _response_event if call.kind == "responses" else _chat_event
         resp = web.StreamResponse(headers=_SSE_HEADERS)
         resp.headers.update(placed_headers(decision))
         buf = b""
@@ -485,25 +522,16 @@ class Dispatcher:
                     *events, buf = buf.split(b"\n\n")
                     if not started.is_set():
                         started.set()
-                        account.first_event()
+                        if read is _chat_event:  # `_response_event` times its first output
+                            account.first_event()
                         call.flight.streaming()
                         await resp.prepare(request)
                     out, done = [], False
                     for event in events:
-                        if b'"usage"' in event and event.startswith(b"data: {"):
-                            parsed = _chunk(event[6:])
-                            if parsed is not None and parsed.usage is not None:
-                                # Recorded now: a client that stops reading at `[DONE]` (the
-                                # OpenAI SDK closes its response there) cancels this handler
-                                # before the engine's stream ends.
-                                account.usage(parsed.usage)
-                                if not parsed.choices and not wants_usage:
-                                    continue
-                        elif event.startswith(b"data: {"):
-                            account.generated(1)
-                        elif event == b"data: [DONE]":
-                            done = True
-                        out.append(event)
+                        keep, last = read(event, account, wants_usage)
+                        done = done or last
+                        if keep:
+                            out.append(event)
                     if out:  # the events of one upstream read in one write
                         await resp.write(b"\n\n".join(out) + b"\n\n")
                         if done:
@@ -520,13 +548,14 @@ class Dispatcher:
                 timed_out = isinstance(exc, TimeoutError)
                 status = 504 if timed_out else 502
                 what = "timed out" if timed_out else f"failed: {exc}"
-                await resp.write(_error_event(status, f"upstream {decision.worker.name} {what}"))
+                failure = f"upstream {decision.worker.name} {what}"
+                await resp.write(_error_event(call.kind, status, failure))
             except asyncio.CancelledError:
                 if not (resp.prepared and call.flight.cut):
                     raise
                 withdraw_cancel()
                 status = 503
-                await resp.write(_error_event(status, SHUTTING_DOWN))
+                await resp.write(_error_event(call.kind, status, SHUTTING_DOWN))
             await resp.write_eof()
         except ConnectionResetError:  # aiohttp: a write to a client that closed mid-stream
             status = 499  # leaving `up` unread closes its connection: the engine aborts

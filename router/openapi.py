@@ -2,7 +2,7 @@
 
 Response and admin shapes come from their definitions: the msgspec structs of
 `warply.protocol.api` and `warply.protocol.directives`, the pydantic `WorkerConfig` a joining
-worker's body is validated with. The two OpenAI request bodies are written here and declare only
+worker's body is validated with. The three OpenAI request bodies are written here and declare only
 what the router itself checks (`router.proxy`): every other field passes to the engine unchanged,
 so the engine's own schema applies to it; so do the forwarded /tokenize and /detokenize bodies,
 of which the router checks only `model`. The tests fuzz the router against this document.
@@ -126,6 +126,29 @@ _CHAT: dict[str, Any] = {
     },
 }
 
+_RESPONSES: dict[str, Any] = {
+    "type": "object",
+    "required": ["input"],
+    "description": "the engine's Responses request: the router reads these fields (and keys "
+    "text-only inputs by prefix); the rest goes to the engine as it came",
+    "properties": {
+        **_COMMON,
+        "input": {"anyOf": [{"type": "string"}, {"type": "array", "items": {"type": "object"}}],
+                  "description": "keyed by prefix when it is text only (docs/router.md)"},
+        "instructions": {"type": ["string", "null"]},
+        "max_output_tokens": _NULLABLE_INT,
+        "previous_response_id": {
+            "type": ["string", "null"],
+            "description": "answered by the worker that stored it",
+        },
+        "request_id": {
+            "type": ["string", "null"],
+            "description": "the response's id; unset, the router makes one naming its worker",
+        },
+        "chat_template_kwargs": _CHAT["properties"]["chat_template_kwargs"],
+    },
+}
+
 
 _ACK = {
     "type": "object",
@@ -166,25 +189,26 @@ def _generation(body: str, summary: str) -> dict[str, Any]:
     }
 
 
-def _forwarded(body: str, summary: str) -> dict[str, Any]:
-    return {
-        "post": {
-            "summary": summary,
-            "requestBody": _body(body),
-            "responses": {
-                "200": _json({"type": "object"}, "the engine's answer"),
-                **_errors(413, 502, 503, 504),
-                "default": {
-                    "description": "the engine's own answer, errors included (plain text from "
-                    "an engine without the endpoint), or the router's own 400 / 404 (`model`)",
-                    "content": {
-                        "application/json": {"schema": {}},
-                        "text/plain": {"schema": {"type": "string"}},
-                    },
+def _forwarded(body: str | None, summary: str) -> dict[str, Any]:
+    """A forwarded operation (`router.passthrough`); `body` None: it takes none."""
+    op: dict[str, Any] = {
+        "summary": summary,
+        "responses": {
+            "200": _json({"type": "object"}, "the engine's answer"),
+            **_errors(413, 502, 503, 504),
+            "default": {
+                "description": "the engine's own answer, errors included (plain text from "
+                "an engine without the endpoint), or the router's own 400 / 404 (`model`)",
+                "content": {
+                    "application/json": {"schema": {}},
+                    "text/plain": {"schema": {"type": "string"}},
                 },
             },
-        }
+        },
     }
+    if body is not None:
+        op["requestBody"] = _body(body)
+    return op
 
 
 def _admin(op: dict[str, Any]) -> dict[str, Any]:
@@ -205,7 +229,9 @@ def openapi_document(config: RouterConfig) -> dict[str, Any]:
     components["DirectiveAck"] = _ACK
     names = [config.model, *config.lora_adapters, "", None]  # "" and none: the base model
     model = {"model": {"enum": names}}
-    for name, shape in (("CompletionRequest", _COMPLETION), ("ChatCompletionRequest", _CHAT)):
+    shapes = (("CompletionRequest", _COMPLETION), ("ChatCompletionRequest", _CHAT),
+              ("ResponsesRequest", _RESPONSES))  # fmt: skip
+    for name, shape in shapes:
         components[name] = {**shape, "properties": {**model, **shape["properties"]}}
     for name, what in (("TokenizeRequest", "prompt or messages"), ("DetokenizeRequest", "tokens")):
         components[name] = {
@@ -226,8 +252,21 @@ def openapi_document(config: RouterConfig) -> dict[str, Any]:
     paths: dict[str, Any] = {
         "/v1/completions": _generation("CompletionRequest", "a completion, placed and proxied"),
         "/v1/chat/completions": _generation("ChatCompletionRequest", "a chat completion"),
-        "/tokenize": _forwarded("TokenizeRequest", "the engine's tokenization, forwarded"),
-        "/detokenize": _forwarded("DetokenizeRequest", "the engine's detokenization, forwarded"),
+        "/v1/responses": _generation("ResponsesRequest", "a response, placed and proxied"),
+        "/v1/responses/{response_id}": {
+            "parameters": [_name("response_id")],
+            "get": _forwarded(None, "a stored response, from the worker that stored it"),
+        },
+        "/v1/responses/{response_id}/cancel": {
+            "parameters": [_name("response_id")],
+            "post": _forwarded(None, "cancel a background response on its worker"),
+        },
+        "/tokenize": {
+            "post": _forwarded("TokenizeRequest", "the engine's tokenization, forwarded")
+        },
+        "/detokenize": {
+            "post": _forwarded("DetokenizeRequest", "the engine's detokenization, forwarded")
+        },
         "/v1/models": {"get": {"responses": {"200": _json({"type": "object"}, "served models")}}},
         "/health": {
             "get": {

@@ -1,18 +1,25 @@
 """Engine endpoints the router forwards without placing by prefix: `POST /tokenize` and
-`POST /detokenize`, which vLLM 0.32 and SGLang 0.5 both serve and which compute no KV.
+`POST /detokenize`, which vLLM 0.32 and SGLang 0.5 both serve and which compute no KV, and a
+stored response's `GET /v1/responses/{id}` and `POST /v1/responses/{id}/cancel`.
 
-The body goes as it came to the available worker with the fewest requests in flight; its answer
-(status, body, content type) is the client's, with `X-Warply-Worker` naming the worker. A
-worker that refuses the connection is marked unhealthy and the next one is tried; a timeout is a
-504, any other upstream failure a 502 (OpenAI-shaped, as on the generation path). Counted in
-`warply_router_forwarded_requests_total` by endpoint, worker and status.
+A tokenizer request goes as it came to the available worker with the fewest requests in flight;
+a stored response's request to the worker its id names (`router.responses`), or, for an id the
+router did not make, to each available worker in turn until one holds it (an engine answers 404
+for a response it does not hold). The engine's answer (status, body, content type) is the
+client's, with `X-Warply-Worker` naming the worker. A worker that refuses the connection is
+marked unhealthy and the next one is tried; a timeout is a 504, any other upstream failure a
+502 (OpenAI-shaped, as on the generation path). Counted in
+`warply_router_forwarded_requests_total` by endpoint (the route, ids left out), worker and
+status.
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Collection, Mapping
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass
+from functools import partial
+from urllib.parse import quote
 
 from aiohttp import web
 
@@ -20,15 +27,19 @@ from router.drain import SHUTTING_DOWN, Drain, withdraw_cancel
 from router.errors import ApiError, check_model, read_body
 from router.metrics import RouterMetrics
 from router.proxy import upstream_headers
+from router.responses import PATH, owner
 from router.upstream import ConnectFailed, Timeouts, Upstream, UpstreamError
 from router.workers import Worker
 
 FORWARDED_PATHS = ("/tokenize", "/detokenize")
+STORED_RESPONSE = PATH + "/{response_id}"
+"""GET: a stored response; POST `STORED_RESPONSE + "/cancel"`: cancel a background one."""
 
 
 @dataclass(frozen=True, slots=True)
 class Forwarder:
-    """Forwards the `FORWARDED_PATHS` requests over the generation path's connections and drain."""
+    """Forwards the `FORWARDED_PATHS` and stored-response requests over the generation path's
+    connections and drain."""
 
     upstream: Upstream
     drain: Drain
@@ -42,7 +53,16 @@ class Forwarder:
         """One forwarded request; a stopping router's drain waits for it, then answers 503."""
         flight = self.drain.enter()
         try:
-            return await self._forward(request)
+            response_id = request.match_info.get("response_id")
+            if response_id is None:
+                body, raw = await read_body(request)
+                check_model(body.get("model"), self.served)
+                return await self._forward(request, request.path, raw, self._least_loaded)
+            path = _stored_path(request, response_id)
+            stored = owner(response_id, self.workers)
+            if stored is None:
+                return await self._forward(request, path, b"", self._least_loaded, search=True)
+            return await self._forward(request, path, b"", partial(self._named, stored))
         except asyncio.CancelledError:
             if not flight.cut:
                 raise  # the client went away
@@ -51,16 +71,26 @@ class Forwarder:
         finally:
             self.drain.leave(flight)
 
-    async def _forward(self, request: web.Request) -> web.Response:
-        body, raw = await read_body(request)
-        check_model(body.get("model"), self.served)
+    async def _forward(
+        self,
+        request: web.Request,
+        path: str,
+        body: bytes,
+        pick: Callable[[Collection[str]], Worker],
+        search: bool = False,
+    ) -> web.Response:
+        """`body` to `path` on the worker `pick` chooses among those not tried yet (`search`:
+        past each one that answers 404 while another is left)."""
         headers = upstream_headers(request)
+        route = request.match_info.route.resource
+        endpoint = (request.path if route is None else route.canonical).removeprefix("/")
         tried: set[str] = set()
         while True:
-            worker = self._pick(tried)
+            worker = pick(tried)
+            tried.add(worker.name)
             try:
                 up = await self.upstream.send(
-                    worker.config.url + request.path, raw, headers, self.timeouts
+                    worker.config.url + path, body, headers, self.timeouts, request.method
                 )
                 try:
                     answer = await up.read()
@@ -69,18 +99,19 @@ class Forwarder:
             except ConnectFailed:
                 worker.set_health(False, refused=True)  # the health loop brings it back
                 worker.answered(False)
-                tried.add(worker.name)
                 continue
             except TimeoutError:
                 worker.answered(False)
-                self._count(request.path, worker.name, 504)
+                self._count(endpoint, worker.name, 504)
                 raise ApiError(504, f"upstream {worker.name} timed out") from None
             except UpstreamError as exc:
                 worker.answered(False)
-                self._count(request.path, worker.name, 502)
+                self._count(endpoint, worker.name, 502)
                 raise ApiError(502, f"upstream {worker.name} failed: {exc}") from None
             worker.answered(up.status < 500)
-            self._count(request.path, worker.name, up.status)
+            self._count(endpoint, worker.name, up.status)
+            if search and up.status == 404 and self._ready(tried):
+                continue
             return web.Response(
                 body=answer,
                 status=up.status,
@@ -88,12 +119,39 @@ class Forwarder:
                 headers={"X-Warply-Worker": worker.name},
             )
 
-    def _pick(self, tried: Collection[str]) -> Worker:
+    def _ready(self, tried: Collection[str]) -> list[Worker]:
+        """The available workers not tried yet."""
+        return [w for w in self.workers.values() if w.available and w.name not in tried]
+
+    def _least_loaded(self, tried: Collection[str]) -> Worker:
         """The available worker with the fewest requests in flight (503 when none is left)."""
-        ready = [w for w in self.workers.values() if w.available and w.name not in tried]
+        ready = self._ready(tried)
         if not ready:
             raise ApiError(503, "no healthy worker to forward the request to", "no_healthy_worker")
         return min(ready, key=lambda w: (w.load.in_flight, w.load.in_flight_tokens))
 
-    def _count(self, path: str, worker: str, status: int) -> None:
-        self.metrics.forwarded(path.removeprefix("/"), worker, status)
+    def _named(self, name: str, tried: Collection[str]) -> Worker:
+        """The worker that stored the response (503 when it cannot answer)."""
+        worker = self.workers.get(name)
+        if worker is None or not worker.available or name in tried:
+            raise ApiError(
+                503, f"worker {name}, which stored the response, is not available",
+                "no_healthy_worker",
+            )  # fmt: skip
+        return worker
+
+    def _count(self, endpoint: str, worker: str, status: int) -> None:
+        self.metrics.forwarded(endpoint, worker, status)
+
+
+def _stored_path(request: web.Request, response_id: str) -> str:
+    """The engine's path for a stored response's request: built from the id (one path segment,
+    percent-encoded) and the route, the query string kept (vLLM's `stream`, `starting_after`),
+    so no client path reaches another of the engine's endpoints."""
+    if response_id in (".", ".."):
+        raise ApiError(404, f"no response {response_id!r}", "not_found")
+    path = f"{PATH}/{quote(response_id, safe='')}"
+    if request.path.endswith("/cancel"):
+        path += "/cancel"
+    query = request.rel_url.raw_query_string  # as sent: decoded, it could hold a CR LF
+    return f"{path}?{query}" if query else path

@@ -1,5 +1,5 @@
-"""The OpenAI request path: parse → tokenize → place → dispatch (`router.dispatch`: direct, or
-prefill → decode; JSON or SSE) → measure.
+"""The OpenAI request path (completions, chat completions, responses): parse → tokenize →
+place → dispatch (`router.dispatch`: direct, or prefill → decode; JSON or SSE) → measure.
 
 Every field of the client's body goes to the engine unchanged except the router's own `warply`
 field (stripped; `cache_key` becomes the engine's `cache_salt`, so tenants never share KV inside
@@ -29,6 +29,7 @@ from router.drain import SHUTTING_DOWN, Drain, withdraw_cancel
 from router.errors import ApiError, check_model, read_body
 from router.metrics import RouterMetrics
 from router.placement import Decision, Placement
+from router.responses import chat_view, owner
 from router.strategies import NoCandidate
 from router.tokenize import Prompt, PromptError, RouterTokenizer, has_media, start_prompts
 from router.upstream import Timeouts, Upstream
@@ -63,6 +64,8 @@ class _Prepared:
     """Its tokens are the engine's (a prompt with images is placed by its length alone)."""
     single: bool = True
     """One prompt and one choice (`n` 1): a request a P/D hand-off can carry."""
+    follows: str | None = None
+    """A response's `previous_response_id`: the engine that stored that response answers."""
     rest: asyncio.Future[Prompt] | None = None
     """The whole prompt, being tokenized after an early placement."""
 
@@ -95,6 +98,10 @@ _FIELD_TYPES: dict[str, tuple[type, ...]] = {
     "add_special_tokens": (bool,),
     "chat_template_kwargs": (dict,),
     "chat_template": (str,),
+    "max_output_tokens": (int,),
+    "instructions": (str,),
+    "previous_response_id": (str,),
+    "request_id": (str,),
 }
 """Types of the fields the router itself reads (null allowed: the field's default); the rest
 of the body is the engine's to check."""
@@ -155,11 +162,14 @@ def _prompt_too_long(tokens: int, limit: int, param: str) -> ApiError:
 
 def _max_tokens(body: dict[str, Any]) -> int:
     """The output tokens a request asks for (0 when it sets no limit)."""
-    return _count(body.get("max_completion_tokens", body.get("max_tokens"))) or 0
+    for name in ("max_completion_tokens", "max_tokens", "max_output_tokens"):
+        if name in body:
+            return _count(body[name]) or 0
+    return 0
 
 
 class Proxy:
-    """Handles /v1/completions and /v1/chat/completions."""
+    """Handles /v1/completions, /v1/chat/completions and /v1/responses."""
 
     def __init__(
         self,
@@ -180,6 +190,8 @@ class Proxy:
         self.served = frozenset((model, *adapters))
         """Names a request's `model` may take: the base model and its LoRA adapters."""
         self.max_model_len: int | None = None
+        self.engine: str | None = None
+        """Which engine serves (its cards' `owned_by`; None: unknown, taken as vLLM)."""
         self._limits = limits or LimitsConfig()
         self._tokenizer = tokenizer
         self._placement = placement
@@ -220,7 +232,7 @@ class Proxy:
         self._tokenize_pool.shutdown(wait=False, cancel_futures=True)
 
     async def handle(self, request: web.Request, kind: str) -> web.StreamResponse:
-        """One OpenAI request of `kind` ("chat" | "completion")."""
+        """One OpenAI request of `kind` ("chat" | "completion" | "responses")."""
         account = RequestAccount(self._metrics, time.perf_counter())
         status = 500
         flight = self.drain.enter()
@@ -266,6 +278,8 @@ class Proxy:
         """Choose the worker. An incomplete prompt is placed from its leading part when every
         worker's cached prefix ends inside it (its rest is then tokenized while the request is
         on its way); otherwise it is tokenized whole first."""
+        if prep.follows is not None:
+            tried = self._beside(prep.follows, tried)
         try:
             if prep.rest is not None:  # a retry after an early placement
                 prep.prompt, prep.rest = await prep.rest, None
@@ -292,6 +306,22 @@ class Proxy:
             )
         except NoCandidate as exc:
             raise ApiError(503, str(exc), "no_healthy_worker") from None
+
+    def _beside(self, response_id: str, tried: set[str]) -> set[str]:
+        """`tried` and every worker but the one that stored `response_id` (a 503 naming it when
+        it cannot answer); `tried` alone for an id the router did not make."""
+        names = self._placement.workers
+        stored = owner(response_id, names)
+        if stored is None:
+            return tried
+        if stored in tried or not names[stored].available:
+            raise ApiError(
+                503,
+                f"worker {stored}, which stored response {response_id!r}, is not available",
+                "no_healthy_worker",
+                "previous_response_id",
+            )
+        return tried | (set(names) - {stored})
 
     async def _whole(self, prompt: Prompt, namespace: str) -> Prompt:
         """The rest of an early-placed prompt, tokenized while the request is on its way; the
@@ -345,7 +375,7 @@ class Proxy:
         are when nothing needs rewriting); tokenize its prompt the engine's way (a long single
         prompt only up to its second new chunk, unless its length must be checked)."""
         _check_fields(body)
-        if kind == "chat" and not self._trust_template:
+        if kind != "completion" and not self._trust_template:
             _refuse_request_template(body)
         check_model(body.get("model"), self.served)
         self._check_counts(body)
@@ -361,27 +391,13 @@ class Proxy:
                 msg = f"'cache_salt' must be a non-empty string without NUL: {exc}"
                 raise ApiError(400, msg, "invalid_value", "cache_salt") from None
         namespace = request_namespace(body, self.model)
-        try:
-            prompts = await self._start(kind, body, inline)
-            first = prompts[0]
-            limit = self._limits.max_prompt_tokens
-            if not first.complete and (first.bound > limit or self._too_long(first.bound, body)):
-                first = await self._finish(first)
-        except PromptError as exc:
-            raise ApiError(400, str(exc), "invalid_prompt") from None
-        longest = max(p.estimate for p in [first, *prompts[1:]])
-        param = "messages" if kind == "chat" else "prompt"
-        if longest > limit:
-            raise _prompt_too_long(longest, limit, param)
-        if self._too_long(longest, body):
-            raise ApiError(
-                400,
-                f"This model's maximum context length is {self.max_model_len} tokens. However, "
-                f"your request has {longest} input tokens and asks for {_max_tokens(body)} "
-                "output tokens. Please reduce the length of the input.",
-                "context_length_exceeded",
-                param,
+        if kind == "responses":
+            return await self._response(
+                body, namespace, ov.prefix_reuse, raw if untouched else None, inline
             )
+        prompts, first = await self._prompts(kind, body, inline)
+        longest = max(p.estimate for p in [first, *prompts[1:]])
+        self._check_length(longest, body, "messages" if kind == "chat" else "prompt")
         n = body.get("n")
         single = len(prompts) == 1 and (n is None or _count(n) == 1)
         stream = bool(body.get("stream", False))
@@ -398,6 +414,67 @@ class Proxy:
             single,
         )
 
+    async def _response(
+        self,
+        body: dict[str, Any],
+        namespace: str,
+        reuse: bool,
+        raw: bytes | None,
+        inline: bool,
+    ) -> _Prepared:
+        """A /v1/responses body: keyed by the chat its input renders to (`router.responses`),
+        else placed by load and its length in bytes / 4; not handed off to a vLLM prefill
+        worker (its decode worker prefills it: `responses`). The response's id names its
+        worker (`Dispatcher` sets `request_id`) unless the client chose one."""
+        given = body.get("input")
+        if not (isinstance(given, str) or isinstance(given, list) and all(
+            isinstance(item, dict) for item in given
+        )):
+            msg = "'input' must be a string or a list of input items (objects)"
+            raise ApiError(400, msg, "invalid_value", "input")
+        stream = bool(body.get("stream", False))
+        follows = body.get("previous_response_id")
+        raw = raw if "request_id" in body else None
+        view = chat_view(body, special_tokens=self.engine != "sglang")
+        if view is None:
+            size = len(raw) if raw is not None else len(msgspec.json.encode(body))
+            prompt = Prompt((), size // 4, size // 4)
+            return _Prepared(body, raw, prompt, namespace, False, stream, True, False, False,
+                             follows=follows)  # fmt: skip
+        _, first = await self._prompts("chat", view, inline)
+        if body.get("truncation") != "auto":  # else the engine cuts a prompt that is too long
+            self._check_length(first.estimate, body, "input")
+        return _Prepared(body, raw, first, namespace, reuse, stream, True, single=False)
+
+    async def _prompts(
+        self, kind: str, body: dict[str, Any], inline: bool
+    ) -> tuple[list[Prompt], Prompt]:
+        """The body's prompts, the first one completed when its length must be checked."""
+        try:
+            prompts = await self._start(kind, body, inline)
+            first = prompts[0]
+            limit = self._limits.max_prompt_tokens
+            if not first.complete and (first.bound > limit or self._too_long(first.bound, body)):
+                first = await self._finish(first)
+        except PromptError as exc:
+            raise ApiError(400, str(exc), "invalid_prompt") from None
+        return prompts, first
+
+    def _check_length(self, longest: int, body: dict[str, Any], param: str) -> None:
+        """400 when the longest prompt passes `limits.max_prompt_tokens` or, with its output,
+        the model's context."""
+        if longest > self._limits.max_prompt_tokens:
+            raise _prompt_too_long(longest, self._limits.max_prompt_tokens, param)
+        if self._too_long(longest, body):
+            raise ApiError(
+                400,
+                f"This model's maximum context length is {self.max_model_len} tokens. However, "
+                f"your request has {longest} input tokens and asks for {_max_tokens(body)} "
+                "output tokens. Please reduce the length of the input.",
+                "context_length_exceeded",
+                param,
+            )
+
     async def tokens(self, body: dict[str, Any], kind: str) -> tuple[list[int], str, bool]:
         """The request's (first) prompt, whole, as the engine tokenizes it, with its namespace
         and reuse switch: what placement sees of it (`/warply/where`)."""
@@ -411,15 +488,17 @@ class Proxy:
         """400 before any tokenizing when the body holds more messages, prompts or token ids
         than `limits` allow."""
         limits = self._limits
-        messages, prompt = body.get("messages"), body.get("prompt")
-        if isinstance(messages, list) and len(messages) > limits.max_messages:
-            raise ApiError(
-                400,
-                f"{len(messages)} messages; this router takes at most {limits.max_messages} "
-                "(limits.max_messages)",
-                "too_many_messages",
-                "messages",
-            )
+        for param, noun in (("messages", "messages"), ("input", "input items")):
+            items = body.get(param)  # a chat's messages, a response's input items
+            if isinstance(items, list) and len(items) > limits.max_messages:
+                raise ApiError(
+                    400,
+                    f"{len(items)} {noun}; this router takes at most {limits.max_messages} "
+                    "(limits.max_messages)",
+                    "too_many_messages",
+                    param,
+                )
+        prompt = body.get("prompt")
         if not isinstance(prompt, list) or not prompt:
             return
         if isinstance(prompt[0], (str, list)) and len(prompt) > limits.max_prompts:

@@ -392,16 +392,21 @@ class Upstream:
         return conn
 
     async def post(
-        self, url: str, body: bytes, headers: Mapping[str, str], timeouts: Timeouts
+        self,
+        url: str,
+        body: bytes,
+        headers: Mapping[str, str],
+        timeouts: Timeouts,
+        method: str = "POST",
     ) -> Response:
-        """POST `body` to `url`; the answer once its status and headers arrived (release it).
-        Raises `ConnectFailed`, `ConnectTimeout`, `Disconnected` (nothing answered),
-        `BadAnswer` or TimeoutError."""
+        """POST (or `method`) `body` to `url`; the answer once its status and headers arrived
+        (release it). Raises `ConnectFailed`, `ConnectTimeout`, `Disconnected` (nothing
+        answered), `BadAnswer` or TimeoutError."""
         target = _target(url)
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeouts.total
         conn = await self._connect(target.key, min(timeouts.connect, timeouts.total))
-        head = f"POST {target.path} HTTP/1.1\r\nHost: {target.host}\r\n" + "".join(
+        head = f"{method} {target.path} HTTP/1.1\r\nHost: {target.host}\r\n" + "".join(
             f"{k}: {v}\r\n" for k, v in headers.items()
         )
         data = f"{head}Content-Length: {len(body)}\r\n\r\n".encode("latin-1") + body
@@ -415,16 +420,21 @@ class Upstream:
         return resp
 
     async def send(
-        self, url: str, body: bytes, headers: Mapping[str, str], timeouts: Timeouts
+        self,
+        url: str,
+        body: bytes,
+        headers: Mapping[str, str],
+        timeouts: Timeouts,
+        method: str = "POST",
     ) -> Response:
         """`post`, retried once when nothing reached the engine: a pooled connection it closed
         meanwhile (its keep-alive ran out: the server disconnects before answering), or a
         connection not made in time (a stalled machine). A refused connection is not retried
         (`ConnectFailed`: the caller tries another worker)."""
         try:
-            return await self.post(url, body, headers, timeouts)
+            return await self.post(url, body, headers, timeouts, method)
         except (Disconnected, ConnectTimeout):
-            return await self.post(url, body, headers, timeouts)
+            return await self.post(url, body, headers, timeouts, method)
 
     def close(self) -> None:
         """Close every idle connection (those in use close when released)."""

@@ -3,8 +3,9 @@ would choose and why (each pool's strategy scores). Tokenized and keyed exactly 
 (`Proxy.tokens`), placed by `Placement.explain`: nothing is booked, no strategy state moves.
 
     GET  /warply/where?prompt=TEXT[&model=M][&cache_key=K]
-    POST /warply/where   {"prompt": ...} or {"messages": [...]}, with "model" and "warply"
-                         ({"cache_key", "prefix_reuse"}) as in a completion request
+    POST /warply/where   {"prompt": ...}, {"messages": [...]} or {"input": ...} (a response),
+                         with "model" and "warply" ({"cache_key", "prefix_reuse"}) as in a
+                         completion request
 """
 
 from __future__ import annotations
@@ -35,7 +36,8 @@ async def request_body(request: web.Request) -> tuple[dict[str, Any], str]:
             body["model"] = query["model"]
         if "cache_key" in query:
             body["warply"] = {"cache_key": query["cache_key"]}
-    return body, "chat" if "messages" in body else "completion"
+    kind = "responses" if "input" in body else "chat" if "messages" in body else "completion"
+    return body, kind
 
 
 async def where(

@@ -120,6 +120,10 @@ class FakeEngine:
     a mismatch, so off unless a test forwards them)."""
     metrics_text: str = ""
     """What its /metrics answers (e.g. vLLM's KV-transfer counters)."""
+    stored: dict[str, dict[str, Any]] = field(default_factory=dict)
+    """Its Responses API's stored responses by id (as vLLM with its store on)."""
+    paths: list[str] = field(default_factory=list)
+    """The raw path (query included) of each stored-response request it got."""
     url: str = ""
 
     def app(self) -> web.Application:
@@ -131,6 +135,9 @@ class FakeEngine:
                 web.get("/metrics", self._metrics),
                 web.post("/v1/completions", self._generate),
                 web.post("/v1/chat/completions", self._generate),
+                web.post("/v1/responses", self._respond),
+                web.get("/v1/responses/{id}", self._stored),
+                web.post("/v1/responses/{id}/cancel", self._stored),
             ]
         )
         if self.tokenize:
@@ -166,6 +173,52 @@ class FakeEngine:
             error = {"message": "bad input", "type": "BadRequestError", "param": None, "code": 400}
             return web.json_response({"error": error}, status=400)
         return web.json_response({**answer, "engine": self.name})
+
+    async def _respond(self, request: web.Request) -> web.StreamResponse:
+        """/v1/responses: answers the engine's name; a stream's events as vLLM 0.32 sends them
+        (`event: TYPE` lines); an unknown `previous_response_id` is a 404."""
+        self.raw.append(await request.read())
+        body = json.loads(self.raw[-1])
+        self.bodies.append(body)
+        previous = body.get("previous_response_id")
+        if previous is not None and previous not in self.stored:
+            error = {"message": f"Response with id '{previous}' not found.",
+                     "type": "invalid_request_error", "param": None, "code": 404}  # fmt: skip
+            return web.json_response({"error": error}, status=404)
+        usage = {"input_tokens": 10, "output_tokens": 2, "total_tokens": 12}
+        if self.cached_tokens is not None:
+            usage["input_tokens_details"] = {"cached_tokens": self.cached_tokens}  # type: ignore[assignment]
+        text = {"type": "output_text", "text": self.name}
+        answer = {"id": body.get("request_id", "resp_fake"), "object": "response",
+                  "output": [{"type": "message", "role": "assistant", "content": [text]}],
+                  "usage": usage}  # fmt: skip
+        self.stored[answer["id"]] = answer
+        if not body.get("stream"):
+            return web.json_response(answer)
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        head = {k: v for k, v in answer.items() if k != "usage"}
+        events = [("response.created", {"response": head}),
+                  ("response.in_progress", {"response": head}),
+                  ("response.output_text.delta", {"delta": self.name[:1]}),
+                  ("response.output_text.delta", {"delta": self.name[1:]}),
+                  ("response.completed", {"response": answer})]  # fmt: skip
+        for kind, data in events:
+            while self.hang and kind == "response.output_text.delta":
+                await asyncio.sleep(0.05)
+            event = f"event: {kind}\ndata: {json.dumps({'type': kind, **data})}\n\n"
+            await resp.write(event.encode())
+        return resp
+
+    async def _stored(self, request: web.Request) -> web.Response:
+        """GET /v1/responses/{id} and its cancel: the stored response, or a 404."""
+        self.paths.append(request.raw_path)
+        stored = self.stored.get(request.match_info["id"])
+        if stored is None:
+            error = {"message": "not found", "type": "invalid_request_error", "param": None,
+                     "code": 404}  # fmt: skip
+            return web.json_response({"error": error}, status=404)
+        return web.json_response({**stored, "engine": self.name})
 
     async def _generate(self, request: web.Request) -> web.StreamResponse:
         self.raw.append(await request.read())

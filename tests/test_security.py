@@ -476,7 +476,8 @@ def test_the_router_process_logs_no_query_strings_or_request_bytes(
 ) -> None:
     """aiohttp's access line held the query string (`/warply/where?prompt=...` at INFO), and
     its parser logged a refused request with its first 100 bytes and a traceback: each showed a
-    prompt. The process's log holds the path, the status and the error's class only."""
+    prompt. The process's log holds the path, the status and the error's class only, and a
+    stored response's route, not its id (which reads the response from the engine)."""
     with _router_process(tokenizer_dir, tmp_path) as (router, port):
         assert _listening(port), router.log_tail()
         base = f"http://{HOST}:{port}"
@@ -484,13 +485,15 @@ def test_the_router_process_logs_no_query_strings_or_request_bytes(
             (f"/warply/where?prompt={SECRET_TEXT.replace(' ', '%20')}", {}),
             ("/v1/models?" + "zebra" * 2000, {}),  # a request line past aiohttp's limit
             ("/health", {"X-Note": "zebra" * 2000}),  # a header past it
+            ("/v1/responses/resp_zebra", {}),
         ):
             try:
                 urllib.request.urlopen(urllib.request.Request(base + path, headers=headers))
             except urllib.error.HTTPError as err:
-                assert err.code in (200, 400, 503), err
+                assert err.code in (200, 400, 404, 503), err
     log = router.log_path.read_text()
     assert '"GET /warply/where" 200' in log and "LineTooLong (400)" in log, log
+    assert '"GET /v1/responses/{response_id}"' in log, log
     assert "zebra" not in log and "Traceback" not in log, log
 
 
@@ -509,3 +512,4 @@ def test_signed_messages_are_msgpack_arrays() -> None:
     raw = msgspec.msgpack.decode(sign(encode_directive(PIN), CONTROL_TOKEN))
     assert raw[0] == "warply-signed" and len(raw) == 5 and len(raw[2]) == 16
     assert raw[3] == encode_directive(PIN) and len(raw[4]) == 32
+

@@ -41,14 +41,14 @@ def model_dir() -> str:
 
 @pytest.fixture(scope="module")
 def stack(model_dir: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
-    """Two engines (cores 0 and 1, with /reset_prefix_cache) and the router as a subprocess; all
-    stopped by PID."""
+    """Two engines (cores 0 and 1, with /reset_prefix_cache and the Responses API's store) and
+    the router as a subprocess; all stopped by PID."""
     logs = tmp_path_factory.mktemp("router-it")
     pairs = kv_event_engines(
         VLLM_BIN, model_dir, logs,
         args=["--block-size", str(BLOCK), "--max-model-len", "2048", "--max-num-seqs", "4",
               "--enable-prefix-caching", "--enable-prompt-tokens-details", "--seed", "0"],
-        env={"VLLM_SERVER_DEV_MODE": "1"},
+        env={"VLLM_SERVER_DEV_MODE": "1", "VLLM_ENABLE_RESPONSES_API_STORE": "1"},
     )  # fmt: skip
     engines = [engine for engine, _ in pairs]
     workers = [events.worker(f"w{i}", engine.url) for i, (engine, events) in enumerate(pairs)]
@@ -338,6 +338,64 @@ def test_tokenize_and_detokenize_through_the_router_are_the_engines(
     assert direct_status == 400  # the negative id, refused by the engine
     status, body = http_json("POST", url + "/tokenize", {"model": "other", "prompt": "hi"})
     assert status == 404 and body["error"]["code"] == "model_not_found"
+
+
+def _respond(url: str, body: dict[str, Any]) -> tuple[dict[str, Any], str, int]:
+    """A response through the router: (its body, the worker, the predicted cached tokens)."""
+    body = {"model": "tiny", "max_output_tokens": 16, "temperature": 0, **body}
+    status, out, headers = _post(url + "/v1/responses", body)
+    assert status == 200, out
+    return out, headers["X-Warply-Worker"], int(headers["X-Warply-Predicted-Cached"])
+
+
+def _said(out: dict[str, Any]) -> str:
+    """A response's output text."""
+    return "".join(
+        part["text"] for item in out["output"] if item["type"] == "message"
+        for part in item["content"] if part["type"] == "output_text"
+    )  # fmt: skip
+
+
+def test_a_responses_conversation_is_keyed_as_the_engine_renders_it(
+    stack: dict[str, Any],
+) -> None:
+    """vLLM 0.32 renders a Responses input through the chat template: the router keys a text
+    input by the same tokens (its /warply/where length is the engine's `input_tokens`), so a
+    conversation that sends its whole history each turn (`store` off) stays on its worker
+    and hits what the router predicted. A chain through `previous_response_id` (the engine's
+    store on) and the stored response's retrieval reach the worker that holds it."""
+    url = stack["url"]
+    instructions = "You answer questions about the prefix cache in depth. " * 8
+    items: list[dict[str, Any]] = [{"role": "user", "content": "Which blocks does it keep?"}]
+    workers = []
+    for turn in range(3):
+        body = {"instructions": instructions, "input": items, "store": False}
+        status, where, _ = _post(url + "/warply/where", {"model": "tiny", **body}, ADMIN)
+        assert status == 200, where
+        out, worker, predicted = _respond(url, body)
+        usage = out["usage"]
+        assert where["prompt_tokens"] == usage["input_tokens"], (turn, where, usage)
+        if turn:
+            assert predicted == usage["input_tokens_details"]["cached_tokens"] >= 4 * BLOCK
+        workers.append(worker)
+        text = {"type": "output_text", "text": _said(out)}
+        items += [
+            {"type": "message", "role": "assistant", "content": [text]},
+            {"role": "user", "content": [{"type": "input_text", "text": f"And {turn}?"}]},
+        ]
+        time.sleep(0.5)  # the engine's KV events reach the router
+    assert len(set(workers)) == 1, workers
+
+    first, owner, _ = _respond(url, {"input": "Name one block.", "store": True})
+    for _ in range(3):
+        follow = {"input": "Another one?", "previous_response_id": first["id"], "store": True}
+        out, worker, _ = _respond(url, follow)
+        assert worker == owner and out["previous_response_id"] == first["id"]
+    status, got = http_json("GET", url + f"/v1/responses/{first['id']}")
+    assert status == 200 and got["id"] == first["id"] and _said(got) == _said(first)
+    other = next(e for i, e in enumerate(stack["engines"]) if f"w{i}" != owner)
+    status, _ = http_json("GET", other.url + f"/v1/responses/{first['id']}")
+    assert status == 404  # only its worker holds it: the router's routing is what finds it
 
 
 def test_a_missed_prediction_keeps_what_the_engine_stored_again(stack: dict[str, Any]) -> None:

@@ -1,0 +1,245 @@
+"""The Responses API through the router, against the in-process fake engines of
+test_router_api: placement by the chat a text input renders to, response ids that name their
+worker (follow-ups, retrieval and cancel reach it), streams, usage. Real vLLM:
+tests/vllm/test_router_responses.py."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import pytest
+
+from router.responses import chat_view, event_usage, new_response_id, owner, worker_tag
+from tests.test_router_api import (  # noqa: F401
+    FakeEngine,
+    _is_error,
+    _run,
+    running,
+    tokenizer_dir,
+)
+from warply.protocol.api import CacheStats
+
+TURNS = [
+    {"role": "user", "content": "the cache holds"},
+    {"type": "message", "role": "assistant",
+     "content": [{"type": "output_text", "text": "a prefix"}]},
+    {"role": "user", "content": [{"type": "input_text", "text": "of tokens"},
+                                 {"type": "input_text", "text": "the prefix"}]},
+]  # fmt: skip
+CHAT = [
+    {"role": "system", "content": "hold the cache"},
+    {"role": "user", "content": "the cache holds"},
+    {"role": "assistant", "content": [{"type": "text", "text": "a prefix"}]},
+    {"role": "user", "content": [{"type": "text", "text": "of tokens"},
+                                 {"type": "text", "text": "the prefix"}]},
+]  # fmt: skip
+
+
+def test_text_inputs_render_as_the_chat_both_engines_make_of_them() -> None:
+    body = {"model": "m", "instructions": "hold the cache", "input": TURNS, "cache_salt": "k"}
+    view = {"messages": CHAT, "model": "m", "cache_salt": "k", "add_special_tokens": True}
+    assert chat_view(body) == view  # vLLM 0.32 adds special tokens; SGLang 0.5 does not
+    hi = [{"role": "user", "content": "hi"}]
+    assert chat_view({"input": "hi"}, False) == {"messages": hi, "add_special_tokens": False}
+    call = {"type": "function_call", "call_id": "c", "name": "f", "arguments": "{}"}
+    unkeyed = [
+        {"input": TURNS, "tools": [{"type": "function", "name": "f"}]},
+        {"input": TURNS, "reasoning": {"effort": "low"}},
+        {"input": TURNS, "previous_response_id": "resp_x"},  # its history is the engine's
+        {"input": [*TURNS, call]},
+        {"input": [{"role": "developer", "content": "x"}, *TURNS]},  # SGLang merges these
+        {"input": TURNS[:2]},  # vLLM continues a final assistant message
+        {"input": [TURNS[0], TURNS[1], TURNS[1], TURNS[2]]},  # SGLang merges these
+        {"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "u"}]}]},
+        {"input": [{"role": "assistant", "content": [TURNS[1]["content"][0]] * 2}, TURNS[0]]},
+        {"input": []},
+        {"input": 3},
+        {"instructions": 3, "input": "hi"},
+    ]
+    assert [chat_view(b) for b in unkeyed] == [None] * len(unkeyed)
+
+
+def test_a_response_id_names_its_worker_on_every_replica() -> None:
+    made = new_response_id("engine-1")
+    assert made.startswith("resp_" + worker_tag("engine-1")) and len(made) == 5 + 8 + 32
+    assert owner(made, ["engine-0", "engine-1"]) == "engine-1"
+    assert owner(made, ["engine-0"]) is None  # its worker left
+    assert owner("resp_" + "0" * 40, ["engine-0", "engine-1"]) is None
+    assert owner("chatcmpl-1", ["engine-1"]) is None
+    assert new_response_id("engine-1") != made
+
+
+def test_the_last_event_of_a_stream_holds_its_usage() -> None:
+    usage = {"input_tokens": 9, "input_tokens_details": {"cached_tokens": 4}}
+    done = {"type": "response.completed", "response": {"id": "r", "usage": usage}}
+    event = b"event: response.completed\ndata: " + msgspec.json.encode(done)
+    assert event_usage(event) == (True, usage)
+    assert event_usage(b"event: response.failed\ndata: {not json") == (True, None)
+    assert event_usage(b"event: response.output_text.delta\ndata: {}") == (False, None)
+
+
+def _stats(body: Any) -> CacheStats:
+    return msgspec.convert(body, CacheStats)
+
+
+def test_a_response_is_keyed_as_its_chat_and_answered_by_the_worker_its_id_names(
+    tokenizer_dir: Path,  # noqa: F811
+) -> None:
+    async def scenario() -> None:
+        engines = [FakeEngine(name, cached_tokens=4, max_model_len=4096) for name in "ab"]
+        async with running(tokenizer_dir, engines) as (router, call, session, base):
+            body = {"model": "m", "instructions": "hold the cache", "input": TURNS}
+            tokens, _, _ = await router.proxy.tokens(dict(body), "responses")
+            chat = {"model": "m", "messages": CHAT, "add_special_tokens": True}
+            assert tokens == (await router.proxy.tokens(chat, "chat"))[0]  # as vLLM 0.32 does
+            assert len(tokens) > 8
+            status, where = await call("POST", "/warply/where", body)
+            assert status == 200 and where["prompt_tokens"] == len(tokens), where
+
+            async with session.post(base + "/v1/responses", json=body) as r:
+                first, worker = await r.json(), r.headers["X-Warply-Worker"]
+                assert r.status == 200 and int(r.headers["X-Warply-Predicted-Cached"]) >= 0
+            engine = next(e for e in engines if e.name == worker)
+            sent = engine.bodies[-1]
+            assert sent["request_id"] == first["id"] and owner(first["id"], "ab") == worker
+            assert "stream_options" not in sent and "warply" not in sent
+
+            # Follow-ups go to the worker that stored the response, however loaded it is.
+            other = next(e for e in engines if e.name != worker)
+            router.workers[worker].load.in_flight = 5  # load alone would choose the other
+            for _ in range(4):
+                follow = {"model": "m", "input": "more", "previous_response_id": first["id"]}
+                async with session.post(base + "/v1/responses", json=follow) as r:
+                    assert r.status == 200 and r.headers["X-Warply-Worker"] == worker
+            assert not other.bodies
+            router.workers[worker].load.in_flight = 0
+
+            status, got = await call("GET", f"/v1/responses/{first['id']}")
+            assert status == 200 and got["engine"] == worker and got["id"] == first["id"]
+            status, got = await call("POST", f"/v1/responses/{first['id']}/cancel")
+            assert status == 200 and got["engine"] == worker
+            # The engine's path is built from the id and the route; the query goes as it came.
+            engine.paths.clear()
+            query = "?stream=false&note=%0D%0AX-Evil:%201"
+            status, _ = await call("GET", f"/v1/responses/{first['id']}{query}")
+            assert status == 200 and engine.paths == [f"/v1/responses/{first['id']}{query}"]
+            status, _ = await call("GET", "/v1/responses/a%2F..%2F..%2Fhealth")
+            assert status == 404 and engine.paths[-1] == "/v1/responses/a%2F..%2F..%2Fhealth"
+
+            # An id the client chose: each worker is asked until one holds it.
+            own = {**body, "request_id": "resp_mine"}
+            async with session.post(base + "/v1/responses", json=own) as r:
+                holder = r.headers["X-Warply-Worker"]
+                assert r.status == 200 and (await r.json())["id"] == "resp_mine"
+            status, got = await call("GET", "/v1/responses/resp_mine")
+            assert status == 200 and got["engine"] == holder
+            status, got = await call("GET", "/v1/responses/resp_nowhere")
+            assert status == 404 and "error" in got  # every engine's own 404
+
+            status, got = await call("GET", "/warply/cache_stats")
+            stats = _stats(got)
+            assert stats.requests == 6 and stats.engine_cached_tokens == 6 * 4
+            assert stats.placed_unkeyed == 4  # the follow-ups: their history is the engine's
+            _, text = await call("GET", "/metrics")
+            assert 'endpoint="v1/responses/{response_id}"' in text
+            assert first["id"] not in text and "resp_mine" not in text
+
+            router.workers[worker].enabled = False
+            follow = {"input": "more", "previous_response_id": first["id"]}
+            status, got = await call("POST", "/v1/responses", follow)
+            assert status == 503 and _is_error(got, "no_healthy_worker")
+            assert got["error"]["param"] == "previous_response_id" and worker in str(got)
+            status, got = await call("GET", f"/v1/responses/{first['id']}")
+            assert status == 503 and _is_error(got, "no_healthy_worker")
+
+    _run(scenario())
+
+
+def test_a_streamed_response_is_relayed_with_its_usage_and_first_output_timed(
+    tokenizer_dir: Path,  # noqa: F811
+) -> None:
+    async def scenario() -> None:
+        engine = FakeEngine("a", cached_tokens=8)
+        async with running(tokenizer_dir, [engine]) as (router, call, session, base):
+            body = {"input": "the cache", "stream": True, "warply": {"cache_key": "tenant"}}
+            async with session.post(base + "/v1/responses", json=body) as r:
+                assert r.status == 200 and r.content_type == "text/event-stream"
+                text = (await r.read()).decode()
+            events = text.strip().split("\n\n")
+            kinds = [e.split("\n")[0].removeprefix("event: ") for e in events]
+            assert kinds == ["response.created", "response.in_progress",
+                             "response.output_text.delta", "response.output_text.delta",
+                             "response.completed"]  # fmt: skip
+            done = json.loads(events[-1].split("data: ", 1)[1])
+            assert done["response"]["id"] == engine.bodies[-1]["request_id"]
+            sent = engine.bodies[-1]
+            assert sent["cache_salt"] == "tenant" and "stream_options" not in sent
+            status, got = await call("GET", "/warply/cache_stats")
+            stats = _stats(got)
+            assert stats.requests == 1 and stats.engine_cached_tokens == 8
+            assert stats.ttft_s.n == 1
+
+    _run(scenario())
+
+
+def test_a_response_to_sglang_is_tokenized_as_its_chat(tokenizer_dir: Path) -> None:  # noqa: F811
+    """SGLang 0.5 (its cards' `owned_by`) renders a response as its chat: no special tokens
+    added to the template's text."""
+
+    async def scenario() -> None:
+        card = b'{"data": [{"id": "m", "max_model_len": 64, "owned_by": "sglang"}]}'
+        async with running(tokenizer_dir, [FakeEngine("a", models=card)]) as (router, *_):
+            body = {"instructions": "hold the cache", "input": TURNS}
+            tokens, _, _ = await router.proxy.tokens(body, "responses")
+            assert tokens == (await router.proxy.tokens({"messages": CHAT}, "chat"))[0]
+            assert router.proxy.engine == "sglang"
+
+    _run(scenario())
+
+
+@pytest.mark.parametrize(
+    ("body", "status", "code", "param"),
+    [
+        ({"input": "hi", "model": "x"}, 404, "model_not_found", "model"),
+        ({"input": "hi", "previous_response_id": 3}, 400, "invalid_value", "previous_response_id"),
+        ({"input": "hi", "max_output_tokens": -1}, 400, "invalid_value", "max_output_tokens"),
+        ({"input": "hi", "request_id": ["x"]}, 400, "invalid_value", "request_id"),
+        ({"input": "hi", "instructions": 3}, 400, "invalid_value", "instructions"),
+        ({"model": "m"}, 400, "invalid_value", "input"),
+        ({"input": [3]}, 400, "invalid_value", "input"),
+        ({"input": "the cache " * 40}, 400, "context_length_exceeded", "input"),
+        ({"input": ["x"] * 300}, 400, "too_many_messages", "input"),
+        ({"input": "hi", "chat_template_kwargs": {"chat_template": "{{ 1 }}"}}, 400,
+         "untrusted_chat_template", "chat_template"),
+    ],
+)  # fmt: skip
+def test_bad_responses_are_openai_shaped_400s(
+    tokenizer_dir: Path,  # noqa: F811
+    body: dict[str, Any],
+    status: int,
+    code: str,
+    param: str,
+) -> None:
+    async def scenario() -> None:
+        engine = FakeEngine("a")
+        async with running(tokenizer_dir, [engine], limits={"max_messages": 256}) as (
+            _,
+            call,
+            _s,
+            _b,
+        ):
+            got_status, got = await call("POST", "/v1/responses", body)
+            assert (got_status, got["error"]["code"], got["error"]["param"]) == (
+                status,
+                code,
+                param,
+            )
+            assert not engine.bodies
+            # The engine cuts an input too long for the context itself when truncation is on.
+            long = {"input": "the cache " * 40, "truncation": "auto"}
+            assert (await call("POST", "/v1/responses", long))[0] == 200
+
+    _run(scenario())
