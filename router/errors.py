@@ -14,6 +14,7 @@ _TYPES = {
     404: "invalid_request_error",
     409: "invalid_request_error",
     413: "invalid_request_error",
+    415: "invalid_request_error",
     502: "upstream_error",
     503: "service_unavailable",
     504: "timeout",
@@ -60,9 +61,24 @@ class ApiError(Exception):
 
 
 async def read_body(request: web.Request) -> tuple[dict[str, Any], bytes]:
-    """The request's body as a JSON object, and its bytes: 413 past the app's
-    `client_max_size` (`limits.max_body_bytes`), 400 when it is not a JSON object or cannot
-    be read as its `Content-Encoding` says (a "gzip" body that is not gzip was a 500)."""
+    """The request's body as a JSON object, and its bytes: 415 unless it is declared
+    `application/json`, 413 past the app's `client_max_size` (`limits.max_body_bytes`), 400
+    when it is not a JSON object or cannot be read as its `Content-Encoding` says (a "gzip"
+    body that is not gzip was a 500).
+
+    The content type is what keeps a web page from sending requests here: a browser sends a
+    cross-site POST of `text/plain` (or a form) without asking, but asks the server first
+    (a CORS preflight, which the router does not answer) before one of `application/json`.
+    Without the check, any page open in a browser on a machine that reaches the router could
+    drain its workers or join a worker of its own to receive prompts, where no `auth_token`
+    is set. vLLM 0.32 and SGLang 0.5 refuse other content types on their JSON endpoints too."""
+    if request.content_type != "application/json":
+        raise ApiError(
+            415,
+            f"Unsupported Media Type {request.content_type!r}: only 'application/json' is "
+            "allowed",
+            "unsupported_media_type",
+        )
     try:
         raw = await request.read()
     except web.HTTPRequestEntityTooLarge:

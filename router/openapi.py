@@ -184,7 +184,7 @@ def _generation(body: str, summary: str) -> dict[str, Any]:
         "post": {
             "summary": summary,
             "requestBody": _body(body),
-            "responses": {"200": ok, **_errors(400, 404, 413, 502, 503, 504)},
+            "responses": {"200": ok, **_errors(400, 404, 413, 415, 502, 503, 504)},
         }
     }
 
@@ -195,7 +195,7 @@ def _forwarded(body: str | None, summary: str) -> dict[str, Any]:
         "summary": summary,
         "responses": {
             "200": _json({"type": "object"}, "the engine's answer"),
-            **_errors(413, 502, 503, 504),
+            **_errors(413, 415, 502, 503, 504),
             "default": {
                 "description": "the engine's own answer, errors included (plain text from "
                 "an engine without the endpoint), or the router's own 400 / 404 (`model`)",
@@ -291,7 +291,7 @@ def openapi_document(config: RouterConfig) -> dict[str, Any]:
                     "requestBody": _body(enabled),
                     "responses": {
                         "200": _json({"type": "object"}, "drained or restored"),
-                        **_errors(400, 404, 409, 413),
+                        **_errors(400, 404, 409, 413, 415),
                     },
                 }
             ),
@@ -315,7 +315,7 @@ def openapi_document(config: RouterConfig) -> dict[str, Any]:
                     "requestBody": _body("WorkerConfig"),
                     "responses": {
                         "201": _json("WorkerView", "the joined worker"),
-                        **_errors(400, 404, 409, 413),
+                        **_errors(400, 404, 409, 413, 415),
                     },
                 }
             ),
@@ -340,7 +340,7 @@ def openapi_document(config: RouterConfig) -> dict[str, Any]:
                         "CompletionRequest", "ChatCompletionRequest")]}),  # fmt: skip
                     "responses": {
                         "200": _json("Where", "holdings and choice"),
-                        **_errors(400, 404, 413),
+                        **_errors(400, 404, 413, 415),
                     },
                 }
             ),
@@ -351,7 +351,7 @@ def openapi_document(config: RouterConfig) -> dict[str, Any]:
                     "requestBody": _body(directive),
                     "responses": {
                         "200": _json("DirectiveAck", "the plugin's answer"),
-                        **_errors(400, 404, 413, 502, 504),
+                        **_errors(400, 404, 413, 415, 502, 504),
                     },
                 }
             )

@@ -59,9 +59,12 @@ class Live:
     session: aiohttp.ClientSession
 
     def call(self, method: str, path: str, raw: bytes, **headers: str) -> tuple[int, Any]:
+        """`raw` sent as JSON (unless `headers` name another Content-Type)."""
+
         async def go() -> tuple[int, Any]:
+            sent = {"Content-Type": "application/json", **headers}
             async with self.session.request(
-                method, self.base + path, data=raw, headers=headers
+                method, self.base + path, data=raw, headers=sent
             ) as r:
                 text = await r.text()
                 try:

@@ -313,6 +313,8 @@ async def running(
 
     async def call(method: str, path: str, body: Any = None, **kw: Any) -> tuple[int, Any]:
         data = body if isinstance(body, bytes) else None
+        if data is not None:
+            kw["headers"] = {"Content-Type": "application/json", **kw.get("headers", {})}
         async with session.request(
             method, base + path, json=None if data else body, data=data, **kw
         ) as r:
@@ -909,7 +911,8 @@ def test_tokenize_and_detokenize_are_forwarded_as_they_came(tokenizer_dir: Path)
             a.set_health(True)  # as if it went down after its last probe
             b.load.in_flight = 2
             raw = b'{"model": "m",  "prompt": "the cache holds", "return_token_strs": false}'
-            async with session.post(base + "/tokenize", data=raw) as resp:
+            json_type = {"Content-Type": "application/json"}
+            async with session.post(base + "/tokenize", data=raw, headers=json_type) as resp:
                 assert resp.status == 200 and resp.headers["X-Warply-Worker"] == "c"
                 assert await resp.json() == {
                     "count": 3, "max_model_len": 64, "tokens": [3, 5, 5], "engine": "c"

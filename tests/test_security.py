@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import logging
 import re
 import time
@@ -513,3 +514,43 @@ def test_signed_messages_are_msgpack_arrays() -> None:
     assert raw[0] == "warply-signed" and len(raw) == 5 and len(raw[2]) == 16
     assert raw[3] == encode_directive(PIN) and len(raw[4]) == 32
 
+
+def test_a_body_not_declared_json_is_refused_before_it_is_read(
+    tokenizer_dir: Path,  # noqa: F811
+) -> None:
+    """A browser sends a cross-site POST of `text/plain` or a form without a CORS preflight:
+    on a router without `auth_token`, any web page could drain a worker or join one of its own
+    (and receive prompts). Every JSON body must be declared `application/json` (415), as the
+    engines' JSON endpoints require."""
+
+    async def scenario() -> None:
+        engine = FakeEngine("a")
+        async with running(tokenizer_dir, [engine]) as (router, call, session, base):
+            join = {"name": "evil", "url": "http://127.0.0.1:9"}
+            paths = [
+                ("/warply/pools/p/workers", join), ("/warply/workers/a", {"enabled": False}),
+                ("/warply/directives", {}), ("/v1/completions", {"prompt": "hi"}),
+                ("/v1/responses", {"input": "hi"}), ("/tokenize", {"prompt": "hi"}),
+            ]  # fmt: skip
+            for kind in ("text/plain", "application/x-www-form-urlencoded", None):
+                skip = () if kind else ("Content-Type",)
+                headers = {"Content-Type": kind} if kind else {}
+                for path, body in paths:
+                    data = json.dumps(body).encode()
+                    async with session.post(
+                        base + path, data=data, headers=headers, skip_auto_headers=skip
+                    ) as r:
+                        answer = await r.json()
+                        assert r.status == 415, (path, kind, answer)
+                        assert answer["error"]["code"] == "unsupported_media_type"
+            assert list(router.workers) == ["a"] and router.workers["a"].enabled
+            assert not engine.bodies
+            declared = {"Content-Type": "application/json; charset=utf-8"}
+            data = json.dumps({"prompt": "hi"}).encode()
+            async with session.post(base + "/v1/completions", data=data, headers=declared) as r:
+                assert r.status == 200
+            _, text = await call("GET", "/metrics")
+            counted = r'warply_router_errors_total\{[^}]*"unsupported_media_type"[^}]*\} 18\.0'
+            assert re.search(counted, text), text
+
+    _run(scenario())
