@@ -398,6 +398,28 @@ def test_a_responses_conversation_is_keyed_as_the_engine_renders_it(
     assert status == 404  # only its worker holds it: the router's routing is what finds it
 
 
+def test_the_openai_sdk_streams_a_response_through_the_router(stack: dict[str, Any]) -> None:
+    """The OpenAI SDK (as vLLM 0.32 pins it) reads a streamed response relayed by the router
+    event by event, and retrieves the stored response by its id; the router counts the
+    stream's usage (its last event) in cache_stats."""
+    import openai  # vLLM's own dependency: in the engine's venv
+
+    client = openai.OpenAI(base_url=stack["url"] + "/v1", api_key="unused")
+    before = _stats(stack["url"])["requests"]
+    events = list(client.responses.create(
+        model="tiny", input="Stream three words about caches.", max_output_tokens=12,
+        temperature=0, stream=True, store=True,
+    ))  # fmt: skip
+    kinds = [e.type for e in events]
+    assert kinds[0] == "response.created" and kinds[-1] == "response.completed", kinds
+    assert "response.output_text.delta" in kinds
+    done = events[-1].response
+    streamed = "".join(e.delta for e in events if e.type == "response.output_text.delta")
+    assert streamed == done.output_text and done.usage is not None
+    assert client.responses.retrieve(done.id).output_text == done.output_text
+    assert _stats(stack["url"])["requests"] == before + 1
+
+
 def test_a_missed_prediction_keeps_what_the_engine_stored_again(stack: dict[str, Any]) -> None:
     """An engine's cache emptied behind the router's back (vLLM 0.32 publishes AllBlocksCleared
     only at its next scheduler step, so the index still credits it) reports no hit for a prompt
