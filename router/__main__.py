@@ -129,6 +129,14 @@ def _parser() -> argparse.ArgumentParser:
         help="a LoRA adapter the engines serve (repeatable); requests may name it in `model`",
     )
     ap.add_argument(
+        "--cors-allowed-origin",
+        action="append",
+        default=[],
+        metavar="ORIGIN",
+        help="an origin (https://host[:port], or '*') whose web pages may call the client API "
+        "(repeatable; replaces the file's cors_allowed_origins)",
+    )
+    ap.add_argument(
         "--trust-request-chat-template",
         action="store_const",
         const=True,
@@ -160,6 +168,8 @@ def config_from_args(args: argparse.Namespace) -> RouterConfig:
         overrides["lora_adapters"] = args.lora_adapter
     if args.trust_request_chat_template:
         overrides["trust_request_chat_template"] = True
+    if args.cors_allowed_origin:
+        overrides["cors_allowed_origins"] = args.cors_allowed_origin
     if args.worker:
         if args.block_size is None:
             raise ConfigError(

@@ -27,6 +27,7 @@ from aiohttp import web
 
 from router.config import RouterConfig
 from router.control import send_directive
+from router.cors import Cors
 from router.errors import ApiError, read_object
 from router.feed import IndexFeed
 from router.index import PrefixIndex, open_store
@@ -124,6 +125,10 @@ class Router:
         self.app = web.Application(
             middlewares=[self._errors], client_max_size=config.limits.max_body_bytes
         )
+        if config.cors_allowed_origins:  # none: nothing on the request path
+            cors = Cors(config.cors_allowed_origins)
+            self.app.middlewares.insert(0, cors.preflight)
+            self.app.on_response_prepare.append(cors.on_prepare)
         self.app.add_routes(
             [
                 web.post("/v1/completions", self._completions),

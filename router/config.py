@@ -10,6 +10,7 @@ import os
 import tomllib
 from pathlib import Path
 from typing import Annotated, Any, Literal
+from urllib.parse import urlsplit
 
 import yaml  # type: ignore[import-untyped]
 from pydantic import (
@@ -350,6 +351,10 @@ class RouterConfig(_Strict):
     `control_token`. Default: the `WARPLY_CONTROL_TOKEN` environment variable (as the plugins
     read it), else none."""
     limits: LimitsConfig = LimitsConfig()
+    cors_allowed_origins: list[str] = []
+    """Origins (`https://host[:port]`, or "*" for any) whose web pages may call the client API
+    from a browser (CORS); none by default. The admin API (/warply/*) never answers a web page
+    (`router.cors`)."""
     trust_request_chat_template: bool = False
     """Render a chat request's own `chat_template` (sandboxed Jinja, as the engine would).
     Off: such requests are refused with 400, as vLLM refuses them without its
@@ -392,6 +397,26 @@ class RouterConfig(_Strict):
                 f"`index: {{max_entries: {data['index_max_entries']}}}` instead"
             )
         return data
+
+    @field_validator("cors_allowed_origins")
+    @classmethod
+    def _origins(cls, origins: list[str]) -> list[str]:
+        for origin in origins:
+            if origin == "*":
+                continue
+            parts = urlsplit(origin)
+            try:
+                parts.port  # noqa: B018 (raises ValueError for a port that is not one)
+            except ValueError:
+                parts = urlsplit("")
+            if parts.scheme not in ("http", "https") or not parts.hostname or any(
+                (parts.path, parts.query, parts.fragment, parts.username)
+            ):
+                raise ValueError(
+                    f"{origin!r} is not an origin: write scheme://host[:port] as a browser sends "
+                    "it in its Origin header (no path, no trailing slash), or '*'"
+                )
+        return origins
 
     @field_validator("lora_adapters")
     @classmethod

@@ -94,10 +94,11 @@ def test_flags_override_and_build_a_pool(tmp_path: Path) -> None:
         ["--config", str(_write(tmp_path, GOOD)), "--port", "9000", "--strategy", "round_robin",
          "--worker", "http://127.0.0.1:7001,events=tcp://127.0.0.1:7002,name=x",
          "--block-size", "128", "--min-hit-ratio", "0.3", "--lora-adapter", "a1",
-         "--lora-adapter", "a2"]
+         "--lora-adapter", "a2", "--cors-allowed-origin", "https://app.example"]
     )
     cfg = config_from_args(args)
     assert cfg.lora_adapters == ["a1", "a2"]
+    assert cfg.cors_allowed_origins == ["https://app.example"]
     assert cfg.port == 9000 and cfg.strategy.name == "round_robin"
     assert cfg.pools[0].block_size == 128 and cfg.pools[0].workers[0].name == "x"
     assert cfg.alerts.min_hit_ratio == 0.3
@@ -109,6 +110,10 @@ def test_flags_override_and_build_a_pool(tmp_path: Path) -> None:
         config_from_args(_parser().parse_args(["--worker", "h:1", "--block-size", "16"]))
     with pytest.raises(ConfigError, match="e.g. http://h:1,name=w0$"):
         config_from_args(_parser().parse_args(["--worker", "ftp://h:1", "--block-size", "16"]))
+    with pytest.raises(ConfigError, match="cors_allowed_origins: .app.example. is not an origin"):
+        config_from_args(_parser().parse_args(
+            ["--config", str(_write(tmp_path, GOOD)), "--cors-allowed-origin", "app.example"]
+        ))  # fmt: skip
     with pytest.raises(ConfigError, match="--worker needs --block-size"):
         config_from_args(
             _parser().parse_args(["--config", str(_write(tmp_path, GOOD)), "--worker", "http://h:1"])
