@@ -262,6 +262,24 @@ _FIELDS = {
     "chat_template_kwargs": _JSON,
     "warply": st.fixed_dictionaries({}, optional={"cache_key": st.text(max_size=8) | _JSON,
                                                   "prefix_reuse": st.booleans() | _JSON}) | _JSON,
+    # the Responses API's (a string previous_response_id is the engine's 404, not fuzzed here)
+    "input": st.text(max_size=30) | st.lists(
+        st.fixed_dictionaries(
+            {"role": st.sampled_from(["user", "assistant", "developer"]) | _JSON},
+            optional={
+                "type": st.sampled_from(["message", "function_call"]) | _JSON,
+                "content": st.text(max_size=30) | st.lists(st.fixed_dictionaries(
+                    {"type": st.sampled_from(["input_text", "output_text", "input_image"])
+                     | _JSON}, optional={"text": st.text(max_size=20) | _JSON}), max_size=3),
+            },
+        ) | _JSON,
+        max_size=6,
+    ) | _JSON,
+    "instructions": st.text(max_size=30) | _JSON,
+    "max_output_tokens": st.integers(min_value=-2, max_value=10) | _JSON,
+    "previous_response_id": _SCALAR.filter(lambda v: not isinstance(v, str)),
+    "truncation": st.sampled_from(["auto", "disabled"]) | _JSON,
+    "tools": st.just([]) | _JSON,
 }
 _BODY = st.fixed_dictionaries({}, optional=_FIELDS)
 _RAW = (
@@ -279,7 +297,7 @@ def _check_answer(status: int, answer: Any) -> None:
             "message", "type", "param", "code"}, answer  # fmt: skip
 
 
-@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions", "/v1/responses"])
 def test_fuzzed_bodies_never_crash_and_every_rejection_is_counted(live: Live, path: str) -> None:
     seen: dict[str, int] = {"rejected": 0}
     before = sum(v for (s, _), v in live.errors().items() if s.startswith("4"))
