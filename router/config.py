@@ -317,6 +317,17 @@ class LimitsConfig(_Strict):
     """Prompts in one batched completion request (`prompt` as a list of prompts)."""
 
 
+def _is_origin(text: str) -> bool:
+    """Whether `text` is a web origin as a browser sends it: http(s)://host[:port]."""
+    parts = urlsplit(text)
+    try:
+        port_ok = parts.port is None or parts.port > 0
+    except ValueError:  # not a number below 65536
+        return False
+    extra = (parts.path, parts.query, parts.fragment, parts.username)
+    return port_ok and parts.scheme in ("http", "https") and bool(parts.hostname) and not any(extra)
+
+
 class RouterConfig(_Strict):
     """Everything `warply-router` needs."""
 
@@ -402,16 +413,7 @@ class RouterConfig(_Strict):
     @classmethod
     def _origins(cls, origins: list[str]) -> list[str]:
         for origin in origins:
-            if origin == "*":
-                continue
-            parts = urlsplit(origin)
-            try:
-                parts.port  # noqa: B018 (raises ValueError for a port that is not one)
-            except ValueError:
-                parts = urlsplit("")
-            if parts.scheme not in ("http", "https") or not parts.hostname or any(
-                (parts.path, parts.query, parts.fragment, parts.username)
-            ):
+            if origin != "*" and not _is_origin(origin):
                 raise ValueError(
                     f"{origin!r} is not an origin: write scheme://host[:port] as a browser sends "
                     "it in its Origin header (no path, no trailing slash), or '*'"

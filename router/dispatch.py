@@ -194,6 +194,16 @@ def _response_event(event: bytes, account: RequestAccount, _: bool) -> tuple[boo
     return True, last
 
 
+def _names_response(call: Call) -> bool:
+    """A Responses request whose id the router chooses (the client set no `request_id`)."""
+    return call.kind == "responses" and "request_id" not in call.prep.body
+
+
+def _named(body: dict[str, Any], worker: Worker) -> dict[str, Any]:
+    """`body` with a response id naming `worker` (`router.responses`)."""
+    return {**body, "request_id": responses.new_response_id(worker.name)}
+
+
 def _error_event(kind: str, status: int, message: str) -> bytes:
     """The event that ends a started stream with an error (`kind`'s shape)."""
     if kind == "responses":
@@ -393,8 +403,8 @@ class Dispatcher:
         body: dict[str, Any] | bytes = prep.body if prep.raw is None else prep.raw
         if params is not None:
             body = {**prep.body, "kv_transfer_params": params}
-        elif call.kind == "responses" and "request_id" not in prep.body:
-            body = {**prep.body, "request_id": responses.new_response_id(worker.name)}
+        elif _names_response(call):
+            body = _named(prep.body, worker)
         call.account.answer_sent()
         started = asyncio.Event()
         relay = self._relay(call, decision, body, started)
@@ -424,7 +434,9 @@ class Dispatcher:
         assert leg is not None
         prefill = leg.worker
         account = call.account
-        body = sglang.leg_body(call.prep.body, prefill.config)
+        given = call.prep.body
+        body = sglang.leg_body(_named(given, decision.worker) if _names_response(call) else given,
+                               prefill.config)  # fmt: skip
         sent_s = account.elapsed()
 
         async def exchange() -> tuple[int, bytes, str]:

@@ -439,12 +439,17 @@ class Proxy:
         if view is None:
             size = len(raw) if raw is not None else len(msgspec.json.encode(body))
             prompt = Prompt((), size // 4, size // 4)
-            return _Prepared(body, raw, prompt, namespace, False, stream, True, False, False,
-                             follows=follows)  # fmt: skip
+            return _Prepared(
+                body, raw, prompt, namespace, prefix_reuse=False, stream=stream,
+                client_wants_usage=True, keyed=False, single=False, follows=follows,
+            )  # fmt: skip
         _, first = await self._prompts("chat", view, inline)
         if body.get("truncation") != "auto":  # else the engine cuts a prompt that is too long
             self._check_length(first.estimate, body, "input")
-        return _Prepared(body, raw, first, namespace, reuse, stream, True, single=False)
+        return _Prepared(
+            body, raw, first, namespace, prefix_reuse=reuse, stream=stream,
+            client_wants_usage=True, single=False,
+        )  # fmt: skip
 
     async def _prompts(
         self, kind: str, body: dict[str, Any], inline: bool

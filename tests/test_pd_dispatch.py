@@ -21,6 +21,7 @@ from aiohttp import web
 from router.app import Router
 from router.config import RouterConfig
 from router.metrics import kv_transfer_stats
+from router.responses import owner
 from router.tokenize import RouterTokenizer
 from tests.test_router_api import (  # noqa: F401
     BS,
@@ -229,6 +230,25 @@ def test_kv_transfer_params_round_trip(tokenizer_dir: Path) -> None:  # noqa: F8
             for w in router.workers.values():
                 assert (w.load.in_flight, w.load.in_flight_tokens) == (0, 0)
                 assert w.load.pending_prefill_tokens == 0
+
+    _run(scenario())
+
+
+def test_a_response_is_prefilled_by_its_decode_worker(tokenizer_dir: Path) -> None:  # noqa: F811
+    """vLLM's Responses API is not handed off: its decode worker computes the prompt
+    (`local:responses`), and the response's id names that worker."""
+
+    async def scenario() -> None:
+        p, d = PdEngine("p"), PdEngine("d")
+        async with pd_router(tokenizer_dir, [p], [d]) as (router, session, base):
+            body = {"input": PROMPT, "max_output_tokens": 5}
+            async with session.post(base + "/v1/responses", json=body) as r:
+                assert r.status == 200 and r.headers["X-Warply-Mode"] == "local:responses"
+                assert r.headers["X-Warply-Worker"] == "d"
+            assert not p.bodies and "kv_transfer_params" not in d.bodies[-1]
+            assert owner(d.bodies[-1]["request_id"], router.workers) == "d"
+            stats = await _stats(router)
+            assert stats.pd is not None and stats.pd.decisions == {"local:responses": 1}
 
     _run(scenario())
 

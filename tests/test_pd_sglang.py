@@ -17,6 +17,7 @@ import pytest
 from aiohttp import web
 
 from router.handoff.sglang import BOOTSTRAP_PORT
+from router.responses import owner
 from tests.test_pd_dispatch import (
     PROMPT,
     PdEngine,
@@ -158,6 +159,28 @@ def test_both_legs_get_one_bootstrap_room_at_once(tokenizer_dir: Path) -> None: 
             assert stats.workers["p"].engine_cached_tokens == 24, "prefill's usage, JSON and SSE"
             assert stats.workers["d"].handoffs == 3 and stats.pd.ttft.prefill_s.n == 3
             _no_load(router)
+
+    _run(scenario())
+
+
+def test_a_response_goes_to_both_legs_named_for_its_decode_worker(tokenizer_dir: Path) -> None:  # noqa: F811
+    """SGLang 0.5's Responses API takes the bootstrap fields: a response rides the hand-off as
+    a completion does, one body to both legs, its id naming the decode worker that answers."""
+
+    async def scenario() -> None:
+        (p,), d = _pair([("p", "ok")])
+        pd = {"local_prefill_tokens": 10**6, "prefill_timeout_s": 5}
+        async with pd_router(tokenizer_dir, [p], [d], kv_handoff="sglang", pd=pd) as (
+            router,
+            session,
+            base,
+        ):
+            async with session.post(base + "/v1/responses", json={"input": PROMPT}) as r:
+                assert r.status == 200 and r.headers["X-Warply-Mode"] == "remote"
+                answer = await r.json()
+            assert p.bodies[-1] == d.bodies[-1] and d.bodies[-1]["bootstrap_room"] is not None
+            assert p.bodies[-1]["request_id"] == answer["id"]
+            assert owner(answer["id"], router.workers) == "d"
 
     _run(scenario())
 
