@@ -176,6 +176,40 @@ def _message_content(content: Any) -> Any:
     raise PromptError("message content must be a string or a list of content parts")
 
 
+def _arguments(value: Any) -> Any:
+    """A tool call's `arguments` as the template gets them: a JSON object string parsed to a
+    dict, nothing (or "") as {}, anything else that is not an object as {}."""
+    if not value:
+        return {}
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except ValueError:
+            return {}
+    return value if isinstance(value, dict) else {}
+
+
+def _with_parsed_arguments(message: Mapping[str, Any]) -> dict[str, Any]:
+    """An assistant message whose tool calls' `arguments` the template gets as dicts, as both
+    engines render them (vLLM 0.32 `_postprocess_messages`, SGLang 0.5
+    `normalize_assistant_tool_call_arguments`: Transformers' templates iterate them as
+    mappings); an empty `tool_calls` list is dropped, as vLLM drops it. Without this, a tool
+    conversation's prompt differed from the engine's from its first tool call on."""
+    calls = message["tool_calls"]
+    out = {k: v for k, v in message.items() if k != "tool_calls"}
+    if not calls:
+        return out
+    parsed = []
+    for call in calls:
+        function = call.get("function") if isinstance(call, Mapping) else None
+        if not isinstance(function, Mapping) or call.get("type", "function") != "function":
+            raise PromptError("assistant tool_calls must be objects of type 'function'")
+        parsed.append({**call, "function": {**function, "arguments": _arguments(
+            function.get("arguments"))}})  # fmt: skip
+    out["tool_calls"] = parsed
+    return out
+
+
 def has_media(body: Mapping[str, Any]) -> bool:
     """Whether a /v1/chat/completions body has content parts other than text. The engine puts
     their placeholder tokens in the prompt and their content hashes in its block hashes, which
@@ -294,7 +328,10 @@ class RouterTokenizer:
             content = m.get("content")
             text = _message_content(content)
             # a text message goes in as it is (the sandbox cannot change it): no copy per turn
-            conversation.append(m if text is content else {**m, "content": text})
+            message = m if text is content else {**m, "content": text}
+            if m["role"] == "assistant" and isinstance(m.get("tool_calls"), list):
+                message = _with_parsed_arguments(message)
+            conversation.append(message)
         template = self._template
         if isinstance(body.get("chat_template"), str):
             try:

@@ -30,7 +30,7 @@ from router.index import MemoryStore, PrefixIndex
 from router.placement import Placement
 from router.tiering import Action, TierPolicy, TierState
 from router.token_cache import ChunkCache
-from router.tokenize import RouterTokenizer, has_media, start_prompts
+from router.tokenize import PromptError, RouterTokenizer, has_media, start_prompts
 from router.upstream import ConnectTimeout
 from router.workers import Workers
 from warply.protocol import (
@@ -1166,3 +1166,37 @@ def test_only_long_new_text_is_left_for_the_tokenizer_thread(tokenizer_dir: Path
     assert list(tok.finish(started[0]).tokens) == fresh.chat_tokens(body)
     assert callable(start_prompts(tok, "completion", {"prompt": ["x " * 200, "y"]}, 256))
     assert isinstance(start_prompts(tok, "completion", {"prompt": [1, 2, 3]}, 0), list)
+
+
+TOOL_TEMPLATE = (
+    "{% for m in messages %}{{ m['role'] }}:{{ m['content'] or '' }}"
+    "{% for c in m.get('tool_calls', []) %}[{{ c['function']['name'] }} "
+    "{{ c['function']['arguments'] | tojson }}]{% endfor %}|{% endfor %}"
+)
+
+
+def test_tool_call_arguments_reach_the_template_as_objects(tokenizer_dir: Path) -> None:
+    """Both engines parse an assistant tool call's `arguments` (a JSON string in the OpenAI
+    API) into an object before rendering (vLLM 0.32 `_postprocess_messages`, SGLang 0.5
+    `normalize_assistant_tool_call_arguments`); the router rendered the string, so a tool
+    conversation's prompt differed from the engine's from its first tool call on. Real vLLM:
+    tests/vllm/test_router_integration.py::test_tool_calls_tokenize_as_vllm_renders_them."""
+    tok = RouterTokenizer(tokenizer_dir)
+    calls = [
+        {"id": "a", "type": "function", "function": {"name": "f", "arguments": '{"x": 1}'}},
+        {"id": "b", "function": {"name": "g", "arguments": ""}},
+        {"id": "c", "function": {"name": "h", "arguments": "not json"}},
+        {"id": "d", "function": {"name": "k", "arguments": "[1]"}},
+        {"id": "e", "function": {"name": "m", "arguments": {"y": 2}}},
+    ]
+    body = {"chat_template": TOOL_TEMPLATE, "add_generation_prompt": False, "messages": [
+        {"role": "user", "content": "go"}, {"role": "assistant", "tool_calls": calls},
+        {"role": "assistant", "content": "none", "tool_calls": []},
+    ]}  # fmt: skip
+    assert tok.render_chat(body) == (
+        'user:go|assistant:[f {"x": 1}][g {}][h {}][k {}][m {"y": 2}]|assistant:none|'
+    )
+    assert body["messages"][1]["tool_calls"][0]["function"]["arguments"] == '{"x": 1}'
+    bad = {**body, "messages": [{"role": "assistant", "tool_calls": [{"type": "code"}]}]}
+    with pytest.raises(PromptError, match="tool_calls"):
+        tok.render_chat(bad)

@@ -1,0 +1,55 @@
+"""A tool conversation tokenizes in the router as vLLM 0.32 renders it: a real `vllm serve`
+with a chat template that prints tool calls (`--chat-template`; the tiny model's own template
+ignores them) and its `/tokenize` against `RouterTokenizer.chat_tokens` with the same
+template. vLLM parses each assistant tool call's `arguments` into an object before rendering;
+the router rendered the JSON string, so its prompt left the engine's at the first tool call."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from conftest import engine, start_all
+
+from router.tokenize import RouterTokenizer
+from warply.launch import http_json
+
+TEMPLATE = (
+    "{{ bos_token }}{% for m in messages %}<|start_header_id|>{{ m['role'] }}<|end_header_id|>"
+    "{{ m['content'] or '' }}{% for c in m.get('tool_calls') or [] %}"
+    "<call>{{ c['function']['name'] }}({{ c['function']['arguments'] | tojson }})</call>"
+    "{% endfor %}<|eot_id|>{% endfor %}"
+    "{% if add_generation_prompt %}<|start_header_id|>assistant<|end_header_id|>{% endif %}"
+)
+CALLS: list[dict[str, Any]] = [
+    {"id": "c1", "type": "function",
+     "function": {"name": "lookup", "arguments": '{"block": 7, "tier": "cpu"}'}},
+    {"id": "c2", "type": "function", "function": {"name": "list_tiers", "arguments": ""}},
+]  # fmt: skip
+MESSAGES: list[dict[str, Any]] = [
+    {"role": "user", "content": "Where is block 7?"},
+    {"role": "assistant", "content": None, "tool_calls": CALLS},
+    {"role": "tool", "tool_call_id": "c1", "content": "cpu"},
+    {"role": "tool", "tool_call_id": "c2", "content": "gpu, cpu, disk"},
+    {"role": "assistant", "content": "On the cpu tier.", "tool_calls": []},
+    {"role": "user", "content": "And block 8?"},
+]
+
+
+def test_tool_calls_tokenize_as_vllm_renders_them(tiny_model: str, tmp_path: Path) -> None:
+    template = tmp_path / "tools.jinja"
+    template.write_text(TEMPLATE)
+    args = ["--chat-template", str(template)]
+    server = engine(tiny_model, tmp_path / "vllm.log", extra_args=args)
+    start_all([server])
+    try:
+        tok = RouterTokenizer(Path(tiny_model))
+        for gen in (True, False):
+            body = {"model": "tiny", "messages": MESSAGES, "add_generation_prompt": gen}
+            status, want = http_json("POST", server.url + "/tokenize", body)
+            assert status == 200, want
+            mine = {**json.loads(json.dumps(body)), "chat_template": TEMPLATE}
+            assert tok.chat_tokens(mine) == want["tokens"], (gen, tok.render_chat(mine))
+    finally:
+        server.stop()
