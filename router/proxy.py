@@ -31,7 +31,14 @@ from router.metrics import RouterMetrics
 from router.placement import Decision, Placement
 from router.responses import chat_view, owner
 from router.strategies import NoCandidate
-from router.tokenize import Prompt, PromptError, RouterTokenizer, has_media, start_prompts
+from router.tokenize import (
+    Prompt,
+    PromptError,
+    RouterTokenizer,
+    has_media,
+    start_prompts,
+    vllm_tools,
+)
 from router.upstream import Timeouts, Upstream
 from warply.protocol import request_namespace
 from warply.protocol.api import CacheKey, Overrides
@@ -395,7 +402,10 @@ class Proxy:
             return await self._response(
                 body, namespace, ov.prefix_reuse, raw if untouched else None, inline
             )
-        prompts, first = await self._prompts(kind, body, inline)
+        rendered = body
+        if kind == "chat" and body.get("tools") and self.engine != "sglang":
+            rendered = {**body, "tools": vllm_tools(body["tools"])}  # the body goes as it came
+        prompts, first = await self._prompts(kind, rendered, inline)
         longest = max(p.estimate for p in [first, *prompts[1:]])
         self._check_length(longest, body, "messages" if kind == "chat" else "prompt")
         n = body.get("n")

@@ -210,6 +210,36 @@ def _with_parsed_arguments(message: Mapping[str, Any]) -> dict[str, Any]:
     return out
 
 
+def vllm_tools(tools: Any) -> Any:
+    """A chat request's `tools` as vLLM 0.32 hands them to the chat template: each one's
+    pydantic dump (`ChatCompletionToolsParam`: `type`, `function`, `defer_loading` when set;
+    `FunctionDefinition`: `name`, `description` and `parameters` (null when unset), `strict`
+    and `defer_loading` when set; the client's other keys dropped). A template that prints the
+    tools (`tools | tojson`, as tool-calling models' do) prints those nulls and that order, so
+    the client's own dicts gave another prompt. Anything not a list of tool objects is left as
+    it came (the engine refuses it)."""
+    if not isinstance(tools, list) or not all(
+        isinstance(t, Mapping) and isinstance(t.get("function"), Mapping) for t in tools
+    ):
+        return tools
+    shaped = []
+    for tool in tools:
+        fn = tool["function"]
+        defer = tool.get("defer_loading")
+        function = {"name": fn.get("name"), "description": fn.get("description"),
+                    "parameters": fn.get("parameters")}  # fmt: skip
+        own = fn.get("defer_loading")
+        for key, value in (("strict", fn.get("strict")),
+                           ("defer_loading", defer if own is None else own)):  # fmt: skip
+            if value is not None:
+                function[key] = value
+        outer = {"type": tool.get("type", "function"), "function": function}
+        if defer is not None:
+            outer["defer_loading"] = defer
+        shaped.append(outer)
+    return shaped
+
+
 def has_media(body: Mapping[str, Any]) -> bool:
     """Whether a /v1/chat/completions body has content parts other than text. The engine puts
     their placeholder tokens in the prompt and their content hashes in its block hashes, which

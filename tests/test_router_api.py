@@ -30,7 +30,7 @@ from router.index import MemoryStore, PrefixIndex
 from router.placement import Placement
 from router.tiering import Action, TierPolicy, TierState
 from router.token_cache import ChunkCache
-from router.tokenize import PromptError, RouterTokenizer, has_media, start_prompts
+from router.tokenize import PromptError, RouterTokenizer, has_media, start_prompts, vllm_tools
 from router.upstream import ConnectTimeout
 from router.workers import Workers
 from warply.protocol import (
@@ -1200,3 +1200,42 @@ def test_tool_call_arguments_reach_the_template_as_objects(tokenizer_dir: Path) 
     bad = {**body, "messages": [{"role": "assistant", "tool_calls": [{"type": "code"}]}]}
     with pytest.raises(PromptError, match="tool_calls"):
         tok.render_chat(bad)
+
+
+def test_tools_reach_the_template_as_vllm_dumps_them(tokenizer_dir: Path) -> None:
+    """vLLM 0.32 hands the template its pydantic dump of each tool (nulls for an unset
+    description or parameters, `strict` / `defer_loading` only when set, other keys dropped):
+    the router renders a vLLM fleet's tool chats with that (real vLLM:
+    tests/vllm/test_tool_call_parity.py), an SGLang fleet's with the client's dicts."""
+    tools = [
+        {"type": "function", "cache": "x", "defer_loading": True,
+         "function": {"parameters": {"type": "object"}, "name": "f", "colour": "red"}},
+        {"type": "function", "function": {"name": "g", "description": "d", "strict": False}},
+    ]  # fmt: skip
+    assert vllm_tools(tools) == [
+        {"type": "function", "defer_loading": True, "function": {
+            "name": "f", "description": None, "parameters": {"type": "object"},
+            "defer_loading": True}},
+        {"type": "function", "function": {
+            "name": "g", "description": "d", "parameters": None, "strict": False}},
+    ]  # fmt: skip
+    assert [list(t["function"]) for t in vllm_tools(tools)] == [
+        ["name", "description", "parameters", "defer_loading"],
+        ["name", "description", "parameters", "strict"],
+    ]
+    assert vllm_tools("x") == "x" and vllm_tools([{"type": "function"}]) == [{"type": "function"}]
+
+    async def scenario(card: bytes | None, shaped: bool) -> None:
+        engine = FakeEngine("a", max_model_len=4096, models=card)
+        async with running(tokenizer_dir, [engine], trust_request_chat_template=True) as (
+            router, *_,
+        ):  # fmt: skip
+            body = {"messages": [{"role": "user", "content": "hi"}], "tools": tools,
+                    "chat_template": "{{ tools | tojson }}{{ messages[0]['content'] }}"}
+            tokens, _, _ = await router.proxy.tokens(dict(body), "chat")
+            want = {**body, "tools": vllm_tools(tools) if shaped else tools}
+            assert tokens == RouterTokenizer(tokenizer_dir).chat_tokens(want)
+
+    _run(scenario(None, shaped=True))  # vLLM's card, or none: vLLM's dump
+    sglang = b'{"data": [{"id": "m", "max_model_len": 4096, "owned_by": "sglang"}]}'
+    _run(scenario(sglang, shaped=False))
