@@ -79,6 +79,8 @@ class Router:
             config, self.index, self.workers, health=self.health, ledger=self.ledger
         )
         tokenizer = tokenizer or RouterTokenizer(config.tokenizer, config.tokenizer_cache_mib << 20)
+        self.tokenizer = tokenizer
+        """The engine's tokenizer and chat template (its `engine` set from the cards)."""
         self._probes = Probes.build(tokenizer, config.model) if config.index.parity_check else None
         self.metrics = RouterMetrics(config, self.workers, tokenizer.cache.stats)
         self.metrics.on_request.append(self.health.observe)
@@ -165,7 +167,7 @@ class Router:
         await self.feed.caught_up(_CATCH_UP_S)
         await self.check_health()
         served = await read_cards(self.proxy.session, self.workers.values(), self.config.model)
-        self.proxy.engine = served.engine
+        self.tokenizer.engine = served.engine
         if self.proxy.max_model_len is None:
             self.proxy.max_model_len = served.max_model_len
         self._health_task = periodic(self.check_health, self.config.health_interval_s, "health")

@@ -37,7 +37,6 @@ from router.tokenize import (
     RouterTokenizer,
     has_media,
     start_prompts,
-    vllm_tools,
 )
 from router.upstream import Timeouts, Upstream
 from warply.protocol import request_namespace
@@ -197,8 +196,6 @@ class Proxy:
         self.served = frozenset((model, *adapters))
         """Names a request's `model` may take: the base model and its LoRA adapters."""
         self.max_model_len: int | None = None
-        self.engine: str | None = None
-        """Which engine serves (its cards' `owned_by`; None: unknown, taken as vLLM)."""
         self._limits = limits or LimitsConfig()
         self._tokenizer = tokenizer
         self._placement = placement
@@ -402,10 +399,7 @@ class Proxy:
             return await self._response(
                 body, namespace, ov.prefix_reuse, raw if untouched else None, inline
             )
-        rendered = body
-        if kind == "chat" and body.get("tools") and self.engine != "sglang":
-            rendered = {**body, "tools": vllm_tools(body["tools"])}  # the body goes as it came
-        prompts, first = await self._prompts(kind, rendered, inline)
+        prompts, first = await self._prompts(kind, body, inline)
         longest = max(p.estimate for p in [first, *prompts[1:]])
         self._check_length(longest, body, "messages" if kind == "chat" else "prompt")
         n = body.get("n")
@@ -445,7 +439,7 @@ class Proxy:
         stream = bool(body.get("stream", False))
         follows = body.get("previous_response_id")
         raw = raw if "request_id" in body else None
-        view = chat_view(body, special_tokens=self.engine != "sglang")
+        view = chat_view(body, special_tokens=self._tokenizer.engine != "sglang")
         if view is None:
             size = len(raw) if raw is not None else len(msgspec.json.encode(body))
             prompt = Prompt((), size // 4, size // 4)

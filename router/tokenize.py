@@ -240,6 +240,43 @@ def vllm_tools(tools: Any) -> Any:
     return shaped
 
 
+def _unnamed_developer(conversation: list[Any], template: str) -> bool:
+    """Whether vLLM 0.32 turns the conversation's `developer` messages into `system` ones: it
+    holds one and the template never names the role (`_detect_developer_role_support`)."""
+    named = '"developer"' in template or "'developer'" in template
+    return not named and any(m.get("role") == "developer" for m in conversation)
+
+
+def _developer_as_system(conversation: list[Any]) -> list[Any]:
+    """vLLM 0.32's `_convert_developer_to_system` then `_consolidate_system_messages`: each
+    `developer` message a `system` one (its `tools` dropped); when a system message is not the
+    first or follows another, every one is merged into a single first system message (their
+    non-empty texts joined by a blank line, a list's text parts by newlines)."""
+    converted = [
+        {k: v for k, v in m.items() if k != "tools"} | {"role": "system"}
+        if m.get("role") == "developer" else m
+        for m in conversation
+    ]  # fmt: skip
+    texts: list[str] = []
+    others, merge = [], False
+    for i, m in enumerate(converted):
+        if m.get("role") != "system":
+            others.append(m)
+            continue
+        merge = merge or i > 0 or bool(texts)
+        content = m.get("content", "")
+        if isinstance(content, list):
+            content = "\n".join(
+                p["text"] if isinstance(p, Mapping) else p for p in content
+                if isinstance(p, str) or isinstance(p, Mapping) and "text" in p
+            )  # fmt: skip
+        if content:
+            texts.append(content)
+    if not merge:
+        return converted
+    return [{"role": "system", "content": "\n\n".join(texts)}, *others]
+
+
 def has_media(body: Mapping[str, Any]) -> bool:
     """Whether a /v1/chat/completions body has content parts other than text. The engine puts
     their placeholder tokens in the prompt and their content hashes in its block hashes, which
@@ -271,6 +308,10 @@ class RouterTokenizer:
         }
         self._env = _environment()
         source = _default_template(self.folder, config)
+        self._source = source or ""
+        self.engine: str | None = None
+        """Whose chat rendering to follow where the engines differ: its workers' `/v1/models`
+        `owned_by` ("vllm", "sglang"; None: vLLM 0.32's), set at start-up."""
         try:
             self._template = self._env.from_string(source) if source else None
         except jinja2.TemplateError as exc:
@@ -362,14 +403,20 @@ class RouterTokenizer:
             if m["role"] == "assistant" and isinstance(m.get("tool_calls"), list):
                 message = _with_parsed_arguments(message)
             conversation.append(message)
-        template = self._template
+        template, source = self._template, self._source
         if isinstance(body.get("chat_template"), str):
+            source = body["chat_template"]
             try:
-                template = self._env.from_string(body["chat_template"])
+                template = self._env.from_string(source)
             except jinja2.TemplateError as exc:
                 raise PromptError(f"chat template error: {exc}") from None
         if template is None:
             raise PromptError("the model has no chat template")
+        tools = body.get("tools")
+        if self.engine != "sglang":
+            tools = vllm_tools(tools)
+            if _unnamed_developer(conversation, source):
+                conversation = _developer_as_system(conversation)
         kwargs = body.get("chat_template_kwargs") or {}
         if not isinstance(kwargs, Mapping):
             raise PromptError("'chat_template_kwargs' must be an object")
@@ -377,7 +424,7 @@ class RouterTokenizer:
         try:
             rendered = template.render(
                 messages=conversation,
-                tools=body.get("tools"),
+                tools=tools,
                 documents=body.get("documents"),
                 add_generation_prompt=bool(body.get("add_generation_prompt", not continue_final)),
                 continue_final_message=continue_final,

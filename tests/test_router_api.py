@@ -1180,7 +1180,7 @@ def test_tool_call_arguments_reach_the_template_as_objects(tokenizer_dir: Path) 
     API) into an object before rendering (vLLM 0.32 `_postprocess_messages`, SGLang 0.5
     `normalize_assistant_tool_call_arguments`); the router rendered the string, so a tool
     conversation's prompt differed from the engine's from its first tool call on. Real vLLM:
-    tests/vllm/test_router_integration.py::test_tool_calls_tokenize_as_vllm_renders_them."""
+    tests/vllm/test_chat_parity.py."""
     tok = RouterTokenizer(tokenizer_dir)
     calls = [
         {"id": "a", "type": "function", "function": {"name": "f", "arguments": '{"x": 1}'}},
@@ -1206,7 +1206,7 @@ def test_tools_reach_the_template_as_vllm_dumps_them(tokenizer_dir: Path) -> Non
     """vLLM 0.32 hands the template its pydantic dump of each tool (nulls for an unset
     description or parameters, `strict` / `defer_loading` only when set, other keys dropped):
     the router renders a vLLM fleet's tool chats with that (real vLLM:
-    tests/vllm/test_tool_call_parity.py), an SGLang fleet's with the client's dicts."""
+    tests/vllm/test_chat_parity.py), an SGLang fleet's with the client's dicts."""
     tools = [
         {"type": "function", "cache": "x", "defer_loading": True,
          "function": {"parameters": {"type": "object"}, "name": "f", "colour": "red"}},
@@ -1233,9 +1233,34 @@ def test_tools_reach_the_template_as_vllm_dumps_them(tokenizer_dir: Path) -> Non
             body = {"messages": [{"role": "user", "content": "hi"}], "tools": tools,
                     "chat_template": "{{ tools | tojson }}{{ messages[0]['content'] }}"}
             tokens, _, _ = await router.proxy.tokens(dict(body), "chat")
+            as_given = RouterTokenizer(tokenizer_dir)
+            as_given.engine = "sglang"  # renders the tools it is given
             want = {**body, "tools": vllm_tools(tools) if shaped else tools}
-            assert tokens == RouterTokenizer(tokenizer_dir).chat_tokens(want)
+            assert tokens == as_given.chat_tokens(want)
 
     _run(scenario(None, shaped=True))  # vLLM's card, or none: vLLM's dump
     sglang = b'{"data": [{"id": "m", "max_model_len": 4096, "owned_by": "sglang"}]}'
     _run(scenario(sglang, shaped=False))
+
+
+def test_developer_messages_render_as_vllm_renders_them(tokenizer_dir: Path) -> None:
+    """vLLM 0.32 turns `developer` messages into `system` ones when the template never names
+    the role, merging every system message into the first when one is not first (real vLLM:
+    tests/vllm/test_chat_parity.py); a template that names it gets them as they are, and so
+    does an SGLang fleet's rendering."""
+    tok = RouterTokenizer(tokenizer_dir)
+    shown = "{% for m in messages %}{{ m['role'] }}={{ m['content'] }};{% endfor %}"
+    chat = [{"role": "system", "content": "a"}, {"role": "user", "content": "u"},
+            {"role": "developer", "content": "b", "tools": [1]},
+            {"role": "developer", "content": ""}]  # fmt: skip
+
+    def render(messages: list[dict[str, Any]], template: str = shown) -> str:
+        return tok.render_chat({"messages": messages, "chat_template": template,
+                                "add_generation_prompt": False})  # fmt: skip
+
+    assert render(chat) == "system=a\n\nb;user=u;"
+    assert render(chat[2:3] + chat[1:2]) == "system=b;user=u;"  # first: nothing to merge
+    named = shown + "{% if false %}'developer'{% endif %}"
+    assert render(chat, named) == "system=a;user=u;developer=b;developer=;"
+    tok.engine = "sglang"
+    assert render(chat) == "system=a;user=u;developer=b;developer=;"

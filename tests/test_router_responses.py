@@ -195,7 +195,7 @@ def test_a_response_to_sglang_is_tokenized_as_its_chat(tokenizer_dir: Path) -> N
             body = {"instructions": "hold the cache", "input": TURNS}
             tokens, _, _ = await router.proxy.tokens(body, "responses")
             assert tokens == (await router.proxy.tokens({"messages": CHAT}, "chat"))[0]
-            assert router.proxy.engine == "sglang"
+            assert router.tokenizer.engine == "sglang"
 
     _run(scenario())
 

@@ -1,0 +1,94 @@
+"""Chats the router renders as vLLM 0.32 does where it reshapes them before the template: a
+real `vllm serve` with a chat template that prints the tools and the tool calls and never
+names the `developer` role (`--chat-template`; the tiny model's own template ignores tools),
+its `/tokenize` against `RouterTokenizer.chat_tokens` with the same template.
+
+vLLM hands the template its pydantic dump of the tools (nulls for unset fields), each
+assistant tool call's `arguments` parsed into an object, and `developer` messages as `system`
+ones merged into the first; the router rendered the client's dicts, the JSON string and the
+`developer` role, so its prompt left the engine's at the tools block, at the first tool call
+and at the first developer message."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from conftest import engine, start_all
+
+from router.tokenize import RouterTokenizer
+from warply.launch import VllmServer, http_json
+
+TEMPLATE = (
+    "{{ bos_token }}{% if tools %}<tools>{{ tools | tojson }}</tools>{% endif %}"
+    "{% for m in messages %}<|start_header_id|>{{ m['role'] }}<|end_header_id|>"
+    "{{ m['content'] or '' }}{% for c in m.get('tool_calls') or [] %}"
+    "<call>{{ c['function']['name'] }}({{ c['function']['arguments'] | tojson }})</call>"
+    "{% endfor %}<|eot_id|>{% endfor %}"
+    "{% if add_generation_prompt %}<|start_header_id|>assistant<|end_header_id|>{% endif %}"
+)
+TOOLS: list[dict[str, Any]] = [
+    {"type": "function", "function": {"name": "lookup", "parameters": {
+        "type": "object", "properties": {"block": {"type": "integer"}}}}},
+    {"type": "function", "function": {"name": "list_tiers", "description": "the tiers",
+                                      "strict": True}},
+]  # fmt: skip
+CALLS: list[dict[str, Any]] = [
+    {"id": "c1", "type": "function",
+     "function": {"name": "lookup", "arguments": '{"block": 7, "tier": "cpu"}'}},
+    {"id": "c2", "type": "function", "function": {"name": "list_tiers", "arguments": ""}},
+]  # fmt: skip
+TOOL_CHAT: list[dict[str, Any]] = [
+    {"role": "user", "content": "Where is block 7?"},
+    {"role": "assistant", "content": None, "tool_calls": CALLS},
+    {"role": "tool", "tool_call_id": "c1", "content": "cpu"},
+    {"role": "tool", "tool_call_id": "c2", "content": "gpu, cpu, disk"},
+    {"role": "assistant", "content": "On the cpu tier.", "tool_calls": []},
+    {"role": "user", "content": "And block 8?"},
+]
+DEVELOPER_CHATS: list[list[dict[str, Any]]] = [
+    [{"role": "developer", "content": "Answer in one word."},
+     {"role": "user", "content": "Which tier?"}],
+    [{"role": "system", "content": "You route requests."},
+     {"role": "user", "content": "Which tier?"},
+     {"role": "developer", "content": [{"type": "text", "text": "Be brief."},
+                                       {"type": "text", "text": "No lists."}]},
+     {"role": "user", "content": "And now?"}],
+]  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def server(tiny_model: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[VllmServer]:
+    logs = tmp_path_factory.mktemp("chat-parity")
+    template = logs / "chat.jinja"
+    template.write_text(TEMPLATE)
+    vllm = engine(tiny_model, logs / "vllm.log", extra_args=["--chat-template", str(template)])
+    start_all([vllm])
+    yield vllm
+    vllm.stop()
+
+
+def _same_ids(server: VllmServer, model: str, body: dict[str, Any]) -> None:
+    tok = RouterTokenizer(Path(model))
+    for gen in (True, False):
+        sent = {"model": "tiny", **body, "add_generation_prompt": gen}
+        status, want = http_json("POST", server.url + "/tokenize", sent)
+        assert status == 200, want
+        mine = {**json.loads(json.dumps(sent)), "chat_template": TEMPLATE}
+        assert tok.chat_tokens(mine) == want["tokens"], (gen, tok.render_chat(mine))
+
+
+def test_tools_and_tool_calls_tokenize_as_vllm_renders_them(
+    server: VllmServer, tiny_model: str
+) -> None:
+    _same_ids(server, tiny_model, {"messages": TOOL_CHAT, "tools": TOOLS})
+
+
+def test_developer_messages_tokenize_as_vllm_renders_them(
+    server: VllmServer, tiny_model: str
+) -> None:
+    for messages in DEVELOPER_CHATS:
+        _same_ids(server, tiny_model, {"messages": messages})
