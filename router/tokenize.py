@@ -196,8 +196,9 @@ def _with_parsed_arguments(message: Mapping[str, Any]) -> dict[str, Any]:
     mappings); an empty `tool_calls` list is dropped, as vLLM drops it. Without this, a tool
     conversation's prompt differed from the engine's from its first tool call on."""
     calls = message["tool_calls"]
-    out = {k: v for k, v in message.items() if k != "tool_calls"}
+    out = dict(message)  # the keys in their order: the parsed calls take the list's place
     if not calls:
+        del out["tool_calls"]
         return out
     parsed = []
     for call in calls:
@@ -238,6 +239,29 @@ def vllm_tools(tools: Any) -> Any:
             outer["defer_loading"] = defer
         shaped.append(outer)
     return shaped
+
+
+def _vllm_message(message: Mapping[str, Any], text: Any) -> dict[str, Any]:
+    """The message as vLLM 0.32's chat parser hands it to the template
+    (`_parse_chat_message_content`): its role and text (none: ""), an assistant's
+    `tool_calls` and `reasoning` (also as `reasoning_content`), a tool result's
+    `tool_call_id`, a string `name` and `task`, a developer message's `tools`; every other key
+    dropped (a client's own `reasoning_content`, say)."""
+    role = message["role"]
+    out: dict[str, Any] = {"role": role, "content": "" if text is None else text}
+    if role == "assistant":
+        if message.get("tool_calls") is not None:
+            out["tool_calls"] = message["tool_calls"]
+        if (reasoning := message.get("reasoning")) is not None:
+            out["reasoning"] = out["reasoning_content"] = reasoning
+    elif role == "tool" and "tool_call_id" in message:
+        out["tool_call_id"] = message["tool_call_id"]
+    for key in ("name", "task"):
+        if isinstance(message.get(key), str):
+            out[key] = message[key]
+    if role == "developer":
+        out["tools"] = message.get("tools")
+    return out
 
 
 def _unnamed_developer(conversation: list[Any], template: str) -> bool:
@@ -398,9 +422,11 @@ class RouterTokenizer:
                 raise PromptError("each message needs a string 'role'")
             content = m.get("content")
             text = _message_content(content)
-            # a text message goes in as it is (the sandbox cannot change it): no copy per turn
-            message = m if text is content else {**m, "content": text}
-            if m["role"] == "assistant" and isinstance(m.get("tool_calls"), list):
+            if self.engine != "sglang":
+                message: Mapping[str, Any] = _vllm_message(m, text)
+            else:  # the message as it came (the sandbox cannot change it): no copy per turn
+                message = m if text is content else {**m, "content": text}
+            if m["role"] == "assistant" and isinstance(message.get("tool_calls"), list):
                 message = _with_parsed_arguments(message)
             conversation.append(message)
         template, source = self._template, self._source

@@ -1264,3 +1264,23 @@ def test_developer_messages_render_as_vllm_renders_them(tokenizer_dir: Path) -> 
     assert render(chat, named) == "system=a;user=u;developer=b;developer=;"
     tok.engine = "sglang"
     assert render(chat) == "system=a;user=u;developer=b;developer=;"
+
+
+def test_messages_reach_the_template_as_vllm_parses_them(tokenizer_dir: Path) -> None:
+    """vLLM 0.32's chat parser hands the template a message's role, text (None: ""), string
+    name and task, an assistant's tool calls and `reasoning` (also as `reasoning_content`), a
+    tool result's id, and nothing else (real vLLM: tests/vllm/test_chat_parity.py); an SGLang
+    fleet's rendering gets the message as it came."""
+    tok = RouterTokenizer(tokenizer_dir)
+    shown = "{% for m in messages %}{{ m | tojson }};{% endfor %}"
+    chat = [{"role": "user", "content": "u", "name": "ops", "id": 3, "task": 1},
+            {"role": "assistant", "content": None, "reasoning": "r", "reasoning_content": "x",
+             "refusal": None}, {"role": "tool", "content": "t", "tool_call_id": "c", "id": 1}]
+    body = {"messages": chat, "chat_template": shown, "add_generation_prompt": False}
+    assert tok.render_chat(body) == (
+        '{"role": "user", "content": "u", "name": "ops"};'
+        '{"role": "assistant", "content": "", "reasoning": "r", "reasoning_content": "r"};'
+        '{"role": "tool", "content": "t", "tool_call_id": "c"};'
+    )
+    tok.engine = "sglang"
+    assert '"refusal": null' in tok.render_chat(body)

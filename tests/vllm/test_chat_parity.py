@@ -25,7 +25,9 @@ from warply.launch import VllmServer, http_json
 TEMPLATE = (
     "{{ bos_token }}{% if tools %}<tools>{{ tools | tojson }}</tools>{% endif %}"
     "{% for m in messages %}<|start_header_id|>{{ m['role'] }}<|end_header_id|>"
-    "{{ m['content'] or '' }}{% for c in m.get('tool_calls') or [] %}"
+    "{% if m.name %}({{ m.name }}){% endif %}{% if m.reasoning_content %}<think>"
+    "{{ m.reasoning_content }}</think>{% endif %}"
+    "{{ m['content'] }}{% for c in m.get('tool_calls') or [] %}"
     "<call>{{ c['function']['name'] }}({{ c['function']['arguments'] | tojson }})</call>"
     "{% endfor %}<|eot_id|>{% endfor %}"
     "{% if add_generation_prompt %}<|start_header_id|>assistant<|end_header_id|>{% endif %}"
@@ -49,6 +51,14 @@ TOOL_CHAT: list[dict[str, Any]] = [
     {"role": "assistant", "content": "On the cpu tier.", "tool_calls": []},
     {"role": "user", "content": "And block 8?"},
 ]
+OTHER_CHATS: list[list[dict[str, Any]]] = [
+    [{"role": "user", "content": "Plan it.", "name": "ops", "id": "m1"},
+     {"role": "assistant", "content": "Done.", "reasoning": "short plan",
+      "refusal": None, "annotations": []},
+     {"role": "assistant", "content": "Again.", "reasoning_content": "not read by vLLM"},
+     {"role": "user", "content": [{"type": "text", "text": "one"},
+                                  {"type": "text", "text": "two"}]}],
+]  # fmt: skip
 DEVELOPER_CHATS: list[list[dict[str, Any]]] = [
     [{"role": "developer", "content": "Answer in one word."},
      {"role": "user", "content": "Which tier?"}],
@@ -85,6 +95,13 @@ def test_tools_and_tool_calls_tokenize_as_vllm_renders_them(
     server: VllmServer, tiny_model: str
 ) -> None:
     _same_ids(server, tiny_model, {"messages": TOOL_CHAT, "tools": TOOLS})
+
+
+def test_message_fields_tokenize_as_vllm_parses_them(server: VllmServer, tiny_model: str) -> None:
+    """vLLM's parser keeps a message's role, text (None: ""), name, an assistant's tool calls
+    and `reasoning` (also as `reasoning_content`) and drops the rest."""
+    for messages in OTHER_CHATS:
+        _same_ids(server, tiny_model, {"messages": messages})
 
 
 def test_developer_messages_tokenize_as_vllm_renders_them(
