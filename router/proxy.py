@@ -439,7 +439,7 @@ class Proxy:
         stream = bool(body.get("stream", False))
         follows = body.get("previous_response_id")
         raw = raw if "request_id" in body else None
-        view = chat_view(body, special_tokens=self._tokenizer.engine != "sglang")
+        view = chat_view(body, self._tokenizer.engine)
         if view is None:
             size = len(raw) if raw is not None else len(msgspec.json.encode(body))
             prompt = Prompt((), size // 4, size // 4)

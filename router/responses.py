@@ -4,12 +4,14 @@ that answered, so that a follow-up's `previous_response_id`, `GET /v1/responses/
 cancel reach the engine that stored the response) and its SSE events.
 
 vLLM 0.32 and SGLang 0.5 render a Responses input through the chat template, each its own way.
-The router keys (places by prefix) only the inputs both render alike (and tokenizes them as the
-engine its workers' `/v1/models` cards name does: `chat_view`): `instructions` as the
-first system message, then a string input as one user message, or message items of role user
-or assistant whose content is a string or `input_text` / `output_text` parts, with no tools and
-no reasoning options. Anything else (tool calls and outputs, system or developer items, a chain
-through `previous_response_id`, whose history only the engine holds) is placed by load alone.
+The router keys (places by prefix) the chat the engine its workers' `/v1/models` cards name
+makes of an input (`chat_view`): `instructions` as the first system message, then a string
+input as one user message, or the input items. For vLLM: text messages of every role,
+function calls and their outputs, reasoning items, function tools and a reasoning effort, as
+vLLM 0.32 merges and renders them. For SGLang, whose rendering differs past that: text
+messages of role user or assistant with no tools and no reasoning options. Anything else
+(images, custom tools, a chain through `previous_response_id`, whose history only the engine
+holds) is placed by load alone.
 """
 
 from __future__ import annotations
@@ -51,8 +53,9 @@ def owner(response_id: str, workers: Iterable[str]) -> str | None:
 
 def _text(content: Any, single: bool) -> Any:
     """A message item's content as chat content: a string as it is, `input_text` /
-    `output_text` parts as text parts (`single`: only one part, as vLLM 0.32 keeps only an
-    assistant item's first); None when it has anything else."""
+    `output_text` parts as text parts (`single`: only one part, as SGLang 0.5 and vLLM 0.32
+    read an assistant item's text differently past its first); None when it has anything
+    else."""
     if isinstance(content, str):
         return content
     if not isinstance(content, list) or not content or (single and len(content) > 1):
@@ -67,19 +70,20 @@ def _text(content: Any, single: bool) -> Any:
     return parts
 
 
-def _messages(body: Mapping[str, Any]) -> list[dict[str, Any]] | None:
-    """The chat messages of a keyable input, or None."""
-    messages: list[dict[str, Any]] = []
+def _instructions(body: Mapping[str, Any]) -> list[dict[str, Any]] | None:
+    """`instructions` as the first system message (none: no message); None when not text."""
     instructions = body.get("instructions")
-    if instructions:
-        if not isinstance(instructions, str):
-            return None
-        messages.append({"role": "system", "content": instructions})
-    given = body.get("input")
-    if isinstance(given, str):
-        return [*messages, {"role": "user", "content": given}]
-    if not isinstance(given, list) or not given:
+    if not instructions:
+        return []
+    if not isinstance(instructions, str):
         return None
+    return [{"role": "system", "content": instructions}]
+
+
+def _common_messages(given: list[Any]) -> list[dict[str, Any]] | None:
+    """The chat both engines make of message items of role user or assistant (text only, no
+    assistant turn after another, which SGLang 0.5 merges and vLLM 0.32 does not), or None."""
+    messages: list[dict[str, Any]] = []
     for item in given:
         if not isinstance(item, Mapping) or item.get("type", "message") != "message":
             return None
@@ -87,31 +91,133 @@ def _messages(body: Mapping[str, Any]) -> list[dict[str, Any]] | None:
         if role not in ("user", "assistant"):
             return None
         if role == "assistant" and messages and messages[-1]["role"] == "assistant":
-            return None  # consecutive assistant turns: SGLang merges them, vLLM does not
+            return None
         content = _text(item.get("content"), single=role == "assistant")
         if content is None:
             return None
         messages.append({"role": role, "content": content})
-    if messages[-1]["role"] == "assistant":
-        return None  # vLLM continues a final assistant message
     return messages
 
 
-def chat_view(body: Mapping[str, Any], special_tokens: bool = True) -> dict[str, Any] | None:
-    """The /v1/chat/completions body whose prompt the engine makes of this Responses body (its
-    model, cache salt and template arguments kept); None when the router cannot key it.
-    `special_tokens`: vLLM 0.32 tokenizes a response's rendered chat with the tokenizer's
+def _tool_call(item: Mapping[str, Any]) -> dict[str, Any] | None:
+    """A `function_call` item as vLLM 0.32 makes it an assistant's tool call (namespaced calls
+    are left to load)."""
+    fields = [item.get(k) for k in ("call_id", "name", "arguments")]
+    if not all(isinstance(f, str) for f in fields) or item.get("namespace") is not None:
+        return None
+    call_id, name, arguments = fields
+    return {"id": call_id, "function": {"name": name, "arguments": arguments}, "type": "function"}
+
+
+def _reasoning_text(item: Mapping[str, Any]) -> str | None:
+    """A `reasoning` item's text as vLLM 0.32 reads it: its first content part's, else its
+    first summary part's, else ""; None for encrypted reasoning (vLLM refuses it)."""
+    if item.get("encrypted_content"):
+        return None
+    for key in ("content", "summary"):
+        parts = item.get(key)
+        if isinstance(parts, list) and parts:
+            first = parts[0]
+            text = first.get("text") if isinstance(first, Mapping) else None
+            return text if isinstance(text, str) else None
+    return ""
+
+
+def _vllm_messages(given: list[Any]) -> list[dict[str, Any]] | None:
+    """The chat vLLM 0.32 makes of input items (`construct_chat_messages_with_tool_call`):
+    user, system and developer messages as they are; a function call, a reasoning item and
+    an assistant message's text each join the assistant message before them while it lacks
+    that part (else each starts a new one); a function call's output as a tool message.
+    None for anything else (custom tools, outputs that are not text, images)."""
+    messages: list[dict[str, Any]] = []
+    for item in given:
+        if not isinstance(item, Mapping):
+            return None
+        kind = item.get("type", "message")
+        last = messages[-1] if messages and messages[-1]["role"] == "assistant" else None
+        if kind == "function_call":
+            if (call := _tool_call(item)) is None:
+                return None
+            if last is not None:
+                last.setdefault("tool_calls", []).append(call)
+            else:
+                messages.append({"role": "assistant", "tool_calls": [call]})
+        elif kind == "function_call_output":
+            output, call_id = item.get("output"), item.get("call_id")
+            if not isinstance(output, str) or not isinstance(call_id, str):
+                return None
+            messages.append({"role": "tool", "content": output, "tool_call_id": call_id})
+        elif kind == "reasoning":
+            if (text := _reasoning_text(item)) is None:
+                return None
+            if last is not None and last.get("reasoning") is None:
+                last["reasoning"] = text
+            else:
+                messages.append({"role": "assistant", "reasoning": text})
+        elif kind == "message" and item.get("role") == "assistant":
+            content = _text(item.get("content"), single=False)
+            if content is None:
+                return None
+            text = content if isinstance(content, str) else content[0]["text"]
+            if last is not None and last.get("content") is None:
+                last["content"] = text
+            else:
+                messages.append({"role": "assistant", "content": text})
+        elif kind == "message" and item.get("role") in ("user", "system", "developer"):
+            if (content := _text(item.get("content"), single=False)) is None:
+                return None
+            messages.append({"role": item["role"], "content": content})
+        else:
+            return None
+    return messages
+
+
+def _vllm_tools(tools: Any) -> list[dict[str, Any]] | None:
+    """Responses function tools in the chat shape vLLM 0.32 renders them in
+    (`construct_tool_dicts`); None when one is of another type (custom and namespace tools
+    are rendered as shims, built-in ones not at all) or not an object."""
+    if not isinstance(tools, list) or not all(
+        isinstance(t, Mapping) and t.get("type") == "function" for t in tools
+    ):
+        return None
+    return [
+        {"type": "function", "function": {k: v for k, v in t.items() if k != "type"}}
+        for t in tools
+    ]
+
+
+def chat_view(body: Mapping[str, Any], engine: str | None = None) -> dict[str, Any] | None:
+    """The /v1/chat/completions body whose prompt `engine` ("sglang", else vLLM 0.32) makes of
+    this Responses body (its model, cache salt and template arguments kept); None when the
+    router cannot key it. vLLM 0.32 tokenizes a response's rendered chat with the tokenizer's
     special tokens added (`ResponsesRequest.build_tok_params` leaves `add_special_tokens` at
     its default, True; a chat completion's is False), so a tokenizer that adds a BOS puts a
-    second one in front of the template's; SGLang 0.5 renders it as its chat (False)."""
-    if body.get("tools") or body.get("reasoning") is not None:
-        return None
+    second one in front of the template's; SGLang 0.5 renders it as its chat (False). For
+    SGLang only the inputs both engines render alike are keyed (no tools, no reasoning)."""
     if body.get("previous_response_id") is not None:
+        return None  # its history is the engine's
+    vllm = engine != "sglang"
+    messages = _instructions(body)
+    given = body.get("input")
+    if messages is None or not given or not isinstance(given, (str, list)):
         return None
-    messages = _messages(body)
-    if messages is None:
-        return None
-    view: dict[str, Any] = {"messages": messages, "add_special_tokens": special_tokens}
+    view: dict[str, Any] = {"add_special_tokens": vllm}
+    if isinstance(given, str):
+        items: list[dict[str, Any]] | None = [{"role": "user", "content": given}]
+    else:
+        items = _vllm_messages(given) if vllm else _common_messages(given)
+    if items is None or items[-1]["role"] == "assistant":
+        return None  # vLLM continues a final assistant message
+    if body.get("tools"):
+        if not vllm or (tools := _vllm_tools(body["tools"])) is None:
+            return None
+        view["tools"] = tools
+    reasoning = body.get("reasoning")
+    if reasoning is not None:
+        if not vllm or not isinstance(reasoning, Mapping):
+            return None
+        view["reasoning_effort"] = reasoning.get("effort")
+    view["messages"] = messages + items
     for field in ("model", "cache_salt", "chat_template_kwargs"):
         if field in body:
             view[field] = body[field]

@@ -264,6 +264,20 @@ def _vllm_message(message: Mapping[str, Any], text: Any) -> dict[str, Any]:
     return out
 
 
+def _reasoning_kwargs(effort: Any, given: Mapping[str, Any]) -> dict[str, Any]:
+    """The template arguments vLLM 0.32 makes of a request's reasoning effort
+    (`build_chat_params`): `reasoning_effort`, and `enable_thinking` (false for "none") unless
+    the client's `chat_template_kwargs` set it; these win over the client's own (a template
+    that prints the effort at the head of the prompt, as reasoning models' do, otherwise gave
+    the router another prompt)."""
+    if effort is None:
+        return {}
+    out: dict[str, Any] = {} if effort == "auto" else {"reasoning_effort": effort}
+    if "enable_thinking" not in given:
+        out["enable_thinking"] = effort != "none"
+    return out
+
+
 def _unnamed_developer(conversation: list[Any], template: str) -> bool:
     """Whether vLLM 0.32 turns the conversation's `developer` messages into `system` ones: it
     holds one and the template never names the role (`_detect_developer_role_support`)."""
@@ -447,15 +461,17 @@ class RouterTokenizer:
         if not isinstance(kwargs, Mapping):
             raise PromptError("'chat_template_kwargs' must be an object")
         continue_final = bool(body.get("continue_final_message", False))
+        context = {
+            **self._special,
+            **kwargs,
+            "add_generation_prompt": bool(body.get("add_generation_prompt", not continue_final)),
+            "continue_final_message": continue_final,
+        }
+        if self.engine != "sglang":
+            context |= _reasoning_kwargs(body.get("reasoning_effort"), kwargs)
         try:
             rendered = template.render(
-                messages=conversation,
-                tools=tools,
-                documents=body.get("documents"),
-                add_generation_prompt=bool(body.get("add_generation_prompt", not continue_final)),
-                continue_final_message=continue_final,
-                **self._special,
-                **kwargs,
+                messages=conversation, tools=tools, documents=body.get("documents"), **context
             )
         except Exception as exc:  # template code is the request's data: any error is a 400
             raise PromptError(f"chat template error: {type(exc).__name__}: {exc}") from None

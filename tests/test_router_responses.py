@@ -40,26 +40,90 @@ CHAT = [
 
 def test_text_inputs_render_as_the_chat_both_engines_make_of_them() -> None:
     body = {"model": "m", "instructions": "hold the cache", "input": TURNS, "cache_salt": "k"}
-    view = {"messages": CHAT, "model": "m", "cache_salt": "k", "add_special_tokens": True}
-    assert chat_view(body) == view  # vLLM 0.32 adds special tokens; SGLang 0.5 does not
+    view = {"messages": CHAT, "model": "m", "cache_salt": "k", "add_special_tokens": False}
+    assert chat_view(body, "sglang") == view
+    said = {"role": "assistant", "content": "a prefix"}  # vLLM 0.32 keeps the text alone
+    vllm = {**view, "messages": [*CHAT[:2], said, CHAT[3]], "add_special_tokens": True}
+    assert chat_view(body) == vllm  # vLLM 0.32 adds special tokens; SGLang 0.5 does not
     hi = [{"role": "user", "content": "hi"}]
-    assert chat_view({"input": "hi"}, False) == {"messages": hi, "add_special_tokens": False}
+    assert chat_view({"input": "hi"}, "sglang") == {"messages": hi, "add_special_tokens": False}
     call = {"type": "function_call", "call_id": "c", "name": "f", "arguments": "{}"}
+    image = {"role": "user", "content": [{"type": "input_image", "image_url": "u"}]}
     unkeyed = [
-        {"input": TURNS, "tools": [{"type": "function", "name": "f"}]},
-        {"input": TURNS, "reasoning": {"effort": "low"}},
         {"input": TURNS, "previous_response_id": "resp_x"},  # its history is the engine's
-        {"input": [*TURNS, call]},
-        {"input": [{"role": "developer", "content": "x"}, *TURNS]},  # SGLang merges these
         {"input": TURNS[:2]},  # vLLM continues a final assistant message
-        {"input": [TURNS[0], TURNS[1], TURNS[1], TURNS[2]]},  # SGLang merges these
-        {"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "u"}]}]},
-        {"input": [{"role": "assistant", "content": [TURNS[1]["content"][0]] * 2}, TURNS[0]]},
+        {"input": [*TURNS, call]},
+        {"input": [image]},
+        {"input": [{"role": "assistant", "content": []}, TURNS[0]]},
+        {"input": [{"type": "function_call_output", "call_id": "c", "output": [image]}]},
+        {"input": [{"type": "reasoning", "encrypted_content": "x"}, TURNS[0]]},
+        {"input": [{**call, "namespace": "ns"}, TURNS[0]]},
+        {"input": [{"type": "custom_tool_call", "call_id": "c", "name": "f", "input": ""}]},
+        {"input": TURNS, "tools": [{"type": "custom", "name": "f"}]},
+        {"input": TURNS, "tools": [{"type": "function", "name": "f"}, "x"]},
         {"input": []},
         {"input": 3},
         {"instructions": 3, "input": "hi"},
     ]
     assert [chat_view(b) for b in unkeyed] == [None] * len(unkeyed)
+    sglang_unkeyed = [
+        {"input": TURNS, "tools": [{"type": "function", "name": "f"}]},
+        {"input": TURNS, "reasoning": {"effort": "low"}},
+        {"input": [{"role": "developer", "content": "x"}, *TURNS]},  # SGLang merges these
+        {"input": [TURNS[0], TURNS[1], TURNS[1], TURNS[2]]},  # SGLang merges these
+        {"input": [{"role": "assistant", "content": [TURNS[1]["content"][0]] * 2}, TURNS[0]]},
+    ]
+    assert [chat_view(b, "sglang") for b in sglang_unkeyed] == [None] * len(sglang_unkeyed)
+    assert None not in [chat_view(b) for b in sglang_unkeyed]
+
+
+def test_an_agent_loop_renders_as_the_chat_vllm_makes_of_it() -> None:
+    """vLLM 0.32 folds a turn's reasoning, text and function calls into one assistant message
+    while each part is missing from it, and turns each call's output into a tool message."""
+    said = {"type": "message", "role": "assistant",
+            "content": [{"type": "output_text", "text": "Looking."},
+                        {"type": "output_text", "text": "ignored"}]}  # fmt: skip
+    items = [
+        {"role": "developer", "content": "Use the tools."},
+        {"role": "user", "content": "Where is block 7?"},
+        {"type": "reasoning", "id": "rs_1", "summary": [{"type": "summary_text", "text": "s"}]},
+        said,
+        {"type": "function_call", "call_id": "c1", "name": "lookup", "arguments": '{"b": 7}'},
+        {"type": "function_call", "call_id": "c2", "name": "tiers", "arguments": ""},
+        {"type": "function_call_output", "call_id": "c1", "output": "cpu"},
+        {"type": "function_call_output", "call_id": "c2", "output": "gpu, cpu"},
+        {"type": "function_call", "call_id": "c3", "name": "lookup", "arguments": "{}"},
+        {"type": "reasoning", "id": "rs_2", "summary": [],
+         "content": [{"type": "reasoning_text", "text": "r"}]},
+        {"type": "reasoning", "id": "rs_3", "summary": []},
+        {"role": "assistant", "content": "Done."},
+        {"role": "assistant", "content": "Again."},
+        {"role": "user", "content": "And block 8?"},
+    ]  # fmt: skip
+    tools = [{"type": "function", "name": "lookup", "parameters": {"type": "object"},
+              "strict": True}]  # fmt: skip
+    body = {"input": items, "tools": tools, "reasoning": {"effort": "low"}}
+    calls = [{"id": c, "function": {"name": n, "arguments": a}, "type": "function"}
+             for c, n, a in (("c1", "lookup", '{"b": 7}'), ("c2", "tiers", ""),
+                             ("c3", "lookup", "{}"))]  # fmt: skip
+    assert chat_view(body) == {
+        "add_special_tokens": True,
+        "messages": [
+            {"role": "developer", "content": "Use the tools."},
+            {"role": "user", "content": "Where is block 7?"},
+            {"role": "assistant", "reasoning": "s", "content": "Looking.",
+             "tool_calls": calls[:2]},
+            {"role": "tool", "content": "cpu", "tool_call_id": "c1"},
+            {"role": "tool", "content": "gpu, cpu", "tool_call_id": "c2"},
+            {"role": "assistant", "tool_calls": calls[2:], "reasoning": "r"},
+            {"role": "assistant", "reasoning": "", "content": "Done."},
+            {"role": "assistant", "content": "Again."},
+            {"role": "user", "content": "And block 8?"},
+        ],
+        "tools": [{"type": "function", "function": {
+            "name": "lookup", "parameters": {"type": "object"}, "strict": True}}],
+        "reasoning_effort": "low",
+    }  # fmt: skip
 
 
 def test_a_response_id_names_its_worker_on_every_replica() -> None:

@@ -17,13 +17,16 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import engine, start_all
+from conftest import complete, engine, start_all
 
+from router.responses import chat_view
 from router.tokenize import RouterTokenizer
 from warply.launch import VllmServer, http_json
 
 TEMPLATE = (
-    "{{ bos_token }}{% if tools %}<tools>{{ tools | tojson }}</tools>{% endif %}"
+    "{{ bos_token }}{% if reasoning_effort is defined %}<effort>{{ reasoning_effort }}"
+    "{{ enable_thinking }}</effort>{% endif %}{% if tools %}<tools>{{ tools | tojson }}</tools>"
+    "{% endif %}"
     "{% for m in messages %}<|start_header_id|>{{ m['role'] }}<|end_header_id|>"
     "{% if m.name %}({{ m.name }}){% endif %}{% if m.reasoning_content %}<think>"
     "{{ m.reasoning_content }}</think>{% endif %}"
@@ -109,3 +112,61 @@ def test_developer_messages_tokenize_as_vllm_renders_them(
 ) -> None:
     for messages in DEVELOPER_CHATS:
         _same_ids(server, tiny_model, {"messages": messages})
+
+
+def _engine_agrees(server: VllmServer, mine: list[int], path: str, body: dict[str, Any]) -> None:
+    """The engine's prompt for `body` is the router's `mine` where no /tokenize can say so:
+    after `mine` itself is prefilled, the request's prompt is as long and hits every block of
+    it (all but its last token, as vLLM 0.32 recomputes that one)."""
+    complete(server, mine, max_tokens=1)
+    status, out = http_json("POST", server.url + path, {"model": "tiny", **body})
+    assert status == 200, out
+    usage = out["usage"]
+    total = usage.get("prompt_tokens", usage.get("input_tokens"))
+    details = usage.get("prompt_tokens_details") or usage.get("input_tokens_details")
+    block = 32
+    assert (total, details["cached_tokens"]) == (len(mine), (len(mine) - 1) // block * block)
+
+
+def test_a_reasoning_effort_reaches_the_template_as_vllm_passes_it(
+    server: VllmServer, tiny_model: str
+) -> None:
+    """vLLM passes `reasoning_effort` and `enable_thinking` (unless the client set it) to the
+    template, which may print them at the head of the prompt."""
+    tok = RouterTokenizer(Path(tiny_model))
+    for effort, kwargs in (("low", {}), ("none", {}), ("high", {"enable_thinking": False})):
+        body = {"messages": TOOL_CHAT[:1] * 9, "reasoning_effort": effort, "max_tokens": 1,
+                "chat_template_kwargs": kwargs}  # fmt: skip
+        mine = tok.chat_tokens({**body, "chat_template": TEMPLATE})
+        _engine_agrees(server, mine, "/v1/chat/completions", body)
+
+
+def test_an_agent_loop_through_the_responses_api_renders_as_vllm_renders_it(
+    server: VllmServer, tiny_model: str
+) -> None:
+    """A Responses input with function tools, reasoning, function calls and their outputs:
+    vLLM folds each turn's parts into one assistant message and renders its chat; the router's
+    `chat_view` of it tokenizes to the engine's prompt (the second BOS included)."""
+    tools = [{"type": "function", "name": "lookup", "description": "find a block",
+              "parameters": {"type": "object", "properties": {"block": {"type": "integer"}}}},
+             {"type": "function", "name": "list_tiers", "parameters": None, "strict": False}]
+    items = [
+        {"role": "developer", "content": "Use the tools."},
+        {"role": "user", "content": [{"type": "input_text", "text": "Where is block 7?"}]},
+        {"type": "reasoning", "summary": [{"type": "summary_text", "text": "look it up"}]},
+        {"type": "function_call", "call_id": "c1", "name": "lookup",
+         "arguments": '{"block": 7}'},
+        {"type": "function_call", "call_id": "c2", "name": "list_tiers", "arguments": "{}"},
+        {"type": "function_call_output", "call_id": "c1", "output": "cpu"},
+        {"type": "function_call_output", "call_id": "c2", "output": "gpu, cpu, disk"},
+        {"type": "message", "role": "assistant",
+         "content": [{"type": "output_text", "text": "On the cpu tier."}]},
+        {"role": "user", "content": "And block 8?"},
+    ]  # fmt: skip
+    tok = RouterTokenizer(Path(tiny_model))
+    for extra in ({}, {"reasoning": {"effort": "medium"}}):
+        body = {"input": items, "tools": tools, "max_output_tokens": 1, **extra}
+        view = chat_view(body)
+        assert view is not None
+        mine = tok.chat_tokens({**view, "chat_template": TEMPLATE})
+        _engine_agrees(server, mine, "/v1/responses", body)
