@@ -25,6 +25,7 @@ import jinja2.ext
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer
 
+from router.content_format import content_format
 from router.token_cache import ChunkCache, Lineage, Partial
 
 _SPECIAL_NAMES = (
@@ -174,6 +175,18 @@ def _message_content(content: Any) -> Any:
             texts.append(text)
         return "\n".join(texts)
     raise PromptError("message content must be a string or a list of content parts")
+
+
+def _text_parts(content: Any) -> list[dict[str, str]]:
+    """vLLM's "openai" content format (`router.content_format`): a string as one text part,
+    none as no part, a list's text parts as they are (without keys other than `type` and
+    `text`); other parts are left out as in the "string" format."""
+    if content is None:
+        return []
+    if isinstance(content, str):
+        return [{"type": "text", "text": content}]
+    _message_content(content)  # the same checks of the parts
+    return [{"type": "text", "text": p["text"]} for p in content if p["type"] == "text"]
 
 
 def _arguments(value: Any) -> Any:
@@ -430,19 +443,6 @@ class RouterTokenizer:
         messages = body.get("messages")
         if not isinstance(messages, list) or not messages:
             raise PromptError("'messages' must be a non-empty list")
-        conversation = []
-        for m in messages:
-            if not isinstance(m, Mapping) or not isinstance(m.get("role"), str):
-                raise PromptError("each message needs a string 'role'")
-            content = m.get("content")
-            text = _message_content(content)
-            if self.engine != "sglang":
-                message: Mapping[str, Any] = _vllm_message(m, text)
-            else:  # the message as it came (the sandbox cannot change it): no copy per turn
-                message = m if text is content else {**m, "content": text}
-            if m["role"] == "assistant" and isinstance(message.get("tool_calls"), list):
-                message = _with_parsed_arguments(message)
-            conversation.append(message)
         template, source = self._template, self._source
         if isinstance(body.get("chat_template"), str):
             source = body["chat_template"]
@@ -452,6 +452,23 @@ class RouterTokenizer:
                 raise PromptError(f"chat template error: {exc}") from None
         if template is None:
             raise PromptError("the model has no chat template")
+        parts = self.engine != "sglang" and content_format(source, self._env) == "openai"
+        conversation = []
+        for m in messages:
+            if not isinstance(m, Mapping) or not isinstance(m.get("role"), str):
+                raise PromptError("each message needs a string 'role'")
+            content = m.get("content")
+            if parts and m["role"] != "tool":
+                text: Any = _text_parts(content)
+            else:  # vLLM 0.32 joins a tool result's text parts whatever the format
+                text = _message_content(content)
+            if self.engine != "sglang":
+                message: Mapping[str, Any] = _vllm_message(m, text)
+            else:  # the message as it came (the sandbox cannot change it): no copy per turn
+                message = m if text is content else {**m, "content": text}
+            if m["role"] == "assistant" and isinstance(message.get("tool_calls"), list):
+                message = _with_parsed_arguments(message)
+            conversation.append(message)
         tools = body.get("tools")
         if self.engine != "sglang":
             tools = vllm_tools(tools)
@@ -477,6 +494,8 @@ class RouterTokenizer:
             raise PromptError(f"chat template error: {type(exc).__name__}: {exc}") from None
         if continue_final:  # transformers strips the end-of-turn after the final message
             final = conversation[-1].get("content")
+            if isinstance(final, list):  # its last text part, as transformers takes it
+                final = next((p["text"] for p in reversed(final) if "text" in p), None)
             if isinstance(final, str) and final.strip() and final.strip() in rendered:
                 rendered = rendered[: rendered.rindex(final.strip()) + len(final.strip())]
         return rendered

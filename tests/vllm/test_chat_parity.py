@@ -13,12 +13,14 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterator
+from importlib import resources
 from pathlib import Path
 from typing import Any
 
 import pytest
 from conftest import complete, engine, start_all
 
+from router.content_format import content_format
 from router.responses import chat_view
 from router.tokenize import RouterTokenizer
 from warply.launch import VllmServer, http_json
@@ -78,19 +80,22 @@ def server(tiny_model: str, tmp_path_factory: pytest.TempPathFactory) -> Iterato
     logs = tmp_path_factory.mktemp("chat-parity")
     template = logs / "chat.jinja"
     template.write_text(TEMPLATE)
-    vllm = engine(tiny_model, logs / "vllm.log", extra_args=["--chat-template", str(template)])
+    args = ["--chat-template", str(template), "--trust-request-chat-template"]
+    vllm = engine(tiny_model, logs / "vllm.log", extra_args=args)
     start_all([vllm])
     yield vllm
     vllm.stop()
 
 
-def _same_ids(server: VllmServer, model: str, body: dict[str, Any]) -> None:
+def _same_ids(
+    server: VllmServer, model: str, body: dict[str, Any], template: str = TEMPLATE
+) -> None:
     tok = RouterTokenizer(Path(model))
     for gen in (True, False):
         sent = {"model": "tiny", **body, "add_generation_prompt": gen}
         status, want = http_json("POST", server.url + "/tokenize", sent)
         assert status == 200, want
-        mine = {**json.loads(json.dumps(sent)), "chat_template": TEMPLATE}
+        mine = {**json.loads(json.dumps(sent)), "chat_template": template}
         assert tok.chat_tokens(mine) == want["tokens"], (gen, tok.render_chat(mine))
 
 
@@ -170,3 +175,80 @@ def test_an_agent_loop_through_the_responses_api_renders_as_vllm_renders_it(
         assert view is not None
         mine = tok.chat_tokens({**view, "chat_template": TEMPLATE})
         _engine_agrees(server, mine, "/v1/responses", body)
+
+
+PARTS_TEMPLATE = (  # Llama 4's way: a string content as it is, each text part trimmed
+    "{{ bos_token }}{% for m in messages %}<|header_start|>{{ m['role'] }}<|header_end|>"
+    "{% if m['content'] is string %}{{ m['content'] }}{% else %}{% for c in m['content'] %}"
+    "{% if c['type'] == 'text' %}{{ c['text'] | trim }}{% endif %}{% endfor %}{% endif %}"
+    "<|eot|>{% endfor %}{% if add_generation_prompt %}<|header_start|>assistant<|header_end|>"
+    "{% endif %}"
+)
+DETECTED = {  # template: the content format vLLM 0.32 detects
+    TEMPLATE: "string",
+    PARTS_TEMPLATE: "openai",
+    "{% for m in messages[1:] | reverse %}{% for c in m.content | selectattr('text') %}"
+    "{{ c.text }}{% endfor %}{% endfor %}": "openai",
+    "{% set rest = messages[1:] %}{% set turns = rest %}{% for t in turns %}"
+    "{% for c in t['content'] %}{{ c }}{% endfor %}{% endfor %}": "openai",
+    "{% macro show(body) %}{% for c in body %}{{ c.text }}{% endfor %}{% endmacro %}"
+    "{% for m in messages %}{{ show(m.content) }}{% endfor %}": "openai",
+    "{% macro show(body, x) %}{% for c in x %}{{ c }}{% endfor %}{% endmacro %}"
+    "{% for m in messages %}{{ show(body=m['content'], x=[]) }}{% endfor %}": "string",
+    "{% macro show(body) %}{% for c in content %}{{ c }}{% endfor %}{% endmacro %}"
+    "{% for m in messages %}{{ m.content }}{% endfor %}": "string",
+    "{% for m in messages %}{% set content = m.content %}{% for c in content %}{{ c }}"
+    "{% endfor %}{% endfor %}": "openai",
+    "{% for m in other %}{% for c in m.content %}{{ c }}{% endfor %}{% endfor %}": "string",
+    "{% for i, m in messages %}{% for c in m.content %}{{ c }}{% endfor %}{% endfor %}": "string",
+    "{% for m in messages %}{% for k, v in m.content %}{{ v }}{% endfor %}{% endfor %}": "string",
+    "{% for m in messages %}{{ m.content }}{% endfor %}": "string",
+    "{% for m in messages %}{% for c in m.content %}": "string",  # does not parse
+}
+
+
+def test_the_content_format_is_detected_as_vllm_detects_it() -> None:
+    """`router.content_format` against vLLM's own detector, on templates that take each rule
+    (loops over a message's content through filters, slices, sets and macros; names bound
+    several at once) and on the templates vLLM ships."""
+    from vllm.renderers.hf import _detect_content_format
+
+    from router.tokenize import _environment
+
+    shipped = resources.files("vllm.transformers_utils") / "chat_templates"
+    templates = {**DETECTED, **{
+        f.read_text(): _detect_content_format(f.read_text(), default="string")
+        for f in shipped.iterdir() if f.name.endswith(".jinja")
+    }}  # fmt: skip
+    assert len(templates) > len(DETECTED) + 3
+    for source, want in templates.items():
+        assert _detect_content_format(source, default="string") == want, source
+        assert content_format(source, _environment()) == want, source
+    assert "openai" in templates.values()
+
+
+def test_a_template_that_reads_content_parts_gets_them_as_vllm_passes_them(
+    server: VllmServer, tiny_model: str
+) -> None:
+    """With a template that loops over a message's content, vLLM hands it every content as
+    parts: a string as one text part (trimmed here, where a string would not be), none as no
+    part, a list's text parts one by one (not joined by newlines)."""
+    chats: list[list[dict[str, Any]]] = [
+        [{"role": "system", "content": "  Route by prefix.\n"},
+         {"role": "user", "content": [{"type": "text", "text": " one "},
+                                      {"type": "text", "text": "two\n"}]},
+         {"role": "assistant", "content": None, "tool_calls": CALLS[:1]},
+         {"role": "tool", "tool_call_id": "c1", "content": "cpu \n"},
+         {"role": "user", "content": "And block 8?  "}],
+        [{"role": "developer", "content": "Be brief. "},
+         {"role": "user", "content": "Which tier?\n"}],
+    ]  # fmt: skip
+    for messages in chats:
+        _same_ids(server, tiny_model, {"messages": messages, "chat_template": PARTS_TEMPLATE},
+                  PARTS_TEMPLATE)  # fmt: skip
+    final = {"role": "assistant", "content": [{"type": "text", "text": "It is on the"}]}
+    body = {"messages": [chats[1][1], final], "chat_template": PARTS_TEMPLATE,
+            "continue_final_message": True, "add_generation_prompt": False}  # fmt: skip
+    status, want = http_json("POST", server.url + "/tokenize", {"model": "tiny", **body})
+    assert status == 200, want
+    assert RouterTokenizer(Path(tiny_model)).chat_tokens(body) == want["tokens"]
