@@ -42,7 +42,8 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from replay.costmodel import ReferenceModel, Scaled
 from replay.engine import EngineConfig, SimEngine, SimRequest
-from router.tokenize import PromptError, RouterTokenizer, TokenizerError
+from router.chat_shape import PromptError
+from router.tokenize import RouterTokenizer, TokenizerError
 from warply.common.argtypes import output_file
 from warply.launch import HOST
 from warply.protocol import LoadSnapshot, chain_keys, request_namespace, root_seed

@@ -1,8 +1,9 @@
-"""Which shape of message content a chat template reads, as vLLM 0.32 decides it
-(`--chat-template-content-format auto`): "openai" when the template loops over a message's
-content (as Llama 4's, Gemma 3's and vision models' do), so the engine hands it every content
-as a list of parts (a string as one text part, none as no part); else "string", every content
-as one text (text parts joined by newlines).
+"""Which shape of message content a chat template reads, as each engine decides it: "openai"
+when the template loops over a message's content (as Llama 4's, Gemma 3's and vision models'
+do), so the engine hands it content parts; else "string", every content as one text
+(`router.chat_shape` shapes the messages either way).
+
+vLLM 0.32 (`--chat-template-content-format auto`, `content_format`):
 
 A template's Jinja syntax tree is searched for a `for` loop over `m.content` / `m['content']`
 (under filters, tests and slices) where `m` is a loop variable over `messages` or over a
@@ -10,6 +11,10 @@ variable set from it, over a macro parameter that a call passes such a content, 
 macros, over a variable named `content`. A template that does not parse, or whose loops or
 assignments bind several names at once where the search follows them, counts as "string", as
 vLLM counts it.
+
+SGLang 0.5 (`sglang_content_format`): "openai" when the template's text names an image, audio,
+video or vision anywhere, or loops over the content of a variable named `message`, `msg` or
+`m`.
 """
 
 from __future__ import annotations
@@ -121,3 +126,21 @@ def content_format(source: str, environment: jinja2.Environment) -> ContentForma
     except (jinja2.TemplateError, _Unsure):
         return "string"
     return "string"
+
+
+_MEDIA_WORDS = ("image", "audio", "video", "vision")
+
+
+@lru_cache(maxsize=32)
+def sglang_content_format(source: str, environment: jinja2.Environment) -> ContentFormat:
+    """The content format SGLang 0.5 detects for the chat template `source`
+    (`detect_jinja_template_content_format`)."""
+    if any(word in source for word in _MEDIA_WORDS):
+        return "openai"
+    try:
+        tree = environment.parse(source)
+    except jinja2.TemplateError:
+        return "string"
+    names = {"message", "msg", "m"}
+    loops = tree.find_all(nodes.For)
+    return "openai" if any(_reads_content(loop.iter, names) for loop in loops) else "string"

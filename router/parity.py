@@ -17,7 +17,8 @@ from typing import Any, Literal
 import aiohttp
 import msgspec
 
-from router.tokenize import PromptError, RouterTokenizer
+from router.chat_shape import PromptError
+from router.tokenize import RouterTokenizer
 
 Result = Literal["ok", "mismatch", "unchecked"]
 _TIMEOUT = aiohttp.ClientTimeout(total=5)

@@ -23,6 +23,7 @@ import msgspec
 from aiohttp import web
 
 from router.accounting import RequestAccount
+from router.chat_shape import PromptError, has_media
 from router.config import LimitsConfig
 from router.dispatch import Call, Dispatcher, Retry
 from router.drain import SHUTTING_DOWN, Drain, withdraw_cancel
@@ -31,13 +32,7 @@ from router.metrics import RouterMetrics
 from router.placement import Decision, Placement
 from router.responses import chat_view, owner
 from router.strategies import NoCandidate
-from router.tokenize import (
-    Prompt,
-    PromptError,
-    RouterTokenizer,
-    has_media,
-    start_prompts,
-)
+from router.tokenize import Prompt, RouterTokenizer, start_prompts
 from router.upstream import Timeouts, Upstream
 from warply.protocol import request_namespace
 from warply.protocol.api import CacheKey, Overrides

@@ -3,8 +3,10 @@
 Uses the `tokenizers` library on the model folder's `tokenizer.json` and renders the chat
 template with a Jinja2 sandbox configured like `transformers.apply_chat_template`
 (trim_blocks, lstrip_blocks, loopcontrols, `tojson`, `raise_exception`, `strftime_now`, the
-special tokens as variables). `transformers` is not needed: it costs ~2.5 s to import against
-~0.15 s here, and parity with vLLM's own /tokenize is checked by tests/vllm/test_router_parity.py.
+special tokens as variables), after the chat's messages are shaped as the workers' engine
+shapes them (`router.chat_shape`). `transformers` is not needed: it costs ~2.5 s to import
+against ~0.15 s here, and parity with vLLM's own /tokenize is checked by
+tests/vllm/test_router_integration.py and tests/vllm/test_chat_parity.py.
 
 Defaults follow vLLM 0.32: chat requests are encoded without special tokens (the template adds
 BOS), completion prompts with them (`add_special_tokens` in the request overrides either).
@@ -25,7 +27,15 @@ import jinja2.ext
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer
 
-from router.content_format import content_format
+from router.chat_shape import (
+    PromptError,
+    sglang_conversation,
+    sglang_kwargs,
+    vllm_conversation,
+    vllm_kwargs,
+    vllm_tools,
+)
+from router.content_format import content_format, sglang_content_format
 from router.token_cache import ChunkCache, Lineage, Partial
 
 _SPECIAL_NAMES = (
@@ -37,10 +47,6 @@ _SPECIAL_NAMES = (
     "cls_token",
     "mask_token",
 )
-
-
-class PromptError(ValueError):
-    """The request's prompt or messages cannot be tokenized (the router answers 400)."""
 
 
 class TokenizerError(ValueError):
@@ -158,192 +164,6 @@ def _model_vocab(folder: Path) -> int:
     return size if isinstance(size, int) else 0
 
 
-def _message_content(content: Any) -> Any:
-    """vLLM's "string" content format: text parts joined by newlines. Other parts (images,
-    audio, video) are left out: such a prompt is placed by load alone (`has_media`)."""
-    if content is None or isinstance(content, str):
-        return content
-    if isinstance(content, list):
-        texts = []
-        for part in content:
-            if not isinstance(part, Mapping) or not isinstance(kind := part.get("type"), str):
-                raise PromptError("each content part needs a string 'type'")
-            if kind != "text":
-                continue
-            if not isinstance(text := part.get("text"), str):
-                raise PromptError("a text content part needs a string 'text'")
-            texts.append(text)
-        return "\n".join(texts)
-    raise PromptError("message content must be a string or a list of content parts")
-
-
-def _text_parts(content: Any) -> list[dict[str, str]]:
-    """vLLM's "openai" content format (`router.content_format`): a string as one text part,
-    none as no part, a list's text parts as they are (without keys other than `type` and
-    `text`); other parts are left out as in the "string" format."""
-    if content is None:
-        return []
-    if isinstance(content, str):
-        return [{"type": "text", "text": content}]
-    _message_content(content)  # the same checks of the parts
-    return [{"type": "text", "text": p["text"]} for p in content if p["type"] == "text"]
-
-
-def _arguments(value: Any) -> Any:
-    """A tool call's `arguments` as the template gets them: a JSON object string parsed to a
-    dict, nothing (or "") as {}, anything else that is not an object as {}."""
-    if not value:
-        return {}
-    if isinstance(value, str):
-        try:
-            value = json.loads(value)
-        except ValueError:
-            return {}
-    return value if isinstance(value, dict) else {}
-
-
-def _with_parsed_arguments(message: Mapping[str, Any]) -> dict[str, Any]:
-    """An assistant message whose tool calls' `arguments` the template gets as dicts, as both
-    engines render them (vLLM 0.32 `_postprocess_messages`, SGLang 0.5
-    `normalize_assistant_tool_call_arguments`: Transformers' templates iterate them as
-    mappings); an empty `tool_calls` list is dropped, as vLLM drops it. Without this, a tool
-    conversation's prompt differed from the engine's from its first tool call on."""
-    calls = message["tool_calls"]
-    out = dict(message)  # the keys in their order: the parsed calls take the list's place
-    if not calls:
-        del out["tool_calls"]
-        return out
-    parsed = []
-    for call in calls:
-        function = call.get("function") if isinstance(call, Mapping) else None
-        if not isinstance(function, Mapping) or call.get("type", "function") != "function":
-            raise PromptError("assistant tool_calls must be objects of type 'function'")
-        parsed.append({**call, "function": {**function, "arguments": _arguments(
-            function.get("arguments"))}})  # fmt: skip
-    out["tool_calls"] = parsed
-    return out
-
-
-def vllm_tools(tools: Any) -> Any:
-    """A chat request's `tools` as vLLM 0.32 hands them to the chat template: each one's
-    pydantic dump (`ChatCompletionToolsParam`: `type`, `function`, `defer_loading` when set;
-    `FunctionDefinition`: `name`, `description` and `parameters` (null when unset), `strict`
-    and `defer_loading` when set; the client's other keys dropped). A template that prints the
-    tools (`tools | tojson`, as tool-calling models' do) prints those nulls and that order, so
-    the client's own dicts gave another prompt. Anything not a list of tool objects is left as
-    it came (the engine refuses it)."""
-    if not isinstance(tools, list) or not all(
-        isinstance(t, Mapping) and isinstance(t.get("function"), Mapping) for t in tools
-    ):
-        return tools
-    shaped = []
-    for tool in tools:
-        fn = tool["function"]
-        defer = tool.get("defer_loading")
-        function = {"name": fn.get("name"), "description": fn.get("description"),
-                    "parameters": fn.get("parameters")}  # fmt: skip
-        own = fn.get("defer_loading")
-        for key, value in (("strict", fn.get("strict")),
-                           ("defer_loading", defer if own is None else own)):  # fmt: skip
-            if value is not None:
-                function[key] = value
-        outer = {"type": tool.get("type", "function"), "function": function}
-        if defer is not None:
-            outer["defer_loading"] = defer
-        shaped.append(outer)
-    return shaped
-
-
-def _vllm_message(message: Mapping[str, Any], text: Any) -> dict[str, Any]:
-    """The message as vLLM 0.32's chat parser hands it to the template
-    (`_parse_chat_message_content`): its role and text (none: ""), an assistant's
-    `tool_calls` and `reasoning` (also as `reasoning_content`), a tool result's
-    `tool_call_id`, a string `name` and `task`, a developer message's `tools`; every other key
-    dropped (a client's own `reasoning_content`, say)."""
-    role = message["role"]
-    out: dict[str, Any] = {"role": role, "content": "" if text is None else text}
-    if role == "assistant":
-        if message.get("tool_calls") is not None:
-            out["tool_calls"] = message["tool_calls"]
-        if (reasoning := message.get("reasoning")) is not None:
-            out["reasoning"] = out["reasoning_content"] = reasoning
-    elif role == "tool" and "tool_call_id" in message:
-        out["tool_call_id"] = message["tool_call_id"]
-    for key in ("name", "task"):
-        if isinstance(message.get(key), str):
-            out[key] = message[key]
-    if role == "developer":
-        out["tools"] = message.get("tools")
-    return out
-
-
-def _reasoning_kwargs(effort: Any, given: Mapping[str, Any]) -> dict[str, Any]:
-    """The template arguments vLLM 0.32 makes of a request's reasoning effort
-    (`build_chat_params`): `reasoning_effort`, and `enable_thinking` (false for "none") unless
-    the client's `chat_template_kwargs` set it; these win over the client's own (a template
-    that prints the effort at the head of the prompt, as reasoning models' do, otherwise gave
-    the router another prompt)."""
-    if effort is None:
-        return {}
-    out: dict[str, Any] = {} if effort == "auto" else {"reasoning_effort": effort}
-    if "enable_thinking" not in given:
-        out["enable_thinking"] = effort != "none"
-    return out
-
-
-def _unnamed_developer(conversation: list[Any], template: str) -> bool:
-    """Whether vLLM 0.32 turns the conversation's `developer` messages into `system` ones: it
-    holds one and the template never names the role (`_detect_developer_role_support`)."""
-    named = '"developer"' in template or "'developer'" in template
-    return not named and any(m.get("role") == "developer" for m in conversation)
-
-
-def _developer_as_system(conversation: list[Any]) -> list[Any]:
-    """vLLM 0.32's `_convert_developer_to_system` then `_consolidate_system_messages`: each
-    `developer` message a `system` one (its `tools` dropped); when a system message is not the
-    first or follows another, every one is merged into a single first system message (their
-    non-empty texts joined by a blank line, a list's text parts by newlines)."""
-    converted = [
-        {k: v for k, v in m.items() if k != "tools"} | {"role": "system"}
-        if m.get("role") == "developer" else m
-        for m in conversation
-    ]  # fmt: skip
-    texts: list[str] = []
-    others, merge = [], False
-    for i, m in enumerate(converted):
-        if m.get("role") != "system":
-            others.append(m)
-            continue
-        merge = merge or i > 0 or bool(texts)
-        content = m.get("content", "")
-        if isinstance(content, list):
-            content = "\n".join(
-                p["text"] if isinstance(p, Mapping) else p for p in content
-                if isinstance(p, str) or isinstance(p, Mapping) and "text" in p
-            )  # fmt: skip
-        if content:
-            texts.append(content)
-    if not merge:
-        return converted
-    return [{"role": "system", "content": "\n\n".join(texts)}, *others]
-
-
-def has_media(body: Mapping[str, Any]) -> bool:
-    """Whether a /v1/chat/completions body has content parts other than text. The engine puts
-    their placeholder tokens in the prompt and their content hashes in its block hashes, which
-    the router cannot reproduce: such a request is placed by load, not by cached prefix, and
-    its body is sent on as it came. Only type "text" counts as text here: vLLM 0.32 also reads
-    `input_text`, `output_text`, `refusal` and `thinking` parts as text, but how each engine
-    renders those is not the router's to guess, so they are placed by load as well."""
-    messages = body.get("messages")
-    return isinstance(messages, list) and any(
-        isinstance(m, Mapping)
-        and isinstance(content := m.get("content"), list)
-        and any(isinstance(p, Mapping) and p.get("type") != "text" for p in content)
-        for m in messages
-    )
-
-
 class RouterTokenizer:
     """The engine's tokenizer and chat template, loaded from a model folder."""
 
@@ -452,40 +272,25 @@ class RouterTokenizer:
                 raise PromptError(f"chat template error: {exc}") from None
         if template is None:
             raise PromptError("the model has no chat template")
-        parts = self.engine != "sglang" and content_format(source, self._env) == "openai"
-        conversation = []
-        for m in messages:
-            if not isinstance(m, Mapping) or not isinstance(m.get("role"), str):
-                raise PromptError("each message needs a string 'role'")
-            content = m.get("content")
-            if parts and m["role"] != "tool":
-                text: Any = _text_parts(content)
-            else:  # vLLM 0.32 joins a tool result's text parts whatever the format
-                text = _message_content(content)
-            if self.engine != "sglang":
-                message: Mapping[str, Any] = _vllm_message(m, text)
-            else:  # the message as it came (the sandbox cannot change it): no copy per turn
-                message = m if text is content else {**m, "content": text}
-            if m["role"] == "assistant" and isinstance(message.get("tool_calls"), list):
-                message = _with_parsed_arguments(message)
-            conversation.append(message)
-        tools = body.get("tools")
-        if self.engine != "sglang":
-            tools = vllm_tools(tools)
-            if _unnamed_developer(conversation, source):
-                conversation = _developer_as_system(conversation)
         kwargs = body.get("chat_template_kwargs") or {}
         if not isinstance(kwargs, Mapping):
             raise PromptError("'chat_template_kwargs' must be an object")
         continue_final = bool(body.get("continue_final_message", False))
-        context = {
-            **self._special,
-            **kwargs,
-            "add_generation_prompt": bool(body.get("add_generation_prompt", not continue_final)),
-            "continue_final_message": continue_final,
-        }
-        if self.engine != "sglang":
-            context |= _reasoning_kwargs(body.get("reasoning_effort"), kwargs)
+        effort = body.get("reasoning_effort")
+        if self.engine == "sglang":
+            parts = sglang_content_format(source, self._env) == "openai"
+            conversation = sglang_conversation(messages, parts)
+            tools = body.get("tools")
+            context = {**self._special, **sglang_kwargs(effort), **kwargs}
+        else:
+            parts = content_format(source, self._env) == "openai"
+            conversation = vllm_conversation(messages, source, parts)
+            tools = vllm_tools(body.get("tools"))
+            context = {**self._special, **kwargs, **vllm_kwargs(effort, kwargs)}
+        context["add_generation_prompt"] = bool(
+            body.get("add_generation_prompt", not continue_final)
+        )
+        context["continue_final_message"] = continue_final
         try:
             rendered = template.render(
                 messages=conversation, tools=tools, documents=body.get("documents"), **context

@@ -25,12 +25,13 @@ from prometheus_client.parser import text_string_to_metric_families
 from tokenizers import Tokenizer, models, pre_tokenizers, processors, trainers
 
 from router.app import Router
+from router.chat_shape import PromptError, has_media, vllm_tools
 from router.config import RouterConfig
 from router.index import MemoryStore, PrefixIndex
 from router.placement import Placement
 from router.tiering import Action, TierPolicy, TierState
 from router.token_cache import ChunkCache
-from router.tokenize import PromptError, RouterTokenizer, has_media, start_prompts, vllm_tools
+from router.tokenize import RouterTokenizer, start_prompts
 from router.upstream import ConnectTimeout
 from router.workers import Workers
 from warply.protocol import (
@@ -1270,7 +1271,8 @@ def test_messages_reach_the_template_as_vllm_parses_them(tokenizer_dir: Path) ->
     """vLLM 0.32's chat parser hands the template a message's role, text (None: ""), string
     name and task, an assistant's tool calls and `reasoning` (also as `reasoning_content`), a
     tool result's id, and nothing else (real vLLM: tests/vllm/test_chat_parity.py); an SGLang
-    fleet's rendering gets the message as it came."""
+    fleet's rendering gets SGLang 0.5's dump of it: its known fields that are not null, a user
+    message's content alone (SGLang's own code: tests/sglang/test_chat_shape.py)."""
     tok = RouterTokenizer(tokenizer_dir)
     shown = "{% for m in messages %}{{ m | tojson }};{% endfor %}"
     chat = [{"role": "user", "content": "u", "name": "ops", "id": 3, "task": 1},
@@ -1283,4 +1285,8 @@ def test_messages_reach_the_template_as_vllm_parses_them(tokenizer_dir: Path) ->
         '{"role": "tool", "content": "t", "tool_call_id": "c"};'
     )
     tok.engine = "sglang"
-    assert '"refusal": null' in tok.render_chat(body)
+    assert tok.render_chat(body) == (
+        '{"role": "user", "content": "u"};'
+        '{"role": "assistant", "content": "", "reasoning_content": "x"};'
+        '{"role": "tool", "content": "t", "tool_call_id": "c"};'
+    )

@@ -1,0 +1,103 @@
+"""An SGLang fleet's chats reach the router's template as SGLang 0.5 shapes them: SGLang's own
+code (the request's pydantic messages dumped, `normalize_assistant_tool_call_arguments`,
+`process_content_for_template_format` with the format `detect_jinja_template_content_format`
+finds, `normalize_tool_content`, in the order its `_apply_jinja_template` runs them) against
+`router.chat_shape.sglang_conversation`, field for field and in the same key order (a
+template that prints a message whole prints that order). SGLang serving needs a GPU here, so
+this is the part of its rendering that runs on this machine."""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import pytest
+from sglang.srt.entrypoints.openai.protocol import ChatCompletionRequest
+from sglang.srt.entrypoints.openai.serving_chat import (
+    normalize_assistant_tool_call_arguments,
+    normalize_tool_content,
+)
+from sglang.srt.parser.jinja_template_utils import (
+    detect_jinja_template_content_format,
+    process_content_for_template_format,
+)
+
+from router.chat_shape import PromptError, sglang_conversation
+from router.content_format import sglang_content_format
+from router.tokenize import _environment
+
+STRING = "{% for m in messages %}{{ m | tojson }}{% endfor %}"
+PARTS = (
+    "{% for message in messages %}{% if message['content'] is string %}"
+    "{{ message['content'] }}{% else %}{% for c in message['content'] %}{{ c['text'] }}"
+    "{% endfor %}{% endif %}{% endfor %}"
+)
+TEMPLATES = {  # template: the format SGLang 0.5 detects
+    STRING: "string",
+    PARTS: "openai",
+    "{# no vision here #}{{ messages }}": "openai",
+    "{% for msg in messages %}{% for c in msg.content | reverse %}{% endfor %}{% endfor %}":
+        "openai",
+    "{% for turn in messages %}{% for c in turn.content %}{% endfor %}{% endfor %}": "string",
+    "{% for m in messages %}{% for c in m['content'][1:] %}{% endfor %}{% endfor %}": "openai",
+    "{% for m in messages %}{% for c in m.content %}": "string",  # does not parse
+}  # fmt: skip
+CALL = {"id": "c1", "type": "function", "extra": 1,
+        "function": {"name": "lookup", "arguments": '{"block": 7}', "x": 2}}  # fmt: skip
+CHATS: list[list[dict[str, Any]]] = [
+    [{"role": "system", "content": "Route by prefix."},
+     {"role": "user", "content": "Where is block 7?", "name": "ops", "id": 3},
+     {"role": "assistant", "content": None, "tool_calls": [CALL], "refusal": None},
+     {"role": "tool", "tool_call_id": "c1",
+      "content": [{"type": "text", "text": "cpu"}, {"type": "text", "text": "tier"}]},
+     {"role": "assistant", "content": "On the cpu tier.", "reasoning_content": "looked",
+      "annotations": []},
+     {"role": "user", "content": [{"type": "text", "text": "one"},
+                                  {"type": "text", "text": "two"}]}],
+    [{"role": "developer", "content": "Be brief.", "name": "rules"},
+     {"role": "user", "content": "Which tier?"},
+     {"role": "assistant", "content": [{"type": "text", "text": "GPU"}], "tool_calls": None},
+     {"role": "tool", "tool_call_id": "c9", "content": "done"}],
+]  # fmt: skip
+
+
+def _sglang(messages: list[dict[str, Any]], template: str) -> list[dict[str, Any]]:
+    """The messages SGLang 0.5 hands the template, by its own functions."""
+    request = ChatCompletionRequest(model="m", messages=copy.deepcopy(messages))
+    content_format = detect_jinja_template_content_format(template)
+    dumped = [m.model_dump() for m in request.messages]
+    for m in dumped:
+        normalize_assistant_tool_call_arguments(m, strict=True)
+    shaped = []
+    for m in copy.deepcopy(dumped):
+        if m.get("content") is None:
+            m["content"] = ""
+        out = process_content_for_template_format(m, content_format, [], [], [], [])
+        out["content"] = normalize_tool_content(out["role"], out.get("content"))
+        shaped.append(out)
+    return shaped
+
+
+def test_the_content_format_is_detected_as_sglang_detects_it() -> None:
+    for source, want in TEMPLATES.items():
+        assert detect_jinja_template_content_format(source) == want, source
+        assert sglang_content_format(source, _environment()) == want, source
+
+
+@pytest.mark.parametrize("template", [STRING, PARTS])
+def test_messages_are_shaped_as_sglang_shapes_them(template: str) -> None:
+    openai = sglang_content_format(template, _environment()) == "openai"
+    for messages in CHATS:
+        want = _sglang(messages, template)
+        got = sglang_conversation(messages, openai)
+        assert [list(m.items()) for m in got] == [list(m.items()) for m in want]
+
+
+def test_a_tool_call_whose_arguments_are_not_an_object_is_refused_as_sglang_refuses_it() -> None:
+    for arguments in ("{not json", "[1]"):
+        call = {**CALL, "function": {"name": "f", "arguments": arguments}}
+        messages = [{"role": "assistant", "content": None, "tool_calls": [call]}]
+        with pytest.raises(ValueError):
+            _sglang(messages, STRING)
+        with pytest.raises(PromptError):
+            sglang_conversation(messages, False)
