@@ -27,7 +27,7 @@ from router.drain import SHUTTING_DOWN, Drain, withdraw_cancel
 from router.errors import ApiError, check_model, read_body
 from router.metrics import RouterMetrics
 from router.proxy import upstream_headers
-from router.responses import PATH, owner
+from router.responses import PATH, holder_unavailable, owner
 from router.upstream import ConnectFailed, Timeouts, Upstream, UpstreamError
 from router.workers import Worker
 
@@ -62,7 +62,9 @@ class Forwarder:
             stored = owner(response_id, self.workers)
             if stored is None:
                 return await self._forward(request, path, b"", self._least_loaded, search=True)
-            return await self._forward(request, path, b"", partial(self._named, stored))
+            return await self._forward(
+                request, path, b"", partial(self._named, stored, response_id)
+            )
         except asyncio.CancelledError:
             if not flight.cut:
                 raise  # the client went away
@@ -130,14 +132,11 @@ class Forwarder:
             raise ApiError(503, "no healthy worker to forward the request to", "no_healthy_worker")
         return min(ready, key=lambda w: (w.load.in_flight, w.load.in_flight_tokens))
 
-    def _named(self, name: str, tried: Collection[str]) -> Worker:
+    def _named(self, name: str, response_id: str, tried: Collection[str]) -> Worker:
         """The worker that stored the response (503 when it cannot answer)."""
         worker = self.workers.get(name)
         if worker is None or not worker.available or name in tried:
-            raise ApiError(
-                503, f"worker {name}, which stored the response, is not available",
-                "no_healthy_worker",
-            )  # fmt: skip
+            raise holder_unavailable(name, response_id)
         return worker
 
     def _count(self, endpoint: str, worker: str, status: int) -> None:

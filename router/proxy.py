@@ -30,7 +30,7 @@ from router.drain import SHUTTING_DOWN, Drain, withdraw_cancel
 from router.errors import ApiError, check_model, read_body
 from router.metrics import RouterMetrics
 from router.placement import Decision, Placement
-from router.responses import chat_view, owner
+from router.responses import chat_view, holder_unavailable, owner
 from router.strategies import NoCandidate
 from router.tokenize import Prompt, RouterTokenizer, start_prompts
 from router.upstream import Timeouts, Upstream
@@ -314,12 +314,7 @@ class Proxy:
         if stored is None:
             return tried
         if stored in tried or not names[stored].available:
-            raise ApiError(
-                503,
-                f"worker {stored}, which stored response {response_id!r}, is not available",
-                "no_healthy_worker",
-                "previous_response_id",
-            )
+            raise holder_unavailable(stored, response_id, "previous_response_id")
         return tried | (set(names) - {stored})
 
     async def _whole(self, prompt: Prompt, namespace: str) -> Prompt:

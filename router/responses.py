@@ -23,6 +23,8 @@ from typing import Any
 
 import msgspec
 
+from router.errors import ApiError
+
 PATH = "/v1/responses"
 _PREFIX = "resp_"
 _TAG_HEX = 8
@@ -49,6 +51,13 @@ def owner(response_id: str, workers: Iterable[str]) -> str | None:
     tag = response_id[len(_PREFIX) : len(_PREFIX) + _TAG_HEX]
     named = [w for w in workers if worker_tag(w) == tag]
     return named[0] if len(named) == 1 else None
+
+
+def holder_unavailable(worker: str, response_id: str, param: str | None = None) -> ApiError:
+    """The 503 for a request that only `worker` can answer (it stored `response_id`) while it
+    cannot (down, draining, or already tried)."""
+    message = f"worker {worker}, which stored response {response_id!r}, is not available"
+    return ApiError(503, message, "no_healthy_worker", param)
 
 
 def _text(content: Any, single: bool) -> Any:
