@@ -6,9 +6,11 @@ A tokenizer request goes as it came to the available worker with the fewest requ
 a stored response's request to the worker its id names (`router.responses`), or, for an id the
 router did not make, to each available worker in turn until one holds it (an engine answers 404
 for a response it does not hold). The engine's answer (status, body, content type) is the
-client's, with `X-Warply-Worker` naming the worker. A worker that refuses the connection is
-marked unhealthy and the next one is tried; a timeout is a 504, any other upstream failure a
-502 (OpenAI-shaped, as on the generation path). Counted in
+client's, with `X-Warply-Worker` naming the worker; an event stream (a stored response's
+`GET ...?stream=true`) is relayed as it arrives, ended by the Responses API's error event when
+the upstream fails or the router's drain cuts it after it started. A worker that refuses the
+connection is marked unhealthy and the next one is tried; a timeout is a 504, any other
+upstream failure a 502 (OpenAI-shaped, as on the generation path). Counted in
 `warply_router_forwarded_requests_total` by endpoint (the route, ids left out), worker and
 status.
 """
@@ -23,12 +25,12 @@ from urllib.parse import quote
 
 from aiohttp import web
 
-from router.drain import SHUTTING_DOWN, Drain, withdraw_cancel
+from router.drain import SHUTTING_DOWN, Drain, InFlight, withdraw_cancel
 from router.errors import ApiError, check_model, read_body
 from router.metrics import RouterMetrics
 from router.proxy import upstream_headers
-from router.responses import PATH, holder_unavailable, owner
-from router.upstream import ConnectFailed, Timeouts, Upstream, UpstreamError
+from router.responses import PATH, error_event, holder_unavailable, owner
+from router.upstream import ConnectFailed, Response, Timeouts, Upstream, UpstreamError
 from router.workers import Worker
 
 FORWARDED_PATHS = ("/tokenize", "/detokenize")
@@ -49,7 +51,7 @@ class Forwarder:
     metrics: RouterMetrics
     timeouts: Timeouts
 
-    async def handle(self, request: web.Request) -> web.Response:
+    async def handle(self, request: web.Request) -> web.StreamResponse:
         """One forwarded request; a stopping router's drain waits for it, then answers 503."""
         flight = self.drain.enter()
         try:
@@ -61,9 +63,11 @@ class Forwarder:
             path = _stored_path(request, response_id)
             stored = owner(response_id, self.workers)
             if stored is None:
-                return await self._forward(request, path, b"", self._least_loaded, search=True)
+                return await self._forward(
+                    request, path, b"", self._least_loaded, search=True, flight=flight
+                )
             return await self._forward(
-                request, path, b"", partial(self._named, stored, response_id)
+                request, path, b"", partial(self._named, stored, response_id), flight=flight
             )
         except asyncio.CancelledError:
             if not flight.cut:
@@ -80,9 +84,11 @@ class Forwarder:
         body: bytes,
         pick: Callable[[Collection[str]], Worker],
         search: bool = False,
-    ) -> web.Response:
+        flight: InFlight | None = None,
+    ) -> web.StreamResponse:
         """`body` to `path` on the worker `pick` chooses among those not tried yet (`search`:
-        past each one that answers 404 while another is left)."""
+        past each one that answers 404 while another is left); an event stream is relayed as
+        it arrives (`flight`: the request, whose stream the drain may cut)."""
         headers = upstream_headers(request)
         route = request.match_info.route.resource
         endpoint = (request.path if route is None else route.canonical).removeprefix("/")
@@ -95,6 +101,9 @@ class Forwarder:
                     worker.config.url + path, body, headers, self.timeouts, request.method
                 )
                 try:
+                    if up.content_type == "text/event-stream" and up.status == 200:
+                        self._count(endpoint, worker.name, up.status)
+                        return await self._relay(request, up, worker, flight)
                     answer = await up.read()
                 finally:
                     up.release()
@@ -120,6 +129,39 @@ class Forwarder:
                 content_type=up.content_type or "application/json",
                 headers={"X-Warply-Worker": worker.name},
             )
+
+    async def _relay(
+        self, request: web.Request, up: Response, worker: Worker, flight: InFlight | None
+    ) -> web.StreamResponse:
+        """An answer's events to the client as they arrive. Once the stream started, an
+        upstream failure or the drain's cut ends it with an error event, not a status."""
+        out = web.StreamResponse(headers={"Content-Type": "text/event-stream",
+                                          "Cache-Control": "no-cache",
+                                          "X-Warply-Worker": worker.name})  # fmt: skip
+        await out.prepare(request)
+        if flight is not None:
+            flight.streaming()
+        try:
+            try:
+                async for data in up.chunks():
+                    await out.write(data)
+            except TimeoutError:
+                worker.answered(False)
+                await out.write(error_event(504, f"upstream {worker.name} timed out"))
+            except UpstreamError as exc:
+                worker.answered(False)
+                await out.write(error_event(502, f"upstream {worker.name} failed: {exc}"))
+            except asyncio.CancelledError:
+                if flight is None or not flight.cut:
+                    raise  # the client went away; releasing the answer closes the upstream's
+                withdraw_cancel()
+                await out.write(error_event(503, SHUTTING_DOWN))
+            else:
+                worker.answered(True)
+            await out.write_eof()
+        except ConnectionResetError:  # aiohttp: a write to a client that closed mid-stream
+            pass  # the answer is released unread: its connection closes, the engine aborts
+        return out
 
     def _ready(self, tried: Collection[str]) -> list[Worker]:
         """The available workers not tried yet."""

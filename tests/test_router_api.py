@@ -211,15 +211,25 @@ class FakeEngine:
             await resp.write(event.encode())
         return resp
 
-    async def _stored(self, request: web.Request) -> web.Response:
-        """GET /v1/responses/{id} and its cancel: the stored response, or a 404."""
+    async def _stored(self, request: web.Request) -> web.StreamResponse:
+        """GET /v1/responses/{id} and its cancel: the stored response, or a 404; with
+        `stream=true` its events (held after the first while `hang`)."""
         self.paths.append(request.raw_path)
         stored = self.stored.get(request.match_info["id"])
         if stored is None:
             error = {"message": "not found", "type": "invalid_request_error", "param": None,
                      "code": 404}  # fmt: skip
             return web.json_response({"error": error}, status=404)
-        return web.json_response({**stored, "engine": self.name})
+        if request.method != "GET" or request.query.get("stream") != "true":
+            return web.json_response({**stored, "engine": self.name})
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        for kind in ("response.created", "response.completed"):
+            event = {"type": kind, "response": stored}
+            await resp.write(f"event: {kind}\ndata: {json.dumps(event)}\n\n".encode())
+            while self.hang:
+                await asyncio.sleep(0.05)
+        return resp
 
     async def _generate(self, request: web.Request) -> web.StreamResponse:
         self.raw.append(await request.read())

@@ -5,6 +5,7 @@ tests/vllm/test_router_responses.py."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 from pathlib import Path
 from typing import Any
@@ -218,6 +219,33 @@ def test_a_response_is_keyed_as_its_chat_and_answered_by_the_worker_its_id_names
             assert got["error"]["param"] == "previous_response_id" and worker in str(got)
             status, got = await call("GET", f"/v1/responses/{first['id']}")
             assert status == 503 and _is_error(got, "no_healthy_worker")
+
+    _run(scenario())
+
+
+def test_a_stored_response_streams_through_as_its_engine_sends_it(
+    tokenizer_dir: Path,  # noqa: F811
+) -> None:
+    """`GET /v1/responses/{id}?stream=true` (a background response's events) is relayed event
+    by event from the worker that stored it, not once the engine's stream has ended."""
+
+    async def scenario() -> None:
+        engines = [FakeEngine(name) for name in "ab"]
+        async with running(tokenizer_dir, engines) as (router, call, session, base):
+            async with session.post(base + "/v1/responses", json={"input": "hi"}) as r:
+                first, worker = await r.json(), r.headers["X-Warply-Worker"]
+            engine = next(e for e in engines if e.name == worker)
+            engine.hang = True  # its stream stops after its first event
+            async with session.get(f"{base}/v1/responses/{first['id']}?stream=true") as r:
+                assert r.status == 200 and r.headers["X-Warply-Worker"] == worker
+                assert r.content_type == "text/event-stream"
+                head = await asyncio.wait_for(r.content.readuntil(b"\n\n"), 5)
+                assert head.startswith(b"event: response.created")
+                engine.hang = False
+                rest = await asyncio.wait_for(r.content.read(), 5)
+            assert rest.startswith(b"event: response.completed") and first["id"].encode() in rest
+            status, got = await call("GET", f"/v1/responses/{first['id']}")
+            assert status == 200 and got["id"] == first["id"]  # without stream: JSON as before
 
     _run(scenario())
 
