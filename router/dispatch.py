@@ -167,8 +167,9 @@ def _usage(raw: bytes) -> dict[str, Any] | None:
 
 def _chat_event(event: bytes, account: RequestAccount, wants_usage: bool) -> tuple[bool, bool]:
     """(relay it, it is the last) for one SSE event of a completion or chat stream, its usage
-    and generated tokens told to `account`; the final usage chunk is hidden unless the client
-    asked for it."""
+    and generated tokens told to `account` (the stream's first event times its first token);
+    the final usage chunk is hidden unless the client asked for it."""
+    account.first_event()
     if b'"usage"' in event and event.startswith(b"data: {"):
         parsed = _chunk(event[6:])
         if parsed is not None and parsed.usage is not None:
@@ -534,8 +535,6 @@ class Dispatcher:
                     *events, buf = buf.split(b"\n\n")
                     if not started.is_set():
                         started.set()
-                        if read is _chat_event:  # `_response_event` times its first output
-                            account.first_event()
                         call.flight.streaming()
                         await resp.prepare(request)
                     out, done = [], False
