@@ -68,11 +68,11 @@ def _arguments(value: Any) -> Any:
 
 
 def _with_parsed_arguments(message: Mapping[str, Any]) -> dict[str, Any]:
-    """An assistant message whose tool calls' `arguments` the template gets as dicts, as both
-    engines render them (vLLM 0.32 `_postprocess_messages`, SGLang 0.5
-    `normalize_assistant_tool_call_arguments`: Transformers' templates iterate them as
-    mappings); an empty `tool_calls` list is dropped, as vLLM drops it. Without this, a tool
-    conversation's prompt differed from the engine's from its first tool call on."""
+    """An assistant message whose tool calls' `arguments` the template gets as dicts, as vLLM
+    0.32 renders them (`_postprocess_messages`: Transformers' templates iterate them as
+    mappings; a string that is not a JSON object as {}); an empty `tool_calls` list is
+    dropped, as vLLM drops it. Without this, a tool conversation's prompt differed from the
+    engine's from its first tool call on (SGLang's parsing: `_sglang_call`)."""
     calls = message["tool_calls"]
     out = dict(message)  # the keys in their order: the parsed calls take the list's place
     if not calls:
