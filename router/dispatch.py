@@ -65,6 +65,7 @@ from router.upstream import (
     Timeouts,
     Upstream,
     UpstreamError,
+    upstream_failure,
 )
 from router.workers import Worker
 
@@ -380,18 +381,15 @@ class Dispatcher:
             worker.set_health(False, refused=True)  # the health loop brings it back
             worker.answered(False)
             raise Retry(worker.name) from None
-        except TimeoutError:
-            worker.answered(False)
-            raise ApiError(504, f"upstream {worker.name} timed out") from None
         except Disconnected:
             # Broken before the client got a byte (after that, `_stream` ends the stream with an
             # error event): e.g. the engine died with the request queued. Another worker tries.
             _log.warning("upstream %s broke before answering; placing it again", worker.name)
             worker.answered(False)
             raise Retry(worker.name) from None
-        except UpstreamError as exc:
+        except (TimeoutError, UpstreamError) as exc:
             worker.answered(False)
-            raise ApiError(502, f"upstream {worker.name} failed: {exc}") from None
+            raise ApiError(*upstream_failure(worker.name, exc)) from None
 
     async def _attempt(
         self, call: Call, decision: Decision, params: dict[str, Any] | None
@@ -556,11 +554,8 @@ class Dispatcher:
             except (UpstreamError, TimeoutError) as exc:
                 if not resp.prepared:
                     raise  # nothing sent yet: an HTTP error (or a retry)
-                timed_out = isinstance(exc, TimeoutError)
-                status = 504 if timed_out else 502
-                what = "timed out" if timed_out else f"failed: {exc}"
-                failure = f"upstream {decision.worker.name} {what}"
-                await resp.write(_error_event(call.kind, status, failure))
+                status, message = upstream_failure(decision.worker.name, exc)
+                await resp.write(_error_event(call.kind, status, message))
             except asyncio.CancelledError:
                 if not (resp.prepared and call.flight.cut):
                     raise

@@ -30,7 +30,14 @@ from router.errors import ApiError, check_model, read_body
 from router.metrics import RouterMetrics
 from router.proxy import upstream_headers
 from router.responses import PATH, error_event, holder_unavailable, owner
-from router.upstream import ConnectFailed, Response, Timeouts, Upstream, UpstreamError
+from router.upstream import (
+    ConnectFailed,
+    Response,
+    Timeouts,
+    Upstream,
+    UpstreamError,
+    upstream_failure,
+)
 from router.workers import Worker
 
 FORWARDED_PATHS = ("/tokenize", "/detokenize")
@@ -111,14 +118,11 @@ class Forwarder:
                 worker.set_health(False, refused=True)  # the health loop brings it back
                 worker.answered(False)
                 continue
-            except TimeoutError:
+            except (TimeoutError, UpstreamError) as exc:
                 worker.answered(False)
-                self._count(endpoint, worker.name, 504)
-                raise ApiError(504, f"upstream {worker.name} timed out") from None
-            except UpstreamError as exc:
-                worker.answered(False)
-                self._count(endpoint, worker.name, 502)
-                raise ApiError(502, f"upstream {worker.name} failed: {exc}") from None
+                status, message = upstream_failure(worker.name, exc)
+                self._count(endpoint, worker.name, status)
+                raise ApiError(status, message) from None
             worker.answered(up.status < 500)
             self._count(endpoint, worker.name, up.status)
             if search and up.status == 404 and self._ready(tried):
@@ -145,12 +149,9 @@ class Forwarder:
             try:
                 async for data in up.chunks():
                     await out.write(data)
-            except TimeoutError:
+            except (TimeoutError, UpstreamError) as exc:
                 worker.answered(False)
-                await out.write(error_event(504, f"upstream {worker.name} timed out"))
-            except UpstreamError as exc:
-                worker.answered(False)
-                await out.write(error_event(502, f"upstream {worker.name} failed: {exc}"))
+                await out.write(error_event(*upstream_failure(worker.name, exc)))
             except asyncio.CancelledError:
                 if flight is None or not flight.cut:
                     raise  # the client went away; releasing the answer closes the upstream's

@@ -170,6 +170,14 @@ class Response:
         self._conn.finished(self._done and self._error is None)
 
 
+def upstream_failure(worker: str, exc: BaseException) -> tuple[int, str]:
+    """The status and message a client gets for an upstream `worker` that timed out (504) or
+    failed otherwise (502), as an HTTP error or a stream's error event."""
+    if isinstance(exc, TimeoutError):
+        return 504, f"upstream {worker} timed out"
+    return 502, f"upstream {worker} failed: {exc}"
+
+
 def _expire(waiter: asyncio.Future[None]) -> None:
     if not waiter.done():
         waiter.set_exception(TimeoutError("upstream timed out"))
