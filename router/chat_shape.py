@@ -180,12 +180,9 @@ def _developer_as_system(conversation: list[Any]) -> list[Any]:
             others.append(m)
             continue
         merge = merge or i > 0 or bool(texts)
-        content = m.get("content", "")
-        if isinstance(content, list):
-            content = "\n".join(
-                p["text"] if isinstance(p, Mapping) else p for p in content
-                if isinstance(p, str) or isinstance(p, Mapping) and "text" in p
-            )  # fmt: skip
+        content = m["content"]
+        if isinstance(content, list):  # the "openai" format's text parts (`_text_parts`)
+            content = "\n".join(p["text"] for p in content)
         if content:
             texts.append(content)
     if not merge:
