@@ -114,6 +114,11 @@ def _parser() -> argparse.ArgumentParser:
         ap.add_argument(f"--{name.replace('_', '-')}", dest=name, type=kind, help=_field_help(name))
     ap.add_argument("--strategy", help="builtin name, warply.strategies entry point, module:Class")
     ap.add_argument("--knobs", help="strategy knobs as a JSON object")
+    ap.add_argument(
+        "--default-chat-template-kwargs",
+        metavar="JSON",
+        help=f"{_field_help('default_chat_template_kwargs')} (a JSON object)",
+    )
     ap.add_argument("--min-hit-ratio", type=float, help="alert below this windowed hit rate")
     ap.add_argument(
         "--worker",
@@ -186,12 +191,11 @@ def config_from_args(args: argparse.Namespace) -> RouterConfig:
         ]
     elif args.block_size is not None:
         raise ConfigError("--block-size applies to --worker flags; set pools[].block_size instead")
-    knobs = None
-    if args.knobs is not None:
-        try:
-            knobs = json.loads(args.knobs)
-        except ValueError as exc:
-            raise ConfigError(f"--knobs is not valid JSON: {exc}") from None
+    knobs = None if args.knobs is None else _json_flag("--knobs", args.knobs)
+    if args.default_chat_template_kwargs is not None:
+        overrides["default_chat_template_kwargs"] = _json_flag(
+            "--default-chat-template-kwargs", args.default_chat_template_kwargs
+        )
     return load_config(
         args.config,
         overrides,
@@ -199,6 +203,13 @@ def config_from_args(args: argparse.Namespace) -> RouterConfig:
         knobs=knobs,
         min_hit_ratio=args.min_hit_ratio,
     )
+
+
+def _json_flag(flag: str, text: str) -> Any:
+    try:
+        return json.loads(text)
+    except ValueError as exc:
+        raise ConfigError(f"{flag} is not valid JSON: {exc}") from None
 
 
 def _summary(config: RouterConfig) -> str:

@@ -78,7 +78,13 @@ class Router:
         self.placement = Placement(
             config, self.index, self.workers, health=self.health, ledger=self.ledger
         )
-        tokenizer = tokenizer or RouterTokenizer(config.tokenizer, config.tokenizer_cache_mib << 20)
+        tokenizer = tokenizer or RouterTokenizer(
+            config.tokenizer,
+            config.tokenizer_cache_mib << 20,
+            chat_template=config.chat_template,
+            content_format=config.chat_template_content_format,
+            default_kwargs=config.default_chat_template_kwargs,
+        )
         self.tokenizer = tokenizer
         """The engine's tokenizer and chat template (its `engine` set from the cards)."""
         self._probes = Probes.build(tokenizer, config.model) if config.index.parity_check else None

@@ -142,18 +142,26 @@ def _vllm_message(message: Mapping[str, Any], text: Any) -> dict[str, Any]:
     return out
 
 
-def vllm_kwargs(effort: Any, given: Mapping[str, Any]) -> dict[str, Any]:
-    """The template arguments vLLM 0.32 makes of a request's reasoning effort
-    (`build_chat_params`): `reasoning_effort`, and `enable_thinking` (false for "none") unless
-    the client's `chat_template_kwargs` set it; these win over the client's own (a template
-    that prints the effort at the head of the prompt, as reasoning models' do, otherwise gave
-    the router another prompt)."""
-    if effort is None:
-        return {}
-    out: dict[str, Any] = {} if effort == "auto" else {"reasoning_effort": effort}
-    if "enable_thinking" not in given:
-        out["enable_thinking"] = effort != "none"
-    return out
+def vllm_kwargs(
+    given: Mapping[str, Any], effort: Any, documents: Any, defaults: Mapping[str, Any]
+) -> dict[str, Any]:
+    """The template arguments vLLM 0.32 passes (`build_chat_params`, then `with_defaults`): the
+    client's `chat_template_kwargs` under the request's `documents` and what it makes of the
+    reasoning effort (`reasoning_effort`, and `enable_thinking`, false for "none", unless the
+    client set it; a template that prints the effort at the head of the prompt, as reasoning
+    models' do, otherwise gave the router another prompt); with the server's
+    `--default-chat-template-kwargs`, those under every value the request set to other than
+    None or "auto"."""
+    extra: dict[str, Any] = {"documents": documents, "reasoning_effort": effort}
+    if effort is not None and "enable_thinking" not in given:
+        extra["enable_thinking"] = effort != "none"
+    merged = {**given, **_set(extra)}
+    return {**defaults, **_set(merged)} if defaults else merged
+
+
+def _set(kwargs: Mapping[str, Any]) -> dict[str, Any]:
+    """`kwargs` without the values vLLM's `merge_kwargs` counts as unset (None, "auto")."""
+    return {k: v for k, v in kwargs.items() if v is not None and v != "auto"}
 
 
 def _unnamed_developer(conversation: list[Any], template: str) -> bool:
@@ -289,7 +297,13 @@ def sglang_conversation(messages: list[Any], parts: bool) -> list[dict[str, Any]
     return [_sglang_message(_checked(m), parts) for m in messages]
 
 
-def sglang_kwargs(effort: Any) -> dict[str, Any]:
-    """The template arguments SGLang 0.5 makes of a reasoning effort: `reasoning_effort`, under
-    the client's own `chat_template_kwargs`."""
-    return {} if effort is None else {"reasoning_effort": effort}
+def sglang_kwargs(
+    given: Mapping[str, Any], effort: Any, defaults: Mapping[str, Any]
+) -> dict[str, Any]:
+    """The template arguments SGLang 0.5 passes: the client's `chat_template_kwargs`, the
+    server's `--default-chat-template-kwargs` filling the keys it left out, over
+    `reasoning_effort` (the request's, else those arguments' own)."""
+    kwargs = {**defaults, **given}
+    if effort is None:
+        effort = kwargs.get("reasoning_effort")
+    return {**({} if effort is None else {"reasoning_effort": effort}), **kwargs}

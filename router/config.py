@@ -370,6 +370,18 @@ class RouterConfig(_Strict):
     """Render a chat request's own `chat_template` (sandboxed Jinja, as the engine would).
     Off: such requests are refused with 400, as vLLM refuses them without its
     `--trust-request-chat-template`; turn both on together, for clients you trust."""
+    chat_template: str | None = Field(None, min_length=1)
+    """The chat template the engines were started with (`--chat-template` of vLLM and SGLang):
+    a file's path, or the Jinja text itself, read as vLLM 0.32 reads the flag. Unset: the
+    tokenizer folder's (chat_template.jinja, else tokenizer_config.json's)."""
+    chat_template_content_format: Literal["auto", "string", "openai"] = "auto"
+    """vLLM's `--chat-template-content-format`: message contents reach the template as one text
+    ("string") or as text parts ("openai"); "auto" detects it from the template as vLLM does.
+    SGLang has no such flag and always detects it."""
+    default_chat_template_kwargs: dict[str, Any] = Field(default_factory=dict)
+    """The engines' `--default-chat-template-kwargs` (e.g. `{enable_thinking: false}`):
+    template arguments a request's own `chat_template_kwargs` and reasoning effort override,
+    merged as each engine merges them."""
     index: IndexConfig = IndexConfig()
     max_model_len: int | None = Field(None, gt=0)
     """Longest prompt accepted (unset: ask the workers' /v1/models at start-up)."""
@@ -419,6 +431,14 @@ class RouterConfig(_Strict):
                     "it in its Origin header (no path, no trailing slash), or '*'"
                 )
         return origins
+
+    @field_validator("default_chat_template_kwargs")
+    @classmethod
+    def _template_defaults(cls, value: dict[str, Any]) -> dict[str, Any]:
+        taken = sorted({"messages", "tools"} & value.keys())
+        if taken:
+            raise ValueError(f"{', '.join(taken)}: each request sets these, not a default")
+        return value
 
     @field_validator("lora_adapters")
     @classmethod
@@ -507,6 +527,8 @@ CLI_FIELDS: dict[str, type] = {
     "control_token": str,
     "index_max_entries": int,
     "max_model_len": int,
+    "chat_template": str,
+    "chat_template_content_format": str,
 }
 """Fields settable by a `--flag` of the same name (dashes for underscores); top-level ones, and
 `index_max_entries` for `index.max_entries`."""

@@ -27,6 +27,8 @@ import jinja2
 from jinja2 import nodes
 
 ContentFormat = Literal["string", "openai"]
+ContentFormatOption = Literal["auto", "string", "openai"]
+"""vLLM's `--chat-template-content-format`: a format, or "auto" to detect it."""
 
 
 class _Unsure(Exception):

@@ -35,7 +35,7 @@ from router.chat_shape import (
     vllm_kwargs,
     vllm_tools,
 )
-from router.content_format import content_format, sglang_content_format
+from router.content_format import ContentFormatOption, content_format, sglang_content_format
 from router.token_cache import ChunkCache, Lineage, Partial
 
 _SPECIAL_NAMES = (
@@ -154,6 +154,27 @@ def _default_template(folder: Path, config: Mapping[str, Any]) -> str | None:
     return template if isinstance(template, str) else None
 
 
+def engine_template(value: str) -> str:
+    """The Jinja text of a `chat_template` setting, read as vLLM 0.32 reads `--chat-template`:
+    the file it names, else the text itself when it holds a brace or a newline."""
+    path = Path(value)
+    try:
+        named = path.is_file()
+    except (OSError, ValueError):  # a long or NUL-holding text is no file's name
+        named = False
+    if named:
+        try:
+            return path.read_text(encoding="utf-8")
+        except (OSError, ValueError) as exc:
+            raise TokenizerError(f"cannot read the chat template {path}: {exc}") from None
+    if any(c in value for c in "{}\n"):
+        return value
+    raise TokenizerError(
+        f"chat template {value!r} names no readable file (give the file's path: vLLM's "
+        "built-in template names are not known to the router)"
+    )
+
+
 def _model_vocab(folder: Path) -> int:
     """`vocab_size` of the model folder's config.json (0 when absent or unusable: the
     tokenizer's vocabulary then counts alone)."""
@@ -167,7 +188,17 @@ def _model_vocab(folder: Path) -> int:
 class RouterTokenizer:
     """The engine's tokenizer and chat template, loaded from a model folder."""
 
-    def __init__(self, folder: Path, cache_bytes: int = 32 << 20) -> None:
+    def __init__(
+        self,
+        folder: Path,
+        cache_bytes: int = 32 << 20,
+        *,
+        chat_template: str | None = None,
+        content_format: ContentFormatOption = "auto",
+        default_kwargs: Mapping[str, Any] | None = None,
+    ) -> None:
+        """`chat_template`, `content_format`, `default_kwargs`: the engines' `--chat-template`,
+        `--chat-template-content-format` and `--default-chat-template-kwargs` (`RouterConfig`)."""
         self.folder = Path(folder)
         try:
             self._tok = Tokenizer.from_file(str(self.folder / "tokenizer.json"))
@@ -178,15 +209,20 @@ class RouterTokenizer:
             name: text for name in _SPECIAL_NAMES if (text := _token_text(config.get(name)))
         }
         self._env = _environment()
-        source = _default_template(self.folder, config)
+        if chat_template is None:
+            source, origin = _default_template(self.folder, config), f"in {self.folder}"
+        else:
+            source, origin = engine_template(chat_template), "given"
         self._source = source or ""
+        self._format = content_format
+        self._defaults = dict(default_kwargs or {})
         self.engine: str | None = None
         """Whose chat rendering to follow where the engines differ: its workers' `/v1/models`
         `owned_by` ("vllm", "sglang"; None: vLLM 0.32's), set at start-up."""
         try:
             self._template = self._env.from_string(source) if source else None
         except jinja2.TemplateError as exc:
-            msg = f"the chat template in {self.folder} does not parse: {exc}"
+            msg = f"the chat template {origin} does not parse: {exc}"
             raise TokenizerError(msg) from None
         self.cache = ChunkCache(self._tok, cache_bytes)
         tokenizer_vocab = self._tok.get_vocab_size(with_added_tokens=True)
@@ -277,24 +313,23 @@ class RouterTokenizer:
             raise PromptError("'chat_template_kwargs' must be an object")
         continue_final = bool(body.get("continue_final_message", False))
         effort = body.get("reasoning_effort")
-        if self.engine == "sglang":
+        context: dict[str, Any] = {"documents": None, **self._special}
+        if self.engine == "sglang":  # SGLang 0.5 has no `documents` field: its kwargs' only
             parts = sglang_content_format(source, self._env) == "openai"
             conversation = sglang_conversation(messages, parts)
             tools = body.get("tools")
-            context = {**self._special, **sglang_kwargs(effort), **kwargs}
+            context.update(sglang_kwargs(kwargs, effort, self._defaults))
         else:
-            parts = content_format(source, self._env) == "openai"
-            conversation = vllm_conversation(messages, source, parts)
+            fmt = content_format(source, self._env) if self._format == "auto" else self._format
+            conversation = vllm_conversation(messages, source, fmt == "openai")
             tools = vllm_tools(body.get("tools"))
-            context = {**self._special, **kwargs, **vllm_kwargs(effort, kwargs)}
+            context.update(vllm_kwargs(kwargs, effort, body.get("documents"), self._defaults))
         context["add_generation_prompt"] = bool(
             body.get("add_generation_prompt", not continue_final)
         )
         context["continue_final_message"] = continue_final
         try:
-            rendered = template.render(
-                messages=conversation, tools=tools, documents=body.get("documents"), **context
-            )
+            rendered = template.render(messages=conversation, tools=tools, **context)
         except Exception as exc:  # template code is the request's data: any error is a 400
             raise PromptError(f"chat template error: {type(exc).__name__}: {exc}") from None
         if continue_final:  # transformers strips the end-of-turn after the final message

@@ -107,6 +107,33 @@ def test_engines_that_trust_request_chat_templates_make_the_router_trust_them(
         assert config.trust_request_chat_template is trusted
 
 
+def test_the_engines_chat_template_flags_reach_the_router(model_dir: str, tmp_path: Path) -> None:
+    """`--chat-template`, `--chat-template-content-format` and `--default-chat-template-kwargs`
+    in the pools' `engine_args` become the router's settings (a file's path made absolute), so
+    it renders chats as the engines do; pools that disagree, or kwargs that are not JSON, are a
+    `PlanError` before anything starts."""
+    template = tmp_path / "chat.jinja"
+    template.write_text("{{ messages }}")
+    flags = [f"--chat-template={template}", "--chat-template-content-format", "openai",
+             "--default-chat-template-kwargs", '{"enable_thinking": false}']  # fmt: skip
+    spec = wp.DisaggEngine(model=model_dir, backend="vllm", kv_transfer="nixl",
+                           prefill=wp.Pool("cpu", engine_args=flags),
+                           decode=wp.Pool("cpu", engine_args=flags))  # fmt: skip
+    config = RouterConfig.model_validate(make_plan(spec, BINS, tmp_path).router_config)
+    assert (config.chat_template, config.chat_template_content_format) == (str(template), "openai")
+    assert config.default_chat_template_kwargs == {"enable_thinking": False}
+    plain_plan = make_plan(wp.Engine(model=model_dir), BINS, tmp_path)
+    plain = RouterConfig.model_validate(plain_plan.router_config)
+    assert plain.chat_template is None and plain.default_chat_template_kwargs == {}
+    split = spec.model_copy(update={"decode": wp.Pool("cpu")})
+    with pytest.raises(PlanError, match="chat-template flags differently .*decode: none"):
+        make_plan(split, BINS, tmp_path)
+    bad = wp.Engine(model=model_dir, pool=wp.Pool(
+        "cpu", engine_args=["--default-chat-template-kwargs", "{x"]))  # fmt: skip
+    with pytest.raises(PlanError, match="--default-chat-template-kwargs"):
+        make_plan(bad, BINS, tmp_path)
+
+
 def test_a_pool_that_binds_its_own_threads_is_not_confined(model_dir: str, tmp_path: Path) -> None:
     spec = wp.Engine(model=model_dir, pool=wp.Pool("cpu", env={"VLLM_CPU_OMP_THREADS_BIND": "0-1"}))
     (engine,) = make_plan(spec, BINS, tmp_path, cpu_cores=2).engines

@@ -31,6 +31,12 @@ _BLOCK = {"cpu": 32, "gpu": 16}
 """Engine block (page) size without LMCache; vLLM 0.32's CPU attention needs a multiple of 32."""
 _CPU_BIND = "VLLM_CPU_OMP_THREADS_BIND"
 _TRUST_TEMPLATE = "--trust-request-chat-template"
+_TEMPLATE_FLAGS = {
+    "--chat-template": "chat_template",
+    "--chat-template-content-format": "chat_template_content_format",
+    "--default-chat-template-kwargs": "default_chat_template_kwargs",
+}
+"""Engine flags that change how a chat renders, and the router settings that follow them."""
 
 
 class PlanError(ValueError):
@@ -209,6 +215,7 @@ def make_plan(
         _TRUST_TEMPLATE in p.engine_args for p in spec.pools.values()
     ):  # the engines render a request's own chat template: the router must too, to key it
         config["trust_request_chat_template"] = True
+    config.update(_chat_settings(spec))
     if spec.routing.tier_policy is not None:
         config["tiering"] = {
             "policy": {"name": spec.routing.tier_policy, "knobs": spec.routing.tier_policy_knobs},
@@ -220,6 +227,41 @@ def make_plan(
         f"http://{at.host('router')}:{port}",
     )  # fmt: skip
     return Plan(services, router, engines, config, token, files)
+
+
+def _flag_values(args: list[str]) -> dict[str, str]:
+    """The values `args` give the chat-template flags (`--flag value` or `--flag=value`; the
+    last one counts, as the engines' argparse takes it), under the router's setting names."""
+    out: dict[str, str] = {}
+    for i, arg in enumerate(args):
+        flag, eq, value = arg.partition("=")
+        if flag in _TEMPLATE_FLAGS and (eq or i + 1 < len(args)):
+            out[_TEMPLATE_FLAGS[flag]] = value if eq else args[i + 1]
+    return out
+
+
+def _chat_settings(spec: Deployment) -> dict[str, Any]:
+    """The router settings for the chat-template flags in the pools' `engine_args`: one router
+    renders every pool's chats, so the pools must agree on them."""
+    found = {name: _flag_values(pool.engine_args) for name, pool in spec.pools.items()}
+    if len({json.dumps(v, sort_keys=True) for v in found.values()}) > 1:
+        shown = "; ".join(f"{name}: {' '.join(map(str, v.values())) or 'none'}"
+                          for name, v in found.items())  # fmt: skip
+        raise PlanError(
+            f"the pools' engine_args set the chat-template flags differently ({shown}): the "
+            "router renders every pool's chats with one template, so give each pool the same"
+        )
+    settings: dict[str, Any] = dict(next(iter(found.values()), {}))
+    if "default_chat_template_kwargs" in settings:
+        try:
+            settings["default_chat_template_kwargs"] = json.loads(
+                settings["default_chat_template_kwargs"]
+            )
+        except ValueError as exc:
+            raise PlanError(f"engine_args: --default-chat-template-kwargs: {exc}") from None
+    if "chat_template" in settings and Path(settings["chat_template"]).is_file():
+        settings["chat_template"] = str(Path(settings["chat_template"]).resolve())
+    return settings
 
 
 @dataclass(frozen=True)

@@ -7,20 +7,27 @@ vLLM hands the template its pydantic dump of the tools (nulls for unset fields),
 assistant tool call's `arguments` parsed into an object, and `developer` messages as `system`
 ones merged into the first; the router rendered the client's dicts, the JSON string and the
 `developer` role, so its prompt left the engine's at the tools block, at the first tool call
-and at the first developer message."""
+and at the first developer message.
+
+A second `vllm serve`, started with `--chat-template`, `--chat-template-content-format` and
+`--default-chat-template-kwargs`, checks the router's settings of the same names: its
+`/tokenize` and the router's parity probe against a router given them, and given none."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 from collections.abc import Iterator
 from importlib import resources
 from pathlib import Path
 from typing import Any
 
+import aiohttp
 import pytest
 from conftest import complete, engine, start_all
 
 from router.content_format import content_format
+from router.parity import Probes, check
 from router.responses import chat_view
 from router.tokenize import RouterTokenizer
 from warply.launch import VllmServer, http_json
@@ -252,3 +259,68 @@ def test_a_template_that_reads_content_parts_gets_them_as_vllm_passes_them(
     status, want = http_json("POST", server.url + "/tokenize", {"model": "tiny", **body})
     assert status == 200, want
     assert RouterTokenizer(Path(tiny_model)).chat_tokens(body) == want["tokens"]
+
+
+ENGINE_TEMPLATE = (
+    "{% if house is defined %}<house>{{ house }}</house>{% endif %}"
+    "{% if enable_thinking is defined %}<think>{{ enable_thinking }}</think>{% endif %}" + TEMPLATE
+)
+ENGINE_DEFAULTS: dict[str, Any] = {"house": "acme", "enable_thinking": False}
+
+
+@pytest.fixture(scope="module")
+def flagged(tiny_model: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
+    """A `vllm serve` started with the three flags that change how it renders a chat:
+    `--chat-template`, `--chat-template-content-format openai` (the template prints
+    `m['content']`, which `auto` reads as a string) and `--default-chat-template-kwargs`."""
+    logs = tmp_path_factory.mktemp("engine-template")
+    template = logs / "engine.jinja"
+    template.write_text(ENGINE_TEMPLATE)
+    args = ["--chat-template", str(template), "--chat-template-content-format", "openai",
+            "--default-chat-template-kwargs", json.dumps(ENGINE_DEFAULTS)]  # fmt: skip
+    vllm = engine(tiny_model, logs / "vllm.log", extra_args=args)
+    start_all([vllm])
+    settings = {"chat_template": str(template), "content_format": "openai",
+                "default_kwargs": ENGINE_DEFAULTS}  # fmt: skip
+    yield {"server": vllm, "settings": settings}
+    vllm.stop()
+
+
+def test_the_engines_template_flags_are_followed(
+    flagged: dict[str, Any], tiny_model: str
+) -> None:
+    """The router given the engine's three settings tokenizes its chats as the engine does
+    (the request's own kwargs over the defaults; None counts as unset); without any one of
+    them, it does not."""
+    server, settings = flagged["server"], flagged["settings"]
+    tok = RouterTokenizer(Path(tiny_model), **settings)
+    partial = [RouterTokenizer(Path(tiny_model), **{**settings, drop: None})
+               for drop in ("chat_template", "default_kwargs")]  # fmt: skip
+    partial.append(RouterTokenizer(Path(tiny_model), **{**settings, "content_format": "auto"}))
+    for kwargs in ({}, {"house": "beta"}, {"house": None}):
+        body = {"model": "tiny", "messages": TOOL_CHAT, "tools": TOOLS,
+                "chat_template_kwargs": kwargs}  # fmt: skip
+        status, want = http_json("POST", server.url + "/tokenize", body)
+        assert status == 200, want
+        assert tok.chat_tokens(body) == want["tokens"], tok.render_chat(body)
+        for other in partial:
+            assert other.chat_tokens(body) != want["tokens"]
+    # an effort turns thinking on over the default, as vLLM merges them
+    body = {"messages": TOOL_CHAT[:1] * 9, "reasoning_effort": "high", "max_tokens": 1}
+    _engine_agrees(server, tok.chat_tokens(body), "/v1/chat/completions", body)
+
+
+def test_the_parity_probe_passes_only_with_the_engines_settings(
+    flagged: dict[str, Any], tiny_model: str
+) -> None:
+    """What a router would log at start-up: its chat probe matches the engine's with the
+    settings given (`ok`), and is a `mismatch` (the workers put in fallback) without them."""
+    server, settings = flagged["server"], flagged["settings"]
+
+    async def probe(tok: RouterTokenizer) -> tuple[str, str]:
+        async with aiohttp.ClientSession() as session:
+            return await check(session, server.url, Probes.build(tok, "tiny"))
+
+    assert asyncio.run(probe(RouterTokenizer(Path(tiny_model), **settings))) == ("ok", "")
+    result, where = asyncio.run(probe(RouterTokenizer(Path(tiny_model))))
+    assert result == "mismatch" and where.startswith("chat probe"), where

@@ -1,0 +1,158 @@
+"""The engines' own chat-template flags at the router: `chat_template` (`--chat-template`),
+`chat_template_content_format` and `default_chat_template_kwargs`. Engines started with them
+render chats their own way; a router left on the tokenizer folder's template rendered another
+prompt, so every chat missed the cache (its parity probe then put the workers in fallback).
+Real vLLM: tests/vllm/test_chat_parity.py (an engine started with all three flags)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+from test_router_api import tokenizer_dir
+
+from router.config import ConfigError, load_config
+from router.tokenize import RouterTokenizer, TokenizerError, engine_template
+
+ROOT = Path(__file__).resolve().parents[1]
+__all__ = ["tokenizer_dir"]
+TEMPLATE = (
+    "{% for m in messages %}[{{ m['role'] }}:{{ m['content'] }}]{% endfor %}"
+    "<{{ house | default('-') }}|{{ enable_thinking | default('-') }}|"
+    "{{ reasoning_effort | default('-') }}|{{ documents | default('-') }}>"
+)
+CHAT: dict[str, Any] = {"messages": [{"role": "user", "content": "hi"}],
+                        "add_generation_prompt": False}  # fmt: skip
+
+
+def _tok(folder: Path, engine: str | None = None, **settings: Any) -> RouterTokenizer:
+    tok = RouterTokenizer(folder, chat_template=TEMPLATE, **settings)
+    tok.engine = engine
+    return tok
+
+
+def test_the_setting_is_a_file_or_the_template_itself(tmp_path: Path) -> None:
+    """As vLLM 0.32's `load_chat_template`: a readable file is read; text with a brace or a
+    newline that names no file is the template; anything else is a missing file, named."""
+    path = tmp_path / "chat.jinja"
+    path.write_text(TEMPLATE)
+    assert engine_template(str(path)) == TEMPLATE
+    assert engine_template(TEMPLATE) == TEMPLATE
+    assert engine_template("plain\ntext") == "plain\ntext"
+    for missing in (str(tmp_path / "nope.jinja"), "tool_chat_template_llama.jinja", str(tmp_path)):
+        with pytest.raises(TokenizerError, match="names no readable file"):
+            engine_template(missing)
+    path.write_bytes(b"\xff{{ x }}")
+    with pytest.raises(TokenizerError, match="cannot read the chat template"):
+        engine_template(str(path))
+
+
+def test_the_given_template_replaces_the_folders(tokenizer_dir: Path) -> None:
+    default = RouterTokenizer(tokenizer_dir).render_chat(CHAT)
+    given = _tok(tokenizer_dir).render_chat(CHAT)
+    assert given == "[user:hi]<-|-|-|None>" and given != default
+    with pytest.raises(TokenizerError, match="the chat template given does not parse"):
+        RouterTokenizer(tokenizer_dir, chat_template="{% for %}")
+
+
+def test_a_content_format_given_overrides_the_detected_one(tokenizer_dir: Path) -> None:
+    """`--chat-template-content-format openai` hands a template that prints `content` the
+    parts, which auto-detection (no loop over the content) would not."""
+    body = {**CHAT, "messages": [{"role": "user", "content": [{"type": "text", "text": "a"}]}]}
+    assert _tok(tokenizer_dir).render_chat(body).startswith("[user:a]")
+    parts = _tok(tokenizer_dir, content_format="openai").render_chat(body)
+    assert parts.startswith("[user:[{'type': 'text', 'text': 'a'}]]"), parts
+    # SGLang has no such flag: it detects the format whatever the router is told
+    sglang = _tok(tokenizer_dir, "sglang", content_format="openai").render_chat(body)
+    assert sglang.startswith("[user:a]"), sglang
+
+
+@pytest.mark.parametrize(
+    ("request_fields", "vllm", "sglang"),
+    [
+        ({}, "<acme|False|-|None>", "<acme|False|-|None>"),
+        ({"chat_template_kwargs": {"house": "beta"}}, "<beta|False|-|None>",
+         "<beta|False|-|None>"),
+        # vLLM counts None and "auto" as unset once it has defaults; SGLang keeps the value
+        ({"chat_template_kwargs": {"house": None}}, "<acme|False|-|None>", "<None|False|-|None>"),
+        ({"chat_template_kwargs": {"house": "auto"}}, "<acme|False|-|None>",
+         "<auto|False|-|None>"),
+        # an effort turns thinking on in vLLM, over the default; SGLang passes the effort only
+        ({"reasoning_effort": "high"}, "<acme|True|high|None>", "<acme|False|high|None>"),
+        ({"reasoning_effort": "none"}, "<acme|False|none|None>", "<acme|False|none|None>"),
+        ({"chat_template_kwargs": {"documents": ["d"]}}, "<acme|False|-|['d']>",
+         "<acme|False|-|['d']>"),
+        # SGLang has no `documents` field
+        ({"documents": ["e"]}, "<acme|False|-|['e']>", "<acme|False|-|None>"),
+    ],
+)  # fmt: skip
+def test_default_kwargs_merge_as_each_engine_merges_them(
+    tokenizer_dir: Path, request_fields: dict[str, Any], vllm: str, sglang: str
+) -> None:
+    defaults = {"house": "acme", "enable_thinking": False}
+    body = {**CHAT, **request_fields}
+    assert _tok(tokenizer_dir, default_kwargs=defaults).render_chat(body).endswith(vllm)
+    assert _tok(tokenizer_dir, "sglang", default_kwargs=defaults).render_chat(body).endswith(
+        sglang
+    )
+
+
+def test_an_effort_among_sglang_defaults_wins_as_the_clients_kwargs_would(
+    tokenizer_dir: Path,
+) -> None:
+    """SGLang 0.5 copies its defaults into the request's `chat_template_kwargs`, which it lays
+    over the request's `reasoning_effort`: a default effort is rendered even when a request
+    names another (vLLM lets the request's win)."""
+    defaults = {"reasoning_effort": "low"}
+    tok = _tok(tokenizer_dir, "sglang", default_kwargs=defaults)
+    assert tok.render_chat(CHAT).endswith("<-|-|low|None>")
+    assert tok.render_chat({**CHAT, "reasoning_effort": "high"}).endswith("<-|-|low|None>")
+    vllm = _tok(tokenizer_dir, default_kwargs=defaults)
+    assert vllm.render_chat({**CHAT, "reasoning_effort": "high"}).endswith("<-|True|high|None>")
+
+
+def test_the_settings_are_validated(tmp_path: Path, tokenizer_dir: Path) -> None:
+    worker = {"name": "w", "url": "http://h:1"}
+    base = {"model": "m", "tokenizer": str(tokenizer_dir),
+            "pools": [{"name": "p", "block_size": 16, "workers": [worker]}]}  # fmt: skip
+    config = load_config(None, {**base, "chat_template": TEMPLATE,
+                                "default_chat_template_kwargs": {"house": "x"}})  # fmt: skip
+    assert config.chat_template == TEMPLATE and config.chat_template_content_format == "auto"
+    for bad, field in (
+        ({"chat_template_content_format": "parts"}, "chat_template_content_format"),
+        ({"default_chat_template_kwargs": {"tools": []}}, "each request sets these"),
+        ({"default_chat_template_kwargs": ["x"]}, "default_chat_template_kwargs"),
+        ({"chat_template": ""}, "chat_template"),
+    ):
+        with pytest.raises(ConfigError, match=field):
+            load_config(None, {**base, **bad})
+
+
+def _router_cli(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "router", *args],
+        capture_output=True, text=True, cwd=ROOT, timeout=60, check=False,
+    )  # fmt: skip
+
+
+def test_the_flags_mirror_the_engines(tmp_path: Path, tokenizer_dir: Path) -> None:
+    """`--chat-template`, `--chat-template-content-format` and
+    `--default-chat-template-kwargs` as vLLM spells them; a bad one is one line and exit 2."""
+    path = tmp_path / "chat.jinja"
+    path.write_text(TEMPLATE)
+    common = ["--model", "m", "--tokenizer", str(tokenizer_dir), "--worker", "http://h:1",
+              "--block-size", "16", "--check"]  # fmt: skip
+    ok = _router_cli(*common, "--chat-template", str(path), "--chat-template-content-format",
+                     "openai", "--default-chat-template-kwargs", '{"house": "x"}')  # fmt: skip
+    assert ok.returncode == 0, ok.stderr
+    for flags, message in (
+        (["--chat-template", str(tmp_path / "gone.jinja")], "names no readable file"),
+        (["--default-chat-template-kwargs", "{house"], "--default-chat-template-kwargs is not"),
+        (["--chat-template-content-format", "parts"], "chat_template_content_format"),
+    ):
+        out = _router_cli(*common, *flags)
+        assert out.returncode == 2 and message in out.stderr, out.stderr
+        assert "Traceback" not in out.stderr
