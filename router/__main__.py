@@ -147,6 +147,12 @@ def _parser() -> argparse.ArgumentParser:
         const=True,
         help=_field_help("trust_request_chat_template"),
     )
+    ap.add_argument(
+        "--exclude-tools-when-tool-choice-none",
+        action="store_const",
+        const=True,
+        help=_field_help("exclude_tools_when_tool_choice_none"),
+    )
     ap.add_argument("--block-size", type=int, help="block size of the --worker pool")
     ap.add_argument("--kv-bytes-per-token", type=int, default=0, help="for bytes-cached metrics")
     ap.add_argument(
@@ -171,8 +177,9 @@ def config_from_args(args: argparse.Namespace) -> RouterConfig:
     overrides: dict[str, Any] = {name: getattr(args, name) for name in CLI_FIELDS}
     if args.lora_adapter:
         overrides["lora_adapters"] = args.lora_adapter
-    if args.trust_request_chat_template:
-        overrides["trust_request_chat_template"] = True
+    for flag in ("trust_request_chat_template", "exclude_tools_when_tool_choice_none"):
+        if getattr(args, flag):
+            overrides[flag] = True
     if args.cors_allowed_origin:
         overrides["cors_allowed_origins"] = args.cors_allowed_origin
     if args.worker:

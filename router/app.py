@@ -84,6 +84,7 @@ class Router:
             chat_template=config.chat_template,
             content_format=config.chat_template_content_format,
             default_kwargs=config.default_chat_template_kwargs,
+            exclude_tools_when_none=config.exclude_tools_when_tool_choice_none,
         )
         self.tokenizer = tokenizer
         """The engine's tokenizer and chat template (its `engine` set from the cards)."""

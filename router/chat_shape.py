@@ -264,6 +264,50 @@ def _sglang_call(call: Any, parse: bool) -> dict[str, Any]:
             "function": {"name": function.get("name"), "arguments": arguments}}  # fmt: skip
 
 
+_SGLANG_FUNCTION = ("description", "name", "parameters", "strict", "defer_loading")
+"""`Function`'s fields in their order (SGLang 0.5)."""
+
+
+def _sglang_tool(tool: Any) -> Any:
+    """A tool as SGLang 0.5's `Tool` dumps it: `type`, `function`, `defer_loading` (null when
+    unset). Its function keeps the fields the client gave in the client's order, then the rest
+    in field order (`description` and `parameters` null when unset; `strict` and
+    `defer_loading` only when set, the tool's own `defer_loading` copied in when the function
+    has none); other keys dropped. Anything else is left as it came (the engine refuses it)."""
+    if not isinstance(tool, Mapping) or not isinstance(tool.get("function"), Mapping):
+        return tool
+    fn, defer = tool["function"], tool.get("defer_loading")
+    fields = {key: fn.get(key) for key in _SGLANG_FUNCTION}
+    if fields["defer_loading"] is None:
+        fields["defer_loading"] = defer
+    for key in ("strict", "defer_loading"):
+        if fields[key] is None:
+            del fields[key]
+    order = [k for k in fn if k in fields] + [k for k in fields if k not in fn]
+    return {"type": tool.get("type", "function"), "function": {k: fields[k] for k in order},
+            "defer_loading": defer}  # fmt: skip
+
+
+def _function_name(item: Mapping[str, Any]) -> Any:
+    function = item.get("function")
+    return function.get("name") if isinstance(function, Mapping) else None
+
+
+def sglang_tools(body: Mapping[str, Any]) -> Any:
+    """The tools SGLang 0.5 hands a chat's template (`_process_messages`): none when
+    `tool_choice` is "none" (its default without tools); for a named `tool_choice`, the tools
+    of that name (none when no tool has it); else every tool; each as `Tool` dumps it."""
+    tools, choice = body.get("tools"), body.get("tool_choice")
+    if not isinstance(tools, list) or not tools or choice == "none":
+        return None
+    if isinstance(choice, Mapping):
+        name = _function_name(choice)
+        tools = [t for t in tools if isinstance(t, Mapping) and _function_name(t) == name]
+        if not tools:
+            return None
+    return [_sglang_tool(t) for t in tools]
+
+
 def _sglang_message(m: Mapping[str, Any], parts: bool) -> dict[str, Any]:
     """One message as SGLang 0.5 hands it to the template: its pydantic dump (known fields
     only), no content as "", text parts joined by spaces (its "string" format) or kept as
@@ -275,6 +319,8 @@ def _sglang_message(m: Mapping[str, Any], parts: bool) -> dict[str, Any]:
         value = m.get(key)
         if key == "tool_calls" and isinstance(value, list):
             value = [_sglang_call(c, parse=role == "assistant") for c in value]
+        elif key == "tools" and isinstance(value, list):
+            value = [_sglang_tool(t) for t in value]
         out[key] = value
     content = out["content"]
     if content is None:

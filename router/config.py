@@ -378,6 +378,9 @@ class RouterConfig(_Strict):
     """vLLM's `--chat-template-content-format`: message contents reach the template as one text
     ("string") or as text parts ("openai"); "auto" detects it from the template as vLLM does.
     SGLang has no such flag and always detects it."""
+    exclude_tools_when_tool_choice_none: bool = False
+    """vLLM's `--exclude-tools-when-tool-choice-none`: a chat or response whose `tool_choice`
+    is "none" reaches the template without its tools (SGLang always leaves them out then)."""
     default_chat_template_kwargs: dict[str, Any] = Field(default_factory=dict)
     """The engines' `--default-chat-template-kwargs` (e.g. `{enable_thinking: false}`):
     template arguments a request's own `chat_template_kwargs` and reasoning effort override,

@@ -227,7 +227,7 @@ def chat_view(body: Mapping[str, Any], engine: str | None = None) -> dict[str, A
             return None
         view["reasoning_effort"] = reasoning.get("effort")
     view["messages"] = messages + items
-    for field in ("model", "cache_salt", "chat_template_kwargs"):
+    for field in ("model", "cache_salt", "chat_template_kwargs", "tool_choice"):
         if field in body:
             view[field] = body[field]
     return view

@@ -31,6 +31,7 @@ from router.chat_shape import (
     PromptError,
     sglang_conversation,
     sglang_kwargs,
+    sglang_tools,
     vllm_conversation,
     vllm_kwargs,
     vllm_tools,
@@ -196,9 +197,11 @@ class RouterTokenizer:
         chat_template: str | None = None,
         content_format: ContentFormatOption = "auto",
         default_kwargs: Mapping[str, Any] | None = None,
+        exclude_tools_when_none: bool = False,
     ) -> None:
-        """`chat_template`, `content_format`, `default_kwargs`: the engines' `--chat-template`,
-        `--chat-template-content-format` and `--default-chat-template-kwargs` (`RouterConfig`)."""
+        """The keywords are the engines' `--chat-template`, `--chat-template-content-format`,
+        `--default-chat-template-kwargs` and `--exclude-tools-when-tool-choice-none`
+        (`RouterConfig`)."""
         self.folder = Path(folder)
         try:
             self._tok = Tokenizer.from_file(str(self.folder / "tokenizer.json"))
@@ -216,6 +219,7 @@ class RouterTokenizer:
         self._source = source or ""
         self._format = content_format
         self._defaults = dict(default_kwargs or {})
+        self._exclude_tools = exclude_tools_when_none
         self.engine: str | None = None
         """Whose chat rendering to follow where the engines differ: its workers' `/v1/models`
         `owned_by` ("vllm", "sglang"; None: vLLM 0.32's), set at start-up."""
@@ -317,12 +321,13 @@ class RouterTokenizer:
         if self.engine == "sglang":  # SGLang 0.5 has no `documents` field: its kwargs' only
             parts = sglang_content_format(source, self._env) == "openai"
             conversation = sglang_conversation(messages, parts)
-            tools = body.get("tools")
+            tools = sglang_tools(body)
             context.update(sglang_kwargs(kwargs, effort, self._defaults))
         else:
             fmt = content_format(source, self._env) if self._format == "auto" else self._format
             conversation = vllm_conversation(messages, source, fmt == "openai")
-            tools = vllm_tools(body.get("tools"))
+            excluded = self._exclude_tools and body.get("tool_choice") == "none"
+            tools = None if excluded else vllm_tools(body.get("tools"))
             context.update(vllm_kwargs(kwargs, effort, body.get("documents"), self._defaults))
         context["add_generation_prompt"] = bool(
             body.get("add_generation_prompt", not continue_final)

@@ -25,7 +25,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from tokenizers import Tokenizer, models, pre_tokenizers, processors, trainers
 
 from router.app import Router
-from router.chat_shape import PromptError, has_media, vllm_tools
+from router.chat_shape import PromptError, has_media, sglang_tools, vllm_tools
 from router.config import RouterConfig
 from router.index import MemoryStore, PrefixIndex
 from router.placement import Placement
@@ -1217,7 +1217,7 @@ def test_tools_reach_the_template_as_vllm_dumps_them(tokenizer_dir: Path) -> Non
     """vLLM 0.32 hands the template its pydantic dump of each tool (nulls for an unset
     description or parameters, `strict` / `defer_loading` only when set, other keys dropped):
     the router renders a vLLM fleet's tool chats with that (real vLLM:
-    tests/vllm/test_chat_parity.py), an SGLang fleet's with the client's dicts."""
+    tests/vllm/test_chat_parity.py), an SGLang fleet's with SGLang's own dump."""
     tools = [
         {"type": "function", "cache": "x", "defer_loading": True,
          "function": {"parameters": {"type": "object"}, "name": "f", "colour": "red"}},
@@ -1236,7 +1236,7 @@ def test_tools_reach_the_template_as_vllm_dumps_them(tokenizer_dir: Path) -> Non
     ]
     assert vllm_tools("x") == "x" and vllm_tools([{"type": "function"}]) == [{"type": "function"}]
 
-    async def scenario(card: bytes | None, shaped: bool) -> None:
+    async def scenario(card: bytes | None, vllm: bool) -> None:
         engine = FakeEngine("a", max_model_len=4096, models=card)
         async with running(tokenizer_dir, [engine], trust_request_chat_template=True) as (
             router, *_,
@@ -1244,14 +1244,13 @@ def test_tools_reach_the_template_as_vllm_dumps_them(tokenizer_dir: Path) -> Non
             body = {"messages": [{"role": "user", "content": "hi"}], "tools": tools,
                     "chat_template": "{{ tools | tojson }}{{ messages[0]['content'] }}"}
             tokens, _, _ = await router.proxy.tokens(dict(body), "chat")
-            as_given = RouterTokenizer(tokenizer_dir)
-            as_given.engine = "sglang"  # renders the tools it is given
-            want = {**body, "tools": vllm_tools(tools) if shaped else tools}
-            assert tokens == as_given.chat_tokens(want)
+            dump = vllm_tools(tools) if vllm else sglang_tools(body)
+            text = json.dumps(dump, ensure_ascii=False) + "hi"
+            assert tokens == RouterTokenizer(tokenizer_dir).whole(text, False)
 
-    _run(scenario(None, shaped=True))  # vLLM's card, or none: vLLM's dump
+    _run(scenario(None, vllm=True))  # vLLM's card, or none: vLLM's dump
     sglang = b'{"data": [{"id": "m", "max_model_len": 4096, "owned_by": "sglang"}]}'
-    _run(scenario(sglang, shaped=False))
+    _run(scenario(sglang, vllm=False))  # SGLang's own (tests/sglang/test_chat_shape.py)
 
 
 def test_developer_messages_render_as_vllm_renders_them(tokenizer_dir: Path) -> None:

@@ -1,8 +1,9 @@
 """The engines' own chat-template flags at the router: `chat_template` (`--chat-template`),
-`chat_template_content_format` and `default_chat_template_kwargs`. Engines started with them
-render chats their own way; a router left on the tokenizer folder's template rendered another
-prompt, so every chat missed the cache (its parity probe then put the workers in fallback).
-Real vLLM: tests/vllm/test_chat_parity.py (an engine started with all three flags)."""
+`chat_template_content_format`, `default_chat_template_kwargs` and
+`exclude_tools_when_tool_choice_none`. Engines started with them render chats their own way;
+a router left on the tokenizer folder's template rendered another prompt, so every chat missed
+the cache (its parity probe then put the workers in fallback). Real vLLM:
+tests/vllm/test_chat_parity.py (an engine started with all four flags)."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ import pytest
 from test_router_api import tokenizer_dir
 
 from router.config import ConfigError, load_config
+from router.responses import chat_view
 from router.tokenize import RouterTokenizer, TokenizerError, engine_template
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -114,6 +116,29 @@ def test_an_effort_among_sglang_defaults_wins_as_the_clients_kwargs_would(
     assert vllm.render_chat({**CHAT, "reasoning_effort": "high"}).endswith("<-|True|high|None>")
 
 
+def test_tools_are_left_out_for_tool_choice_none_as_the_engines_leave_them(
+    tokenizer_dir: Path,
+) -> None:
+    """vLLM with `--exclude-tools-when-tool-choice-none` (a chat, or a response's chat) and
+    SGLang always: a request whose `tool_choice` is "none" reaches the template without its
+    tools; vLLM without the flag renders them."""
+    template = "{% if tools %}<tools>{{ tools | length }}{% endif %}" + TEMPLATE
+    tool = {"type": "function", "function": {"name": "f"}}
+    chat = {**CHAT, "tools": [tool], "tool_choice": "none"}
+    response = {"input": "hi", "tools": [{"type": "function", "name": "f"}], "tool_choice": "none"}
+    for engine, exclude, printed in ((None, False, True), (None, True, False),
+                                     ("sglang", False, False)):  # fmt: skip
+        tok = RouterTokenizer(tokenizer_dir, chat_template=template,
+                              exclude_tools_when_none=exclude)  # fmt: skip
+        tok.engine = engine
+        assert tok.render_chat(chat).startswith("<tools>1") is printed
+        assert tok.render_chat({**chat, "tool_choice": "auto"}).startswith("<tools>1")
+        if engine is None:
+            view = chat_view(response)
+            assert view is not None
+            assert tok.render_chat(view).startswith("<tools>1") is printed
+
+
 def test_the_settings_are_validated(tmp_path: Path, tokenizer_dir: Path) -> None:
     worker = {"name": "w", "url": "http://h:1"}
     base = {"model": "m", "tokenizer": str(tokenizer_dir),
@@ -139,14 +164,16 @@ def _router_cli(*args: str) -> subprocess.CompletedProcess[str]:
 
 
 def test_the_flags_mirror_the_engines(tmp_path: Path, tokenizer_dir: Path) -> None:
-    """`--chat-template`, `--chat-template-content-format` and
-    `--default-chat-template-kwargs` as vLLM spells them; a bad one is one line and exit 2."""
+    """`--chat-template`, `--chat-template-content-format`, `--default-chat-template-kwargs`
+    and `--exclude-tools-when-tool-choice-none` as vLLM spells them; a bad one is one line and
+    exit 2."""
     path = tmp_path / "chat.jinja"
     path.write_text(TEMPLATE)
     common = ["--model", "m", "--tokenizer", str(tokenizer_dir), "--worker", "http://h:1",
               "--block-size", "16", "--check"]  # fmt: skip
     ok = _router_cli(*common, "--chat-template", str(path), "--chat-template-content-format",
-                     "openai", "--default-chat-template-kwargs", '{"house": "x"}')  # fmt: skip
+                     "openai", "--default-chat-template-kwargs", '{"house": "x"}',
+                     "--exclude-tools-when-tool-choice-none")  # fmt: skip
     assert ok.returncode == 0, ok.stderr
     for flags, message in (
         (["--chat-template", str(tmp_path / "gone.jinja")], "names no readable file"),

@@ -115,16 +115,19 @@ def test_the_engines_chat_template_flags_reach_the_router(model_dir: str, tmp_pa
     template = tmp_path / "chat.jinja"
     template.write_text("{{ messages }}")
     flags = [f"--chat-template={template}", "--chat-template-content-format", "openai",
-             "--default-chat-template-kwargs", '{"enable_thinking": false}']  # fmt: skip
+             "--default-chat-template-kwargs", '{"enable_thinking": false}',
+             "--exclude-tools-when-tool-choice-none"]  # fmt: skip
     spec = wp.DisaggEngine(model=model_dir, backend="vllm", kv_transfer="nixl",
                            prefill=wp.Pool("cpu", engine_args=flags),
                            decode=wp.Pool("cpu", engine_args=flags))  # fmt: skip
     config = RouterConfig.model_validate(make_plan(spec, BINS, tmp_path).router_config)
     assert (config.chat_template, config.chat_template_content_format) == (str(template), "openai")
     assert config.default_chat_template_kwargs == {"enable_thinking": False}
+    assert config.exclude_tools_when_tool_choice_none
     plain_plan = make_plan(wp.Engine(model=model_dir), BINS, tmp_path)
     plain = RouterConfig.model_validate(plain_plan.router_config)
     assert plain.chat_template is None and plain.default_chat_template_kwargs == {}
+    assert not plain.exclude_tools_when_tool_choice_none
     split = spec.model_copy(update={"decode": wp.Pool("cpu")})
     with pytest.raises(PlanError, match="chat-template flags differently .*decode: none"):
         make_plan(split, BINS, tmp_path)

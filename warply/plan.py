@@ -37,6 +37,7 @@ _TEMPLATE_FLAGS = {
     "--default-chat-template-kwargs": "default_chat_template_kwargs",
 }
 """Engine flags that change how a chat renders, and the router settings that follow them."""
+_EXCLUDE_TOOLS = "--exclude-tools-when-tool-choice-none"
 
 
 class PlanError(ValueError):
@@ -229,14 +230,17 @@ def make_plan(
     return Plan(services, router, engines, config, token, files)
 
 
-def _flag_values(args: list[str]) -> dict[str, str]:
-    """The values `args` give the chat-template flags (`--flag value` or `--flag=value`; the
-    last one counts, as the engines' argparse takes it), under the router's setting names."""
-    out: dict[str, str] = {}
+def _flag_values(args: list[str]) -> dict[str, Any]:
+    """The values `args` give the chat-template flags (`--flag value` or `--flag=value`, and
+    `--[no-]exclude-tools-when-tool-choice-none`; the last one counts, as the engines' argparse
+    takes it), under the router's setting names."""
+    out: dict[str, Any] = {}
     for i, arg in enumerate(args):
         flag, eq, value = arg.partition("=")
         if flag in _TEMPLATE_FLAGS and (eq or i + 1 < len(args)):
             out[_TEMPLATE_FLAGS[flag]] = value if eq else args[i + 1]
+        elif arg in (_EXCLUDE_TOOLS, "--no-" + _EXCLUDE_TOOLS[2:]):
+            out["exclude_tools_when_tool_choice_none"] = arg == _EXCLUDE_TOOLS
     return out
 
 
@@ -245,7 +249,7 @@ def _chat_settings(spec: Deployment) -> dict[str, Any]:
     renders every pool's chats, so the pools must agree on them."""
     found = {name: _flag_values(pool.engine_args) for name, pool in spec.pools.items()}
     if len({json.dumps(v, sort_keys=True) for v in found.values()}) > 1:
-        shown = "; ".join(f"{name}: {' '.join(map(str, v.values())) or 'none'}"
+        shown = "; ".join(f"{name}: {' '.join(f'{k}={x}' for k, x in v.items()) or 'none'}"
                           for name, v in found.items())  # fmt: skip
         raise PlanError(
             f"the pools' engine_args set the chat-template flags differently ({shown}): the "

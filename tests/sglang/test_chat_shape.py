@@ -12,7 +12,7 @@ import copy
 from typing import Any
 
 import pytest
-from sglang.srt.entrypoints.openai.protocol import ChatCompletionRequest
+from sglang.srt.entrypoints.openai.protocol import ChatCompletionRequest, ToolChoice
 from sglang.srt.entrypoints.openai.serving_chat import (
     normalize_assistant_tool_call_arguments,
     normalize_tool_content,
@@ -22,7 +22,7 @@ from sglang.srt.parser.jinja_template_utils import (
     process_content_for_template_format,
 )
 
-from router.chat_shape import PromptError, sglang_conversation
+from router.chat_shape import PromptError, sglang_conversation, sglang_tools
 from router.content_format import sglang_content_format
 from router.tokenize import _environment
 
@@ -44,6 +44,12 @@ TEMPLATES = {  # template: the format SGLang 0.5 detects
 }  # fmt: skip
 CALL = {"id": "c1", "type": "function", "extra": 1,
         "function": {"name": "lookup", "arguments": '{"block": 7}', "x": 2}}  # fmt: skip
+TOOLS: list[dict[str, Any]] = [
+    {"type": "function", "cache": "x", "defer_loading": True,
+     "function": {"parameters": {"type": "object"}, "name": "f", "colour": "red"}},
+    {"type": "function", "function": {"name": "g", "description": "d", "strict": False}},
+    {"function": {"name": "h", "defer_loading": None, "description": "x"}},
+]  # fmt: skip
 CHATS: list[list[dict[str, Any]]] = [
     [{"role": "system", "content": "Route by prefix."},
      {"role": "user", "content": "Where is block 7?", "name": "ops", "id": 3},
@@ -58,6 +64,8 @@ CHATS: list[list[dict[str, Any]]] = [
      {"role": "user", "content": "Which tier?"},
      {"role": "assistant", "content": [{"type": "text", "text": "GPU"}], "tool_calls": None},
      {"role": "tool", "tool_call_id": "c9", "content": "done"}],
+    [{"role": "system", "content": "Use the tools.", "tools": TOOLS},
+     {"role": "user", "content": "Where is block 7?"}],
 ]  # fmt: skip
 
 
@@ -101,3 +109,32 @@ def test_a_tool_call_whose_arguments_are_not_an_object_is_refused_as_sglang_refu
             _sglang(messages, STRING)
         with pytest.raises(PromptError):
             sglang_conversation(messages, False)
+
+
+@pytest.mark.parametrize(
+    "choice",
+    [None, "auto", "required", "none", {"type": "function", "function": {"name": "g"}},
+     {"type": "function", "function": {"name": "missing"}}],
+)  # fmt: skip
+def test_tools_reach_the_template_as_sglang_passes_them(choice: Any) -> None:
+    """Each tool as SGLang's own `Tool` dumps it (its fields in the client's order, nulls for
+    an unset description or parameters, the tool's `defer_loading` copied into the function,
+    other keys dropped), chosen as `_process_messages` chooses them: none for
+    `tool_choice` "none", the named tool's for a named choice (none when no tool has the name),
+    else all."""
+    body: dict[str, Any] = {"messages": [{"role": "user", "content": "go"}], "tools": TOOLS}
+    if choice is not None:
+        body["tool_choice"] = choice
+    request = ChatCompletionRequest(model="m", **copy.deepcopy(body))
+    assert request.tools is not None
+    want: list[dict[str, Any]] | None = [t.model_dump() for t in request.tools]
+    if request.tool_choice == "none":
+        want = None
+    elif isinstance(request.tool_choice, ToolChoice):
+        named = request.tool_choice.function.name
+        want = [t.model_dump() for t in request.tools if t.function.name == named] or None
+    got = sglang_tools(body)
+    assert got == want
+    if want is not None:
+        assert [list(t["function"]) for t in got] == [list(t["function"]) for t in want]
+    assert sglang_tools({"messages": body["messages"]}) is None

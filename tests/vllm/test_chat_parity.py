@@ -9,8 +9,9 @@ ones merged into the first; the router rendered the client's dicts, the JSON str
 `developer` role, so its prompt left the engine's at the tools block, at the first tool call
 and at the first developer message.
 
-A second `vllm serve`, started with `--chat-template`, `--chat-template-content-format` and
-`--default-chat-template-kwargs`, checks the router's settings of the same names: its
+A second `vllm serve`, started with `--chat-template`, `--chat-template-content-format`,
+`--default-chat-template-kwargs` and `--exclude-tools-when-tool-choice-none`, checks the
+router's settings of the same names: its
 `/tokenize` and the router's parity probe against a router given them, and given none."""
 
 from __future__ import annotations
@@ -270,18 +271,20 @@ ENGINE_DEFAULTS: dict[str, Any] = {"house": "acme", "enable_thinking": False}
 
 @pytest.fixture(scope="module")
 def flagged(tiny_model: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
-    """A `vllm serve` started with the three flags that change how it renders a chat:
+    """A `vllm serve` started with the four flags that change how it renders a chat:
     `--chat-template`, `--chat-template-content-format openai` (the template prints
-    `m['content']`, which `auto` reads as a string) and `--default-chat-template-kwargs`."""
+    `m['content']`, which `auto` reads as a string), `--default-chat-template-kwargs` and
+    `--exclude-tools-when-tool-choice-none`."""
     logs = tmp_path_factory.mktemp("engine-template")
     template = logs / "engine.jinja"
     template.write_text(ENGINE_TEMPLATE)
     args = ["--chat-template", str(template), "--chat-template-content-format", "openai",
-            "--default-chat-template-kwargs", json.dumps(ENGINE_DEFAULTS)]  # fmt: skip
+            "--default-chat-template-kwargs", json.dumps(ENGINE_DEFAULTS),
+            "--exclude-tools-when-tool-choice-none"]  # fmt: skip
     vllm = engine(tiny_model, logs / "vllm.log", extra_args=args)
     start_all([vllm])
     settings = {"chat_template": str(template), "content_format": "openai",
-                "default_kwargs": ENGINE_DEFAULTS}  # fmt: skip
+                "default_kwargs": ENGINE_DEFAULTS, "exclude_tools_when_none": True}  # fmt: skip
     yield {"server": vllm, "settings": settings}
     vllm.stop()
 
@@ -289,7 +292,7 @@ def flagged(tiny_model: str, tmp_path_factory: pytest.TempPathFactory) -> Iterat
 def test_the_engines_template_flags_are_followed(
     flagged: dict[str, Any], tiny_model: str
 ) -> None:
-    """The router given the engine's three settings tokenizes its chats as the engine does
+    """The router given the engine's settings tokenizes its chats as the engine does
     (the request's own kwargs over the defaults; None counts as unset); without any one of
     them, it does not."""
     server, settings = flagged["server"], flagged["settings"]
@@ -308,6 +311,12 @@ def test_the_engines_template_flags_are_followed(
     # an effort turns thinking on over the default, as vLLM merges them
     body = {"messages": TOOL_CHAT[:1] * 9, "reasoning_effort": "high", "max_tokens": 1}
     _engine_agrees(server, tok.chat_tokens(body), "/v1/chat/completions", body)
+    # tool_choice "none": the tools are left out (the router without the setting renders them)
+    body = {"messages": TOOL_CHAT[:1] * 9, "tools": TOOLS, "tool_choice": "none",
+            "max_tokens": 1}  # fmt: skip
+    _engine_agrees(server, tok.chat_tokens(body), "/v1/chat/completions", body)
+    keeps = RouterTokenizer(Path(tiny_model), **{**settings, "exclude_tools_when_none": False})
+    assert keeps.chat_tokens(body) != tok.chat_tokens(body)
 
 
 def test_the_parity_probe_passes_only_with_the_engines_settings(
