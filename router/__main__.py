@@ -229,6 +229,19 @@ def _summary(config: RouterConfig) -> str:
         f"strategy {config.strategy.name} {json.dumps(config.strategy.knobs, default=str)}",
         f"index {index.store}{shared}, max {index.max_entries} entries",
     ]
+    if config.chat_template is not None:
+        text = any(c in config.chat_template for c in "{}\n")  # else a file's path
+        shown = "given as text" if text else config.chat_template
+        lines.append(f"chat template {shown} (not the tokenizer folder's)")
+    chat = [
+        f"content format {config.chat_template_content_format}"
+        if config.chat_template_content_format != "auto" else "",
+        f"template defaults {json.dumps(config.default_chat_template_kwargs)}"
+        if config.default_chat_template_kwargs else "",
+        "tools left out for tool_choice none" if config.exclude_tools_when_tool_choice_none else "",
+    ]  # fmt: skip
+    if any(chat):
+        lines.append("chat: " + ", ".join(c for c in chat if c))
     for pool in config.pools:
         names = ", ".join(f"{w.name} {w.url}" for w in pool.workers)
         lines.append(f"pool {pool.name} ({pool.role}, block {pool.block_size}): {names}")

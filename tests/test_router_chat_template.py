@@ -175,6 +175,13 @@ def test_the_flags_mirror_the_engines(tmp_path: Path, tokenizer_dir: Path) -> No
                      "openai", "--default-chat-template-kwargs", '{"house": "x"}',
                      "--exclude-tools-when-tool-choice-none")  # fmt: skip
     assert ok.returncode == 0, ok.stderr
+    assert f"chat template {path} (not the tokenizer folder's)" in ok.stdout
+    assert (
+        'chat: content format openai, template defaults {"house": "x"}, tools left out for '
+        "tool_choice none" in ok.stdout
+    ), ok.stdout
+    plain = _router_cli(*common)
+    assert plain.returncode == 0 and "chat" not in plain.stdout, plain.stdout
     for flags, message in (
         (["--chat-template", str(tmp_path / "gone.jinja")], "names no readable file"),
         (["--default-chat-template-kwargs", "{house"], "--default-chat-template-kwargs is not"),
