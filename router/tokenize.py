@@ -36,6 +36,7 @@ from router.chat_shape import (
     vllm_kwargs,
     vllm_tools,
 )
+from router.chat_template import ChatTemplates, TemplateLoadError, engine_template, folder_templates
 from router.content_format import ContentFormatOption, content_format, sglang_content_format
 from router.token_cache import ChunkCache, Lineage, Partial
 
@@ -141,41 +142,6 @@ def _read_json(path: Path) -> dict[str, Any]:
     return data
 
 
-def _default_template(folder: Path, config: Mapping[str, Any]) -> str | None:
-    jinja_file = folder / "chat_template.jinja"
-    if jinja_file.is_file():
-        try:
-            return jinja_file.read_text(encoding="utf-8")
-        except (OSError, ValueError) as exc:
-            raise TokenizerError(f"cannot read {jinja_file}: {exc}") from None
-    template = config.get("chat_template")
-    if isinstance(template, list):  # named templates: use "default"
-        named = {t.get("name"): t.get("template") for t in template if isinstance(t, Mapping)}
-        template = named.get("default")
-    return template if isinstance(template, str) else None
-
-
-def engine_template(value: str) -> str:
-    """The Jinja text of a `chat_template` setting, read as vLLM 0.32 reads `--chat-template`:
-    the file it names, else the text itself when it holds a brace or a newline."""
-    path = Path(value)
-    try:
-        named = path.is_file()
-    except (OSError, ValueError):  # a long or NUL-holding text is no file's name
-        named = False
-    if named:
-        try:
-            return path.read_text(encoding="utf-8")
-        except (OSError, ValueError) as exc:
-            raise TokenizerError(f"cannot read the chat template {path}: {exc}") from None
-    if any(c in value for c in "{}\n"):
-        return value
-    raise TokenizerError(
-        f"chat template {value!r} names no readable file (give the file's path: vLLM's "
-        "built-in template names are not known to the router)"
-    )
-
-
 def _model_vocab(folder: Path) -> int:
     """`vocab_size` of the model folder's config.json (0 when absent or unusable: the
     tokenizer's vocabulary then counts alone)."""
@@ -212,22 +178,22 @@ class RouterTokenizer:
             name: text for name in _SPECIAL_NAMES if (text := _token_text(config.get(name)))
         }
         self._env = _environment()
-        if chat_template is None:
-            source, origin = _default_template(self.folder, config), f"in {self.folder}"
-        else:
-            source, origin = engine_template(chat_template), "given"
-        self._source = source or ""
+        try:
+            if chat_template is None:
+                sources, by_name = folder_templates(self.folder, config)
+                origin = f"in {self.folder}"
+            else:
+                sources, by_name = {"default": engine_template(chat_template)}, False
+                origin = "given"
+            self._templates = ChatTemplates(self._env, sources, by_name, origin)
+        except TemplateLoadError as exc:
+            raise TokenizerError(str(exc)) from None
         self._format = content_format
         self._defaults = dict(default_kwargs or {})
         self._exclude_tools = exclude_tools_when_none
         self.engine: str | None = None
         """Whose chat rendering to follow where the engines differ: its workers' `/v1/models`
         `owned_by` ("vllm", "sglang"; None: vLLM 0.32's), set at start-up."""
-        try:
-            self._template = self._env.from_string(source) if source else None
-        except jinja2.TemplateError as exc:
-            msg = f"the chat template {origin} does not parse: {exc}"
-            raise TokenizerError(msg) from None
         self.cache = ChunkCache(self._tok, cache_bytes)
         tokenizer_vocab = self._tok.get_vocab_size(with_added_tokens=True)
         self.vocab_size = max(tokenizer_vocab, _model_vocab(self.folder))
@@ -303,38 +269,33 @@ class RouterTokenizer:
         messages = body.get("messages")
         if not isinstance(messages, list) or not messages:
             raise PromptError("'messages' must be a non-empty list")
-        template, source = self._template, self._source
-        if isinstance(body.get("chat_template"), str):
-            source = body["chat_template"]
-            try:
-                template = self._env.from_string(source)
-            except jinja2.TemplateError as exc:
-                raise PromptError(f"chat template error: {exc}") from None
-        if template is None:
-            raise PromptError("the model has no chat template")
         kwargs = body.get("chat_template_kwargs") or {}
         if not isinstance(kwargs, Mapping):
             raise PromptError("'chat_template_kwargs' must be an object")
         continue_final = bool(body.get("continue_final_message", False))
         effort = body.get("reasoning_effort")
         context: dict[str, Any] = {"documents": None, **self._special}
+        requested = body.get("chat_template")
         if self.engine == "sglang":  # SGLang 0.5 has no `documents` field: its kwargs' only
-            parts = sglang_content_format(source, self._env) == "openai"
-            conversation = sglang_conversation(messages, parts)
             tools = sglang_tools(body)
+            picked = self._templates.pick(requested, tools is not None)
+            parts = sglang_content_format(picked.source, self._env) == "openai"
+            conversation = sglang_conversation(messages, parts)
             context.update(sglang_kwargs(kwargs, effort, self._defaults))
         else:
-            fmt = content_format(source, self._env) if self._format == "auto" else self._format
-            conversation = vllm_conversation(messages, source, fmt == "openai")
             excluded = self._exclude_tools and body.get("tool_choice") == "none"
             tools = None if excluded else vllm_tools(body.get("tools"))
+            picked = self._templates.pick(requested, tools is not None)
+            source = picked.source
+            fmt = content_format(source, self._env) if self._format == "auto" else self._format
+            conversation = vllm_conversation(messages, source, fmt == "openai")
             context.update(vllm_kwargs(kwargs, effort, body.get("documents"), self._defaults))
         context["add_generation_prompt"] = bool(
             body.get("add_generation_prompt", not continue_final)
         )
         context["continue_final_message"] = continue_final
         try:
-            rendered = template.render(messages=conversation, tools=tools, **context)
+            rendered = picked.template.render(messages=conversation, tools=tools, **context)
         except Exception as exc:  # template code is the request's data: any error is a 400
             raise PromptError(f"chat template error: {type(exc).__name__}: {exc}") from None
         if continue_final:  # transformers strips the end-of-turn after the final message

@@ -7,6 +7,7 @@ tests/vllm/test_chat_parity.py (an engine started with all four flags)."""
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -15,9 +16,10 @@ from typing import Any
 import pytest
 from test_router_api import tokenizer_dir
 
+from router.chat_template import TemplateLoadError, engine_template
 from router.config import ConfigError, load_config
 from router.responses import chat_view
-from router.tokenize import RouterTokenizer, TokenizerError, engine_template
+from router.tokenize import RouterTokenizer, TokenizerError
 
 ROOT = Path(__file__).resolve().parents[1]
 __all__ = ["tokenizer_dir"]
@@ -45,10 +47,10 @@ def test_the_setting_is_a_file_or_the_template_itself(tmp_path: Path) -> None:
     assert engine_template(TEMPLATE) == TEMPLATE
     assert engine_template("plain\ntext") == "plain\ntext"
     for missing in (str(tmp_path / "nope.jinja"), "tool_chat_template_llama.jinja", str(tmp_path)):
-        with pytest.raises(TokenizerError, match="names no readable file"):
+        with pytest.raises(TemplateLoadError, match="names no readable file"):
             engine_template(missing)
     path.write_bytes(b"\xff{{ x }}")
-    with pytest.raises(TokenizerError, match="cannot read the chat template"):
+    with pytest.raises(TemplateLoadError, match="cannot read the chat template"):
         engine_template(str(path))
 
 
@@ -190,3 +192,69 @@ def test_the_flags_mirror_the_engines(tmp_path: Path, tokenizer_dir: Path) -> No
         out = _router_cli(*common, *flags)
         assert out.returncode == 2 and message in out.stderr, out.stderr
         assert "Traceback" not in out.stderr
+
+
+NAMED = {"default": "default:{{ messages[0]['content'] }}",
+         "tool_use": "tool_use:{{ tools | length }}:{{ messages[0]['content'] }}",
+         "rag": "rag:{{ messages[0]['content'] }}"}  # fmt: skip
+
+
+def _named_folder(tmp_path: Path, tokenizer_dir: Path, layout: str) -> Path:
+    """A model folder holding NAMED as tokenizer_config.json's list ("config") or as
+    chat_template.jinja and additional_chat_templates/*.jinja ("files", transformers 5)."""
+    folder = tmp_path / layout
+    folder.mkdir()
+    for f in tokenizer_dir.iterdir():
+        if f.is_file():
+            (folder / f.name).write_bytes(f.read_bytes())
+    config = json.loads((folder / "tokenizer_config.json").read_text())
+    (folder / "chat_template.jinja").unlink(missing_ok=True)
+    if layout == "config":
+        config["chat_template"] = [{"name": n, "template": t} for n, t in NAMED.items()]
+    else:
+        config.pop("chat_template", None)
+        (folder / "chat_template.jinja").write_text(NAMED["default"])
+        (folder / "additional_chat_templates").mkdir()
+        for name in ("tool_use", "rag"):
+            (folder / "additional_chat_templates" / f"{name}.jinja").write_text(NAMED[name])
+    (folder / "tokenizer_config.json").write_text(json.dumps(config))
+    return folder
+
+
+@pytest.mark.parametrize("layout", ["config", "files"])
+def test_a_folders_named_templates_are_picked_as_transformers_picks_them(
+    tmp_path: Path, tokenizer_dir: Path, layout: str
+) -> None:
+    """A tool chat renders with the "tool_use" template, a request's `chat_template` may name
+    one, anything else renders with "default" (the router rendered "default" always, so every
+    tool chat on such a model was predicted from another prompt). Against transformers itself:
+    tests/vllm/test_chat_parity.py."""
+    tok = RouterTokenizer(_named_folder(tmp_path, tokenizer_dir, layout))
+    tool = {"type": "function", "function": {"name": "f"}}
+    plain = {**CHAT, "add_generation_prompt": False}
+    assert tok.render_chat(plain) == "default:hi"
+    assert tok.render_chat({**plain, "tools": [tool]}) == "tool_use:1:hi"
+    assert tok.render_chat({**plain, "tools": []}) == "tool_use:0:hi"  # a list, even empty
+    assert tok.render_chat({**plain, "chat_template": "rag"}) == "rag:hi"
+    assert tok.render_chat({**plain, "chat_template": "{{ 'own' }}"}) == "own"
+    excluding = RouterTokenizer(tok.folder, exclude_tools_when_none=True)
+    assert excluding.render_chat({**plain, "tools": [tool], "tool_choice": "none"}) == "default:hi"
+    tok.engine = "sglang"  # SGLang hands the template no tools for tool_choice none, or none given
+    assert tok.render_chat({**plain, "tools": [tool]}) == "tool_use:1:hi"
+    assert tok.render_chat({**plain, "tools": [tool], "tool_choice": "none"}) == "default:hi"
+    assert tok.render_chat({**plain, "tools": []}) == "default:hi"
+
+
+def test_a_single_template_is_not_looked_up_by_name(tmp_path: Path, tokenizer_dir: Path) -> None:
+    """transformers keeps one template as a text, not by name: a request naming "default"
+    renders that word as its template; a given `--chat-template` replaces the folder's named
+    ones, "tool_use" included."""
+    tok = RouterTokenizer(tokenizer_dir)
+    assert tok.render_chat({**CHAT, "chat_template": "default"}) == "default"
+    folder = _named_folder(tmp_path, tokenizer_dir, "files")
+    given = RouterTokenizer(folder, chat_template=TEMPLATE)
+    tool = {"type": "function", "function": {"name": "f"}}
+    assert given.render_chat({**CHAT, "tools": [tool]}).startswith("[user:hi]")
+    (folder / "additional_chat_templates" / "rag.jinja").write_text("{% for %}")
+    with pytest.raises(TokenizerError, match="the chat template 'rag' in .* does not parse"):
+        RouterTokenizer(folder)

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import shutil
 from collections.abc import Iterator
 from importlib import resources
 from pathlib import Path
@@ -27,10 +28,11 @@ import aiohttp
 import pytest
 from conftest import complete, engine, start_all
 
+from router.chat_template import ChatTemplates, folder_templates
 from router.content_format import content_format
 from router.parity import Probes, check
 from router.responses import chat_view
-from router.tokenize import RouterTokenizer
+from router.tokenize import RouterTokenizer, _environment
 from warply.launch import VllmServer, http_json
 
 TEMPLATE = (
@@ -221,8 +223,6 @@ def test_the_content_format_is_detected_as_vllm_detects_it() -> None:
     several at once) and on the templates vLLM ships."""
     from vllm.renderers.hf import _detect_content_format
 
-    from router.tokenize import _environment
-
     shipped = resources.files("vllm.transformers_utils") / "chat_templates"
     templates = {**DETECTED, **{
         f.read_text(): _detect_content_format(f.read_text(), default="string")
@@ -333,3 +333,49 @@ def test_the_parity_probe_passes_only_with_the_engines_settings(
     assert asyncio.run(probe(RouterTokenizer(Path(tiny_model), **settings))) == ("ok", "")
     result, where = asyncio.run(probe(RouterTokenizer(Path(tiny_model))))
     assert result == "mismatch" and where.startswith("chat probe"), where
+
+
+@pytest.fixture(scope="module")
+def named(tiny_model: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
+    """The tiny model's folder with named templates, as transformers 5 saves them
+    (chat_template.jinja, the "default", and additional_chat_templates/tool_use.jinja), and a
+    `vllm serve` of it without `--chat-template`."""
+    root = tmp_path_factory.mktemp("named-templates")
+    folder = root / "model"
+    folder.mkdir()
+    for f in Path(tiny_model).iterdir():
+        if f.suffix == ".safetensors":
+            (folder / f.name).symlink_to(f)
+        elif f.is_file():
+            shutil.copy(f, folder / f.name)
+    (folder / "chat_template.jinja").write_text(TEMPLATE)
+    (folder / "additional_chat_templates").mkdir()
+    (folder / "additional_chat_templates" / "tool_use.jinja").write_text("<tool_use>" + TEMPLATE)
+    vllm = engine(str(folder), root / "vllm.log")
+    start_all([vllm])
+    yield {"server": vllm, "folder": folder}
+    vllm.stop()
+
+
+def test_named_templates_are_picked_as_transformers_and_vllm_pick_them(
+    named: dict[str, Any],
+) -> None:
+    """transformers' own `get_chat_template` (which vLLM and SGLang call) and the router pick
+    the same template for each request; vLLM's `/tokenize` of a tool chat (its "tool_use"
+    template) and of a plain one equals the router's ids."""
+    from transformers import AutoTokenizer
+
+    folder = named["folder"]
+    hf = AutoTokenizer.from_pretrained(str(folder))
+    templates = ChatTemplates(_environment(), *folder_templates(folder, {}), "in the folder")
+    for requested, tools in ((None, None), (None, TOOLS), ("tool_use", None), ("default", TOOLS),
+                             ("{{ 'own' }}", TOOLS)):  # fmt: skip
+        want = hf.get_chat_template(requested, tools=tools)
+        assert templates.pick(requested, tools is not None).source == want, (requested, tools)
+    tok = RouterTokenizer(folder)
+    for body in ({"messages": TOOL_CHAT, "tools": TOOLS}, {"messages": TOOL_CHAT}):
+        sent = {"model": "tiny", **body}
+        status, want_ids = http_json("POST", named["server"].url + "/tokenize", sent)
+        assert status == 200, want_ids
+        assert tok.chat_tokens(sent) == want_ids["tokens"], tok.render_chat(sent)
+    assert tok.render_chat({"messages": TOOL_CHAT, "tools": TOOLS}).startswith("<tool_use>")

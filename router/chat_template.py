@@ -1,0 +1,119 @@
+"""Which chat template renders a request, as the engines pick it.
+
+The engines' own `--chat-template` (`engine_template`: a file or the Jinja text, as vLLM 0.32
+reads the flag) replaces the model folder's. Otherwise the folder's templates, by name, as
+transformers 5 loads them (`folder_templates`: chat_template.jinja as "default" and
+additional_chat_templates/NAME.jinja when either exists, else tokenizer_config.json's
+`chat_template`, one text or a list of named ones). Per request, `ChatTemplates.pick` chooses
+as transformers' `get_chat_template` does, which both engines call: the request's own
+`chat_template` (the name of one of the folder's named templates, or a template's text), else
+"tool_use" when the request hands the template tools and the folder has that template
+(Command R's and other tool-calling models' folders do), else "default".
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import jinja2
+
+from router.chat_shape import PromptError
+
+_TEMPLATE_DIR = "additional_chat_templates"
+"""transformers 5's folder of named templates beside chat_template.jinja (`CHAT_TEMPLATE_DIR`)."""
+
+
+class TemplateLoadError(ValueError):
+    """A chat template cannot be read or does not parse; the message names it."""
+
+
+def engine_template(value: str) -> str:
+    """The Jinja text of a `chat_template` setting, read as vLLM 0.32 reads `--chat-template`:
+    the file it names, else the text itself when it holds a brace or a newline."""
+    path = Path(value)
+    try:
+        named = path.is_file()
+    except (OSError, ValueError):  # a long or NUL-holding text is no file's name
+        named = False
+    if named:
+        return _read(path)
+    if any(c in value for c in "{}\n"):
+        return value
+    raise TemplateLoadError(
+        f"chat template {value!r} names no readable file (give the file's path: vLLM's "
+        "built-in template names are not known to the router)"
+    )
+
+
+def _read(path: Path) -> str:
+    try:
+        return path.read_text(encoding="utf-8")
+    except (OSError, ValueError) as exc:  # UnicodeDecodeError is a ValueError
+        raise TemplateLoadError(f"cannot read the chat template {path}: {exc}") from None
+
+
+def folder_templates(folder: Path, config: Mapping[str, Any]) -> tuple[dict[str, str], bool]:
+    """The model folder's chat templates by name (`config`: its tokenizer_config.json), and
+    whether transformers holds them by name: a single template (one file, or one text) is not
+    looked up by name, a list or several files are."""
+    files: dict[str, Path] = {}
+    if (folder / "chat_template.jinja").is_file():
+        files["default"] = folder / "chat_template.jinja"
+    if (folder / _TEMPLATE_DIR).is_dir():
+        extra = sorted((folder / _TEMPLATE_DIR).glob("*.jinja"))
+        files.update({path.name.removesuffix(".jinja"): path for path in extra})
+    if files:
+        return {name: _read(path) for name, path in files.items()}, list(files) != ["default"]
+    template = config.get("chat_template")
+    if isinstance(template, list):
+        pairs = ((t.get("name"), t.get("template")) for t in template if isinstance(t, Mapping))
+        return {n: t for n, t in pairs if isinstance(n, str) and isinstance(t, str)}, True
+    return ({"default": template} if isinstance(template, str) else {}), False
+
+
+@dataclass(frozen=True, slots=True)
+class Picked:
+    """A chosen template: its text (content-format and role detection read it) and compiled."""
+
+    source: str
+    template: jinja2.Template
+
+
+class ChatTemplates:
+    """A fleet's chat templates, compiled once, and the choice of one per request."""
+
+    def __init__(
+        self, env: jinja2.Environment, sources: Mapping[str, str], by_name: bool, origin: str
+    ) -> None:
+        """`sources` by name, held `by_name` or as one template; `origin` says where they came
+        from in errors ("given", "in FOLDER")."""
+        self._env = env
+        self._by_name = by_name
+        self._named: dict[str, Picked] = {}
+        for name, text in sources.items():
+            label = f"{name!r} {origin}" if by_name else origin
+            try:
+                self._named[name] = Picked(text, env.from_string(text))
+            except jinja2.TemplateError as exc:
+                msg = f"the chat template {label} does not parse: {exc}"
+                raise TemplateLoadError(msg) from None
+
+    def pick(self, requested: Any, tools: bool) -> Picked:
+        """The template for a request whose own `chat_template` is `requested` and which hands
+        the template tools when `tools`; `PromptError` when there is none or it does not
+        parse."""
+        if isinstance(requested, str):
+            if self._by_name and requested in self._named:
+                return self._named[requested]
+            try:
+                return Picked(requested, self._env.from_string(requested))
+            except jinja2.TemplateError as exc:
+                raise PromptError(f"chat template error: {exc}") from None
+        picked = self._named.get("tool_use") if tools and self._by_name else None
+        picked = picked or self._named.get("default")
+        if picked is None:
+            raise PromptError("the model has no chat template")
+        return picked
