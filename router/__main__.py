@@ -33,6 +33,7 @@ from aiohttp import web
 
 from router.access_log import AccessLog, keep_requests_out_of_logs
 from router.app import Router
+from router.chat_template import names_file
 from router.config import CLI_FIELDS, ConfigError, IndexConfig, RouterConfig, load_config
 from router.drain import GRACE_S
 from router.index import StoreUnavailable, shown_url
@@ -230,8 +231,8 @@ def _summary(config: RouterConfig) -> str:
         f"index {index.store}{shared}, max {index.max_entries} entries",
     ]
     if config.chat_template is not None:
-        text = any(c in config.chat_template for c in "{}\n")  # else a file's path
-        shown = "given as text" if text else config.chat_template
+        named = names_file(config.chat_template)
+        shown = config.chat_template if named else "given as text"
         lines.append(f"chat template {shown} (not the tokenizer folder's)")
     chat = [
         f"content format {config.chat_template_content_format}"

@@ -30,16 +30,19 @@ class TemplateLoadError(ValueError):
     """A chat template cannot be read or does not parse; the message names it."""
 
 
+def names_file(value: str) -> bool:
+    """Whether a `chat_template` setting names a readable path (else it is the text itself)."""
+    try:
+        return Path(value).is_file()
+    except (OSError, ValueError):  # a long or NUL-holding text is no file's name
+        return False
+
+
 def engine_template(value: str) -> str:
     """The Jinja text of a `chat_template` setting, read as vLLM 0.32 reads `--chat-template`:
     the file it names, else the text itself when it holds a brace or a newline."""
-    path = Path(value)
-    try:
-        named = path.is_file()
-    except (OSError, ValueError):  # a long or NUL-holding text is no file's name
-        named = False
-    if named:
-        return _read(path)
+    if names_file(value):
+        return _read(Path(value))
     if any(c in value for c in "{}\n"):
         return value
     raise TemplateLoadError(

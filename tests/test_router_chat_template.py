@@ -8,20 +8,18 @@ tests/vllm/test_chat_parity.py (an engine started with all four flags)."""
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
 from test_router_api import tokenizer_dir
+from test_router_config import _router_cli
 
 from router.chat_template import TemplateLoadError, engine_template
 from router.config import ConfigError, load_config
 from router.responses import chat_view
 from router.tokenize import RouterTokenizer, TokenizerError
 
-ROOT = Path(__file__).resolve().parents[1]
 __all__ = ["tokenizer_dir"]
 TEMPLATE = (
     "{% for m in messages %}[{{ m['role'] }}:{{ m['content'] }}]{% endfor %}"
@@ -156,13 +154,6 @@ def test_the_settings_are_validated(tmp_path: Path, tokenizer_dir: Path) -> None
     ):
         with pytest.raises(ConfigError, match=field):
             load_config(None, {**base, **bad})
-
-
-def _router_cli(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "router", *args],
-        capture_output=True, text=True, cwd=ROOT, timeout=60, check=False,
-    )  # fmt: skip
 
 
 def test_the_flags_mirror_the_engines(tmp_path: Path, tokenizer_dir: Path) -> None:
