@@ -35,6 +35,7 @@ from router.index_health import IndexHealth
 from router.load import open_ledger
 from router.loop_watch import LoopWatch
 from router.membership import Membership
+from router.messages import PATH as MESSAGES
 from router.metrics import RouterMetrics, kv_transfer_stats
 from router.model_cards import read_cards
 from router.openapi import openapi_document
@@ -143,6 +144,7 @@ class Router:
                 web.post("/v1/completions", self._completions),
                 web.post("/v1/chat/completions", self._chat),
                 web.post("/v1/responses", self._responses),
+                web.post(MESSAGES, self._messages),
                 web.get(STORED_RESPONSE, self._forwarder.handle),
                 web.post(STORED_RESPONSE + "/cancel", self._forwarder.handle),
                 web.get("/v1/models", self._models),
@@ -283,7 +285,7 @@ class Router:
             _log.exception("unhandled error on %s %s", request.method, request.path)
             error = ApiError(500, "internal router error (logged)", "internal_error")
         self.metrics.error(error.status, error.code)
-        return error.response()
+        return error.response(request.path.startswith(MESSAGES))
 
     def _auth(self, request: web.Request) -> None:
         """401 for an admin path without the configured Bearer token."""
@@ -304,6 +306,9 @@ class Router:
 
     async def _responses(self, request: web.Request) -> web.StreamResponse:
         return await self.proxy.handle(request, "responses")
+
+    async def _messages(self, request: web.Request) -> web.StreamResponse:
+        return await self.proxy.handle(request, "messages")
 
     async def _models(self, _: web.Request) -> web.Response:
         """The base model and its LoRA adapters (each with `parent`, as vLLM lists them)."""

@@ -50,13 +50,13 @@ from typing import Any, Protocol, TypeVar
 import msgspec
 from aiohttp import web
 
-from router import responses
+from router import messages, responses
 from router.accounting import RequestAccount
 from router.drain import SHUTTING_DOWN, InFlight, withdraw_cancel
 from router.errors import ApiError
 from router.handoff import sglang
 from router.handoff.vllm import decode_params, prefill_body
-from router.placement import Decision
+from router.placement import Decision, LocalReason
 from router.tokenize import Prompt
 from router.upstream import (
     ConnectFailed,
@@ -74,7 +74,9 @@ _T = TypeVar("_T")
 WATCH_S = 0.25
 """How often a leg waiting on a prefill worker checks that worker's health."""
 PATHS = {"chat": "/v1/chat/completions", "completion": "/v1/completions",
-         "responses": responses.PATH}  # fmt: skip
+         "responses": responses.PATH, "messages": messages.PATH}  # fmt: skip
+_UNSPLIT: dict[str, LocalReason] = {"responses": "responses", "messages": "messages"}
+"""Kinds of request the router does not hand off to a vLLM prefill worker, with the reason."""
 _SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
 
 
@@ -158,12 +160,13 @@ def _chunk(raw: bytes) -> _Chunk | None:
         return None
 
 
-def _usage(raw: bytes) -> dict[str, Any] | None:
-    """A JSON answer's usage block, when it has one."""
+def _usage(raw: bytes, kind: str) -> dict[str, Any] | None:
+    """A JSON answer's usage block, when it has one (a Messages answer's in the chat shape)."""
     try:
-        return _read_answer.decode(raw).usage
+        usage = _read_answer.decode(raw).usage
     except (msgspec.DecodeError, msgspec.ValidationError):
         return None
+    return messages.openai_usage(usage) if kind == "messages" else usage
 
 
 def _chat_event(event: bytes, account: RequestAccount, wants_usage: bool) -> tuple[bool, bool]:
@@ -196,6 +199,21 @@ def _response_event(event: bytes, account: RequestAccount, _: bool) -> tuple[boo
     return True, last
 
 
+def _message_event(event: bytes, account: RequestAccount, _: bool) -> tuple[bool, bool]:
+    """`_chat_event` for a Messages stream: every event is relayed; `message_delta` holds the
+    usage, `message_stop` ends it."""
+    account.first_event()
+    last, usage = messages.event_usage(event)
+    if usage is not None:
+        account.usage(usage)
+    elif messages.is_delta(event):
+        account.generated(1)
+    return True, last
+
+
+_READERS = {"responses": _response_event, "messages": _message_event}
+
+
 def _names_response(call: Call) -> bool:
     """A Responses request whose id the router chooses (the client set no `request_id`)."""
     return call.kind == "responses" and "request_id" not in call.prep.body
@@ -210,6 +228,8 @@ def _error_event(kind: str, status: int, message: str) -> bytes:
     """The event that ends a started stream with an error (`kind`'s shape)."""
     if kind == "responses":
         return responses.error_event(status, message)
+    if kind == "messages":
+        return messages.error_event(status, message)
     err = ApiError(status, message)
     body = {"error": {"message": message, "type": err.type, "param": None, "code": status}}
     return b"data: " + msgspec.json.encode(body) + b"\n\ndata: [DONE]\n\n"
@@ -305,7 +325,7 @@ class Dispatcher:
         account = call.account
         if decision.prefill is not None and decision.worker.pool.kv_handoff == "vllm":
             if not call.prep.single:  # several prompts or choices: one hand-off cannot carry them
-                account.relocate("responses" if call.kind == "responses" else "batch")
+                account.relocate(_UNSPLIT.get(call.kind, "batch"))
             else:
                 params = await self._prefill(call, decision)
         assert account.decision is not None
@@ -492,7 +512,7 @@ class Dispatcher:
             await self._settle(call)
             if call.prep.stream and up.status == 200:
                 return await self._stream(call, up, decision, started)
-            resp, usage = await self._whole(up)
+            resp, usage = await self._whole(up, call.kind)
         finally:
             up.release()
         started.set()
@@ -501,12 +521,12 @@ class Dispatcher:
         return Answer(resp, resp.status)
 
     @staticmethod
-    async def _whole(up: Response) -> tuple[web.Response, dict[str, Any] | None]:
+    async def _whole(up: Response, kind: str) -> tuple[web.Response, dict[str, Any] | None]:
         raw = await up.read()
         resp = web.Response(
             body=raw, status=up.status, content_type=up.content_type or "application/json"
         )
-        return resp, _usage(raw) if up.status == 200 else None
+        return resp, _usage(raw, kind) if up.status == 200 else None
 
     @staticmethod
     async def _stream(
@@ -519,7 +539,7 @@ class Dispatcher:
         that, or the end of a stopping router's drain, ends the stream with an error event."""
         account, request = call.account, call.request
         wants_usage = call.prep.client_wants_usage
-        read = _response_event if call.kind == "responses" else _chat_event
+        read = _READERS.get(call.kind, _chat_event)
         resp = web.StreamResponse(headers=_SSE_HEADERS)
         resp.headers.update(placed_headers(decision))
         buf = b""

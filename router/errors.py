@@ -1,4 +1,5 @@
-"""Errors in the OpenAI JSON shape: `{"error": {"message", "type", "param", "code"}}`."""
+"""Errors in the OpenAI JSON shape: `{"error": {"message", "type", "param", "code"}}`, or on
+the Anthropic Messages API in its own: `{"type": "error", "error": {"type", "message"}}`."""
 
 from __future__ import annotations
 
@@ -19,6 +20,17 @@ _TYPES = {
     503: "service_unavailable",
     504: "timeout",
 }
+
+_ANTHROPIC_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    413: "request_too_large",
+    429: "rate_limit_error",
+    503: "overloaded_error",
+}
+"""The Anthropic API's error types by status (others: `api_error`), as SGLang 0.5 maps them."""
 
 
 class ApiError(Exception):
@@ -45,8 +57,14 @@ class ApiError(Exception):
         """The OpenAI error type for this status."""
         return _TYPES.get(self.status, "api_error")
 
-    def response(self) -> web.Response:
-        body = {
+    def anthropic_body(self) -> dict[str, Any]:
+        """The error in the Anthropic Messages API's shape."""
+        kind = _ANTHROPIC_TYPES.get(self.status, "api_error")
+        return {"type": "error", "error": {"type": kind, "message": self.message}}
+
+    def response(self, anthropic: bool = False) -> web.Response:
+        """The error answer, in the Anthropic shape when `anthropic` (a /v1/messages path)."""
+        body = self.anthropic_body() if anthropic else {
             "error": {
                 "message": self.message,
                 "type": self.type,

@@ -2,10 +2,11 @@
 
 Response and admin shapes come from their definitions: the msgspec structs of
 `warply.protocol.api` and `warply.protocol.directives`, the pydantic `WorkerConfig` a joining
-worker's body is validated with. The three OpenAI request bodies are written here and declare only
-what the router itself checks (`router.proxy`): every other field passes to the engine unchanged,
-so the engine's own schema applies to it; so do the forwarded /tokenize and /detokenize bodies,
-of which the router checks only `model`. The tests fuzz the router against this document.
+worker's body is validated with. The three OpenAI request bodies and the Anthropic Messages one
+are written here and declare only what the router itself checks (`router.proxy`): every other
+field passes to the engine unchanged, so the engine's own schema applies to it; so do the
+forwarded /tokenize, /detokenize and /v1/messages/count_tokens bodies, of which the router
+checks only `model`. The tests fuzz the router against this document.
 """
 
 from __future__ import annotations
@@ -39,6 +40,19 @@ _ERROR = {
                 },
             },
         }
+    },
+}
+
+_ANTHROPIC_ERROR = {
+    "type": "object",
+    "required": ["type", "error"],
+    "properties": {
+        "type": {"const": "error"},
+        "error": {
+            "type": "object",
+            "required": ["type", "message"],
+            "properties": {"type": {"type": "string"}, "message": {"type": "string"}},
+        },
     },
 }
 
@@ -149,6 +163,23 @@ _RESPONSES: dict[str, Any] = {
     },
 }
 
+_MESSAGES: dict[str, Any] = {
+    "type": "object",
+    "required": ["messages"],
+    "description": "the engine's Anthropic Messages request: the router reads these fields "
+    "(and keys what vLLM converts to a chat it can follow by prefix); the rest goes to the "
+    "engine as it came",
+    "properties": {
+        "stream": _COMMON["stream"],
+        "max_tokens": _NULLABLE_INT,
+        "warply": _COMMON["warply"],
+        "messages": {"type": "array", "minItems": 1, "items": {"type": "object"}},
+        "system": {"anyOf": [{"type": "string"}, {"type": "array", "items": {"type": "object"}},
+                             {"type": "null"}]},  # fmt: skip
+        "chat_template_kwargs": _CHAT["properties"]["chat_template_kwargs"],
+    },
+}
+
 
 _ACK = {
     "type": "object",
@@ -168,15 +199,17 @@ def _json(schema: dict[str, Any] | str, description: str) -> dict[str, Any]:
     return {"description": description, "content": {"application/json": {"schema": ref}}}
 
 
-def _errors(*statuses: int) -> dict[str, Any]:
-    return {str(s): _json("Error", "an error in the OpenAI shape") for s in statuses}
+def _errors(*statuses: int, shape: str = "Error") -> dict[str, Any]:
+    what = "an error in the Anthropic shape" if shape == "AnthropicError" else "an error in the " \
+        "OpenAI shape"
+    return {str(s): _json(shape, what) for s in statuses}
 
 
 def _body(schema: dict[str, Any] | str) -> dict[str, Any]:
     return {"required": True, **_json(schema, "")}
 
 
-def _generation(body: str, summary: str) -> dict[str, Any]:
+def _generation(body: str, summary: str, error: str = "Error") -> dict[str, Any]:
     ok = _json({"type": "object"}, "the engine's answer (JSON, or SSE when streaming)")
     event = {"type": "object", "required": ["data"], "properties": {"data": {"type": "string"}}}
     ok["content"]["text/event-stream"] = {"schema": event}  # each server-sent event
@@ -184,18 +217,18 @@ def _generation(body: str, summary: str) -> dict[str, Any]:
         "post": {
             "summary": summary,
             "requestBody": _body(body),
-            "responses": {"200": ok, **_errors(400, 404, 413, 415, 502, 503, 504)},
+            "responses": {"200": ok, **_errors(400, 404, 413, 415, 502, 503, 504, shape=error)},
         }
     }
 
 
-def _forwarded(body: str | None, summary: str) -> dict[str, Any]:
+def _forwarded(body: str | None, summary: str, error: str = "Error") -> dict[str, Any]:
     """A forwarded operation (`router.passthrough`); `body` None: it takes none."""
     op: dict[str, Any] = {
         "summary": summary,
         "responses": {
             "200": _json({"type": "object"}, "the engine's answer"),
-            **_errors(413, 415, 502, 503, 504),
+            **_errors(413, 415, 502, 503, 504, shape=error),
             "default": {
                 "description": "the engine's own answer, errors included (plain text from "
                 "an engine without the endpoint), or the router's own 400 / 404 (`model`)",
@@ -226,14 +259,16 @@ def openapi_document(config: RouterConfig) -> dict[str, Any]:
         ref_template=_REF,
     )
     components["Error"] = _ERROR
+    components["AnthropicError"] = _ANTHROPIC_ERROR
     components["DirectiveAck"] = _ACK
     names = [config.model, *config.lora_adapters, "", None]  # "" and none: the base model
     model = {"model": {"enum": names}}
     shapes = (("CompletionRequest", _COMPLETION), ("ChatCompletionRequest", _CHAT),
-              ("ResponsesRequest", _RESPONSES))  # fmt: skip
+              ("ResponsesRequest", _RESPONSES), ("MessagesRequest", _MESSAGES))  # fmt: skip
     for name, shape in shapes:
         components[name] = {**shape, "properties": {**model, **shape["properties"]}}
-    for name, what in (("TokenizeRequest", "prompt or messages"), ("DetokenizeRequest", "tokens")):
+    for name, what in (("TokenizeRequest", "prompt or messages"), ("DetokenizeRequest", "tokens"),
+                       ("CountTokensRequest", "Anthropic messages")):  # fmt: skip
         components[name] = {
             "type": "object",
             "description": f"the engine's {name} ({what}), forwarded as it came",
@@ -253,6 +288,15 @@ def openapi_document(config: RouterConfig) -> dict[str, Any]:
         "/v1/completions": _generation("CompletionRequest", "a completion, placed and proxied"),
         "/v1/chat/completions": _generation("ChatCompletionRequest", "a chat completion"),
         "/v1/responses": _generation("ResponsesRequest", "a response, placed and proxied"),
+        "/v1/messages": _generation(
+            "MessagesRequest", "an Anthropic Messages request, placed and proxied",
+            "AnthropicError",
+        ),
+        "/v1/messages/count_tokens": {
+            "post": _forwarded(
+                "CountTokensRequest", "the engine's token count, forwarded", "AnthropicError"
+            )
+        },
         "/v1/responses/{response_id}": {
             "parameters": [_name("response_id")],
             "get": _forwarded(None, "a stored response, from the worker that stored it"),

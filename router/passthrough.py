@@ -27,6 +27,7 @@ from aiohttp import web
 
 from router.drain import SHUTTING_DOWN, Drain, InFlight, withdraw_cancel
 from router.errors import ApiError, check_model, read_body
+from router.messages import COUNT_TOKENS_PATH
 from router.metrics import RouterMetrics
 from router.proxy import upstream_headers
 from router.responses import PATH, error_event, holder_unavailable, owner
@@ -40,7 +41,7 @@ from router.upstream import (
 )
 from router.workers import Worker
 
-FORWARDED_PATHS = ("/tokenize", "/detokenize")
+FORWARDED_PATHS = ("/tokenize", "/detokenize", COUNT_TOKENS_PATH)
 STORED_RESPONSE = PATH + "/{response_id}"
 """GET: a stored response; POST `STORED_RESPONSE + "/cancel"`: cancel a background one."""
 

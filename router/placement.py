@@ -73,13 +73,14 @@ CHAIN_KEYS = 1 << 20
 
 LocalReason = Literal[
     "", "below_threshold", "cheaper_local", "no_prefill_worker", "prefill_failed", "batch",
-    "responses",
+    "responses", "messages",
 ]  # fmt: skip
 """Why a decode worker prefills a request itself ("" unless the mode is `local`);
 `cheaper_local`: its predicted time to first token beats the hand-off's (`pd.local_prefill_by:
 cost`); `batch`: the request has several prompts or asks for several choices, which one
-hand-off cannot carry; `responses`: a Responses API request, which the router does not hand
-off to vLLM (its prefill leg would need the Responses API's own one-token form)."""
+hand-off cannot carry; `responses` / `messages`: a Responses or Anthropic Messages API request,
+which the router does not hand off to vLLM (its prefill leg would need that API's own one-token
+form)."""
 
 
 @dataclass(frozen=True, slots=True)

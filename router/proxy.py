@@ -28,6 +28,8 @@ from router.config import LimitsConfig
 from router.dispatch import Call, Dispatcher, Retry
 from router.drain import SHUTTING_DOWN, Drain, withdraw_cancel
 from router.errors import ApiError, check_model, read_body
+from router.messages import chat_view as messages_view
+from router.messages import disabled_effort
 from router.metrics import RouterMetrics
 from router.placement import Decision, Placement
 from router.responses import chat_view, holder_unavailable, owner
@@ -188,6 +190,7 @@ class Proxy:
     ) -> None:
         self.model = model
         self._trust_template = trust_request_chat_template
+        self._effort_when_disabled: str | None = None
         self.served = frozenset((model, *adapters))
         """Names a request's `model` may take: the base model and its LoRA adapters."""
         self.max_model_len: int | None = None
@@ -257,7 +260,7 @@ class Proxy:
         except ApiError as err:
             status = err.status
             self._metrics.error(err.status, err.code)
-            return err.response()
+            return err.response(kind == "messages")
         except asyncio.CancelledError:
             if not flight.cut:
                 status = 499  # the client went away; leaving the upstream context closed it
@@ -268,7 +271,7 @@ class Proxy:
             withdraw_cancel()
             cut = ApiError(status, SHUTTING_DOWN, "shutting_down")
             self._metrics.error(cut.status, cut.code)
-            return cut.response()
+            return cut.response(kind == "messages")
         finally:
             self.drain.leave(flight)
             account.closed(status)
@@ -385,10 +388,10 @@ class Proxy:
                 msg = f"'cache_salt' must be a non-empty string without NUL: {exc}"
                 raise ApiError(400, msg, "invalid_value", "cache_salt") from None
         namespace = request_namespace(body, self.model)
-        if kind == "responses":
-            return await self._response(
-                body, namespace, ov.prefix_reuse, raw if untouched else None, inline
-            )
+        if kind in ("responses", "messages"):
+            viewed = self._response if kind == "responses" else self._message
+            given = raw if untouched else None
+            return await viewed(body, namespace, ov.prefix_reuse, given, inline)
         prompts, first = await self._prompts(kind, body, inline)
         longest = max(p.estimate for p in [first, *prompts[1:]])
         self._check_length(longest, body, "messages" if kind == "chat" else "prompt")
@@ -426,10 +429,62 @@ class Proxy:
         )):
             msg = "'input' must be a string or a list of input items (objects)"
             raise ApiError(400, msg, "invalid_value", "input")
-        stream = bool(body.get("stream", False))
-        follows = body.get("previous_response_id")
         raw = raw if "request_id" in body else None
         view = chat_view(body, self._tokenizer.engine)
+        length = "input" if body.get("truncation") != "auto" else None  # else the engine cuts
+        return await self._viewed(
+            body, view, namespace, reuse, raw, inline, length, body.get("previous_response_id")
+        )
+
+    async def _message(
+        self,
+        body: dict[str, Any],
+        namespace: str,
+        reuse: bool,
+        raw: bytes | None,
+        inline: bool,
+    ) -> _Prepared:
+        """A /v1/messages body (Anthropic's API): keyed by the chat vLLM converts it to
+        (`router.messages`), else placed by load and its length in bytes / 4; sent as it came
+        (the engine always streams a Messages answer's usage), not handed off to a vLLM
+        prefill worker."""
+        given = body.get("messages")
+        if not isinstance(given, list) or not given or not all(
+            isinstance(m, dict) for m in given
+        ):
+            raise ApiError(400, "'messages' must be a non-empty list of messages (objects)",
+                           "invalid_value", "messages")  # fmt: skip
+        system = body.get("system")
+        if not (system is None or isinstance(system, str) or isinstance(system, list) and all(
+            isinstance(block, dict) for block in system
+        )):
+            msg = "'system' must be a string or a list of content blocks (objects)"
+            raise ApiError(400, msg, "invalid_value", "system")
+        tok = self._tokenizer
+        view = messages_view(body, tok.engine, tok.merges_inline_system, self._disabled_effort)
+        return await self._viewed(body, view, namespace, reuse, raw, inline, "messages", None)
+
+    def _disabled_effort(self) -> str:
+        """`router.messages.disabled_effort` for this tokenizer, probed once."""
+        if self._effort_when_disabled is None:
+            self._effort_when_disabled = disabled_effort(self._tokenizer.render_chat)
+        return self._effort_when_disabled
+
+    async def _viewed(
+        self,
+        body: dict[str, Any],
+        view: dict[str, Any] | None,
+        namespace: str,
+        reuse: bool,
+        raw: bytes | None,
+        inline: bool,
+        length: str | None,
+        follows: str | None,
+    ) -> _Prepared:
+        """A body of an API the engine renders through the chat template: keyed by `view`, the
+        chat it renders to (None: placed by load and its length in bytes / 4), its length
+        checked as `length` names the prompt (None: not checked)."""
+        stream = bool(body.get("stream", False))
         if view is None:
             size = len(raw) if raw is not None else len(msgspec.json.encode(body))
             prompt = Prompt((), size // 4, size // 4)
@@ -438,8 +493,8 @@ class Proxy:
                 client_wants_usage=True, keyed=False, single=False, follows=follows,
             )  # fmt: skip
         _, first = await self._prompts("chat", view, inline)
-        if body.get("truncation") != "auto":  # else the engine cuts a prompt that is too long
-            self._check_length(first.estimate, body, "input")
+        if length is not None:
+            self._check_length(first.estimate, body, length)
         return _Prepared(
             body, raw, first, namespace, prefix_reuse=reuse, stream=stream,
             client_wants_usage=True, single=False,

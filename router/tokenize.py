@@ -38,6 +38,7 @@ from router.chat_shape import (
 )
 from router.chat_template import ChatTemplates, TemplateLoadError, engine_template, folder_templates
 from router.content_format import ContentFormatOption, content_format, sglang_content_format
+from router.messages import merges_inline_system
 from router.token_cache import ChunkCache, Lineage, Partial
 
 _SPECIAL_NAMES = (
@@ -191,6 +192,7 @@ class RouterTokenizer:
         self._format = content_format
         self._defaults = dict(default_kwargs or {})
         self._exclude_tools = exclude_tools_when_none
+        self._merges_inline: bool | None = None
         self.engine: str | None = None
         """Whose chat rendering to follow where the engines differ: its workers' `/v1/models`
         `owned_by` ("vllm", "sglang"; None: vLLM 0.32's), set at start-up."""
@@ -305,6 +307,20 @@ class RouterTokenizer:
             if isinstance(final, str) and final.strip() and final.strip() in rendered:
                 rendered = rendered[: rendered.rindex(final.strip()) + len(final.strip())]
         return rendered
+
+    def merges_inline_system(self) -> bool:
+        """Whether vLLM 0.32's /v1/messages merges inline system messages into the leading
+        one for this model (`router.messages.merges_inline_system` over the templates a chat
+        without and with tools gets); probed once."""
+        if self._merges_inline is None:
+            sources: list[str | None] = []
+            for tools in (False, True):
+                try:
+                    sources.append(self._templates.pick(None, tools).source)
+                except PromptError:
+                    sources.append(None)
+            self._merges_inline = merges_inline_system(sources)
+        return self._merges_inline
 
     def chat_tokens(self, body: Mapping[str, Any]) -> list[int]:
         """Prompt tokens of a /v1/chat/completions body."""

@@ -6,6 +6,8 @@ would choose and why (each pool's strategy scores). Tokenized and keyed exactly 
     POST /warply/where   {"prompt": ...}, {"messages": [...]} or {"input": ...} (a response),
                          with "model" and "warply" ({"cache_key", "prefix_reuse"}) as in a
                          completion request
+    POST /warply/where?api=messages   an Anthropic Messages body (its "messages" are not a
+                         chat completion's)
 """
 
 from __future__ import annotations
@@ -37,6 +39,8 @@ async def request_body(request: web.Request) -> tuple[dict[str, Any], str]:
         if "cache_key" in query:
             body["warply"] = {"cache_key": query["cache_key"]}
     kind = "responses" if "input" in body else "chat" if "messages" in body else "completion"
+    if request.query.get("api") == "messages":
+        kind = "messages"
     return body, kind
 
 

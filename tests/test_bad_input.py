@@ -243,17 +243,30 @@ _JSON = st.recursive(
     | st.dictionaries(st.text(max_size=8), inner, max_size=4),
     max_leaves=30,
 )
+_BLOCKS = st.lists(  # Anthropic content blocks (a chat's text parts among them)
+    st.fixed_dictionaries(
+        {"type": st.sampled_from(["text", "tool_use", "tool_result", "thinking", "image"])
+         | _JSON},
+        optional={k: st.text(max_size=12) | _JSON
+                  for k in ("text", "id", "name", "thinking", "tool_use_id")}
+        | {"input": st.dictionaries(st.text(max_size=4), _SCALAR, max_size=2) | _JSON,
+           "content": st.text(max_size=12) | st.lists(_JSON, max_size=2) | _JSON},
+    ),
+    max_size=4,
+)
 _TOKEN_LIST = st.lists(st.integers(min_value=-5, max_value=1000), min_size=1, max_size=80)
 _FIELDS = {
     "model": st.sampled_from(["m", "sql", "other"]) | _JSON,
     "prompt": st.text(max_size=60) | _TOKEN_LIST | st.lists(_TOKEN_LIST | st.text(), max_size=6)
     | _JSON,
     "messages": st.lists(
-        st.fixed_dictionaries({"role": st.sampled_from(["user", "system"]) | _JSON},
-                              optional={"content": st.text(max_size=30) | _JSON})
+        st.fixed_dictionaries({"role": st.sampled_from(["user", "system", "assistant"]) | _JSON},
+                              optional={"content": st.text(max_size=30) | _BLOCKS | _JSON})
         | _JSON,
         max_size=10,
     ) | _JSON,
+    # the Anthropic Messages API's
+    "system": st.text(max_size=30) | _BLOCKS | _JSON,
     "stream": st.booleans() | _JSON,
     "stream_options": st.just({"include_usage": True}) | _JSON,
     "max_tokens": st.integers(min_value=-2, max_value=10) | _JSON,
@@ -290,14 +303,19 @@ _RAW = (
 )
 
 
-def _check_answer(status: int, answer: Any) -> None:
+def _check_answer(status: int, answer: Any, anthropic: bool = False) -> None:
     assert status < 500, answer
-    if status >= 400:
+    if status >= 400 and anthropic:
+        assert isinstance(answer, dict) and answer["type"] == "error" and set(
+            answer["error"]) == {"type", "message"}, answer  # fmt: skip
+    elif status >= 400:
         assert isinstance(answer, dict) and set(answer["error"]) == {
             "message", "type", "param", "code"}, answer  # fmt: skip
 
 
-@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions", "/v1/responses"])
+@pytest.mark.parametrize(
+    "path", ["/v1/completions", "/v1/chat/completions", "/v1/responses", "/v1/messages"]
+)
 def test_fuzzed_bodies_never_crash_and_every_rejection_is_counted(live: Live, path: str) -> None:
     seen: dict[str, int] = {"rejected": 0}
     before = sum(v for (s, _), v in live.errors().items() if s.startswith("4"))
@@ -306,7 +324,7 @@ def test_fuzzed_bodies_never_crash_and_every_rejection_is_counted(live: Live, pa
     @given(raw=_RAW)
     def run(raw: bytes) -> None:
         status, answer = _post(live, path, raw)
-        _check_answer(status, answer)
+        _check_answer(status, answer, path == "/v1/messages")
         seen["rejected"] += 400 <= status < 500  # the fake engines answer only 200s
 
     run()

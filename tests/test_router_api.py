@@ -139,6 +139,8 @@ class FakeEngine:
                 web.post("/v1/responses", self._respond),
                 web.get("/v1/responses/{id}", self._stored),
                 web.post("/v1/responses/{id}/cancel", self._stored),
+                web.post("/v1/messages", self._message),
+                web.post("/v1/messages/count_tokens", self._count_tokens),
             ]
         )
         if self.tokenize:
@@ -210,6 +212,43 @@ class FakeEngine:
             event = f"event: {kind}\ndata: {json.dumps({'type': kind, **data})}\n\n"
             await resp.write(event.encode())
         return resp
+
+    async def _message(self, request: web.Request) -> web.StreamResponse:
+        """/v1/messages: answers the engine's name with vLLM 0.32's Anthropic usage (the cached
+        tokens apart); a stream's events as vLLM sends them, held at the first delta while
+        `hang`."""
+        self.raw.append(await request.read())
+        body = json.loads(self.raw[-1])
+        self.bodies.append(body)
+        usage: dict[str, int] = {"input_tokens": 10 - (self.cached_tokens or 0),
+                                 "output_tokens": 2}  # fmt: skip
+        if self.cached_tokens is not None:
+            usage["cache_read_input_tokens"] = self.cached_tokens
+        answer = {"id": "msg_fake", "type": "message", "role": "assistant", "model": "m",
+                  "content": [{"type": "text", "text": self.name}], "stop_reason": "end_turn",
+                  "usage": usage}  # fmt: skip
+        if not body.get("stream"):
+            return web.json_response(answer)
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        start = {**answer, "content": [], "usage": {"input_tokens": 0, "output_tokens": 0}}
+        events = [("message_start", {"message": start}),
+                  ("content_block_start", {"index": 0, "content_block": {"type": "text"}}),
+                  ("content_block_delta", {"delta": {"type": "text_delta", "text": "a"}}),
+                  ("content_block_delta", {"delta": {"type": "text_delta", "text": "b"}}),
+                  ("content_block_stop", {"index": 0}),
+                  ("message_delta", {"delta": {"stop_reason": "end_turn"}, "usage": usage}),
+                  ("message_stop", {})]  # fmt: skip
+        for kind, data in events:
+            event = f"event: {kind}\ndata: {json.dumps({'type': kind, **data})}\n\n"
+            await resp.write(event.encode())
+            while self.hang and kind == "content_block_delta":
+                await asyncio.sleep(0.05)
+        return resp
+
+    async def _count_tokens(self, request: web.Request) -> web.Response:
+        self.bodies.append(json.loads(await request.read()))
+        return web.json_response({"input_tokens": 10, "engine": self.name})
 
     async def _stored(self, request: web.Request) -> web.StreamResponse:
         """GET /v1/responses/{id} and its cancel: the stored response, or a 404; with

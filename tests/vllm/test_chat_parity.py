@@ -30,6 +30,8 @@ from conftest import complete, engine, start_all
 
 from router.chat_template import ChatTemplates, folder_templates
 from router.content_format import content_format
+from router.messages import chat_view as messages_view
+from router.messages import disabled_effort, openai_usage
 from router.parity import Probes, check
 from router.responses import chat_view
 from router.tokenize import RouterTokenizer, _environment
@@ -137,6 +139,8 @@ def _engine_agrees(server: VllmServer, mine: list[int], path: str, body: dict[st
     status, out = http_json("POST", server.url + path, {"model": "tiny", **body})
     assert status == 200, out
     usage = out["usage"]
+    if "cache_read_input_tokens" in usage:  # the Messages API's: cached tokens apart
+        usage = openai_usage(usage)
     total = usage.get("prompt_tokens", usage.get("input_tokens"))
     details = usage.get("prompt_tokens_details") or usage.get("input_tokens_details")
     block = 32
@@ -185,6 +189,47 @@ def test_an_agent_loop_through_the_responses_api_renders_as_vllm_renders_it(
         assert view is not None
         mine = tok.chat_tokens({**view, "chat_template": TEMPLATE})
         _engine_agrees(server, mine, "/v1/responses", body)
+
+
+def test_an_agent_loop_through_the_messages_api_renders_as_vllm_renders_it(
+    server: VllmServer, tiny_model: str
+) -> None:
+    """An Anthropic Messages body as Claude Code sends one (a billing header among the system
+    blocks, an inline system reminder, thinking, tool use and results, tools), with thinking
+    disabled or an effort set: vLLM converts it to a chat and renders that; the router's
+    `chat_view` of it, rendered with the engine's --chat-template, tokenizes to the engine's
+    prompt (its inline system message kept: this template renders one)."""
+    tok = RouterTokenizer(Path(tiny_model), chat_template=TEMPLATE)
+    tools = [{"name": "lookup", "description": "find a block",
+              "input_schema": {"properties": {"block": {"type": "integer"}}}},
+             {"name": "list_tiers", "input_schema": {"type": "object"}, "strict": True}]
+    messages = [
+        {"role": "user", "content": "Where is block 7?"},
+        {"role": "assistant", "content": [
+            {"type": "thinking", "thinking": "look it up", "signature": "sig"},
+            {"type": "tool_use", "id": "t1", "name": "lookup", "input": {"block": 7}},
+            {"type": "tool_use", "id": "t2", "name": "list_tiers", "input": {}}]},
+        {"role": "user", "content": [
+            {"type": "tool_result", "tool_use_id": "t1", "content": "cpu"},
+            {"type": "tool_result", "tool_use_id": "t2",
+             "content": [{"type": "text", "text": "gpu"}, {"type": "text", "text": "disk"}]}]},
+        {"role": "assistant", "content": [{"type": "text", "text": "On the cpu tier."}]},
+        {"role": "system", "content": "Reminder: be brief."},
+        {"role": "user", "content": [{"type": "text", "text": "And block 8?"},
+                                     {"type": "text", "text": "Thanks."}]},
+    ]  # fmt: skip
+    system = [{"type": "text", "text": "x-anthropic-billing-header: cc_version=2; cch=9f"},
+              {"type": "text", "text": "You route requests."}]
+    assert not tok.merges_inline_system()
+    none = {"type": "none"}  # "auto", the default with tools, needs a tool parser on the engine
+    for extra in ({"tool_choice": none}, {"tool_choice": none, "thinking": {"type": "disabled"}},
+                  {"tool_choice": none, "output_config": {"effort": "high"}},
+                  {"tools": None}):  # a named choice needs a tool parser too
+        body = {"system": system, "messages": messages, "tools": tools, "max_tokens": 1, **extra}
+        view = messages_view(body, None, tok.merges_inline_system,
+                             lambda: disabled_effort(tok.render_chat))
+        assert view is not None
+        _engine_agrees(server, tok.chat_tokens(view), "/v1/messages", body)
 
 
 PARTS_TEMPLATE = (  # Llama 4's way: a string content as it is, each text part trimmed

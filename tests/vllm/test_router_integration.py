@@ -420,6 +420,59 @@ def test_the_openai_sdk_streams_a_response_through_the_router(stack: dict[str, A
     assert _stats(stack["url"])["requests"] == before + 1
 
 
+def test_a_messages_conversation_is_keyed_as_the_engine_renders_it(
+    stack: dict[str, Any],
+) -> None:
+    """vLLM 0.32 converts an Anthropic Messages body to a chat and renders it: the router keys
+    it by the same tokens (its /warply/where length is the engine's input and cached tokens),
+    so a conversation stays on its worker and hits what the router predicted."""
+    url = stack["url"]
+    system = [{"type": "text", "text": "x-anthropic-billing-header: cc_version=2; cch=01"},
+              {"type": "text", "text": "You answer questions about the prefix cache. " * 20}]
+    messages: list[dict[str, Any]] = [{"role": "user", "content": "Which blocks does it keep?"}]
+    workers = []
+    for turn in range(3):
+        body = {"model": "tiny", "system": system, "messages": messages, "max_tokens": 16,
+                "temperature": 0}  # fmt: skip
+        status, where, _ = _post(url + "/warply/where?api=messages", body, ADMIN)
+        assert status == 200, where
+        status, out, headers = _post(url + "/v1/messages", body)
+        assert status == 200, out
+        usage = out["usage"]  # input tokens apart from those read from and written to cache
+        cached = usage.get("cache_read_input_tokens", 0)
+        total = usage["input_tokens"] + cached + usage.get("cache_creation_input_tokens", 0)
+        assert where["prompt_tokens"] == total, (turn, where, usage)
+        if turn:
+            assert int(headers["X-Warply-Predicted-Cached"]) == cached >= 4 * BLOCK
+        workers.append(headers["X-Warply-Worker"])
+        said = "".join(b["text"] for b in out["content"] if b["type"] == "text")
+        messages += [{"role": "assistant", "content": [{"type": "text", "text": said}]},
+                     {"role": "user", "content": f"And {turn}?"}]  # fmt: skip
+        time.sleep(0.5)  # the engine's KV events reach the router
+    assert len(set(workers)) == 1, workers
+
+
+def test_the_anthropic_sdk_streams_a_message_through_the_router(stack: dict[str, Any]) -> None:
+    """The Anthropic SDK (as vLLM 0.32 pins it) reads a streamed message relayed by the router
+    and the router's own errors in Anthropic's shape; the router counts the stream's usage."""
+    import anthropic  # vLLM's own dependency: in the engine's venv
+
+    client = anthropic.Anthropic(base_url=stack["url"], api_key="unused")
+    before = _stats(stack["url"])["requests"]
+    with client.messages.stream(
+        model="tiny", max_tokens=12,
+        messages=[{"role": "user", "content": "Stream three words about caches."}],
+    ) as stream:  # fmt: skip
+        text = "".join(stream.text_stream)
+        done = stream.get_final_message()
+    assert text and done.content[0].text == text and done.usage.output_tokens > 0
+    assert _stats(stack["url"])["requests"] == before + 1
+    with pytest.raises(anthropic.NotFoundError) as err:
+        client.messages.create(model="nope", max_tokens=4,
+                               messages=[{"role": "user", "content": "hi"}])  # fmt: skip
+    assert err.value.body["error"]["type"] == "not_found_error"
+
+
 def test_a_missed_prediction_keeps_what_the_engine_stored_again(stack: dict[str, Any]) -> None:
     """An engine's cache emptied behind the router's back (vLLM 0.32 publishes AllBlocksCleared
     only at its next scheduler step, so the index still credits it) reports no hit for a prompt
