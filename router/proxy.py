@@ -389,9 +389,15 @@ class Proxy:
                 raise ApiError(400, msg, "invalid_value", "cache_salt") from None
         namespace = request_namespace(body, self.model)
         if kind in ("responses", "messages"):
-            viewed = self._response if kind == "responses" else self._message
             given = raw if untouched else None
-            return await viewed(body, namespace, ov.prefix_reuse, given, inline)
+            follows = body.get("previous_response_id") if kind == "responses" else None
+            if kind == "responses":
+                view, given, length = self._response_view(body, given)
+            else:
+                view, length = self._message_view(body), "messages"
+            return await self._viewed(
+                body, view, namespace, ov.prefix_reuse, given, inline, length, follows
+            )
         prompts, first = await self._prompts(kind, body, inline)
         longest = max(p.estimate for p in [first, *prompts[1:]])
         self._check_length(longest, body, "messages" if kind == "chat" else "prompt")
@@ -411,18 +417,13 @@ class Proxy:
             single,
         )
 
-    async def _response(
-        self,
-        body: dict[str, Any],
-        namespace: str,
-        reuse: bool,
-        raw: bytes | None,
-        inline: bool,
-    ) -> _Prepared:
-        """A /v1/responses body: keyed by the chat its input renders to (`router.responses`),
-        else placed by load and its length in bytes / 4; not handed off to a vLLM prefill
-        worker (its decode worker prefills it: `responses`). The response's id names its
-        worker (`Dispatcher` sets `request_id`) unless the client chose one."""
+    def _response_view(
+        self, body: dict[str, Any], raw: bytes | None
+    ) -> tuple[dict[str, Any] | None, bytes | None, str | None]:
+        """A /v1/responses body's chat (`router.responses`), the bytes to send (none when the
+        router names the response: `Dispatcher` sets `request_id` to name its worker unless
+        the client chose one) and the field its length is checked as (none with `truncation`
+        "auto": the engine cuts it)."""
         given = body.get("input")
         if not (isinstance(given, str) or isinstance(given, list) and all(
             isinstance(item, dict) for item in given
@@ -430,39 +431,25 @@ class Proxy:
             msg = "'input' must be a string or a list of input items (objects)"
             raise ApiError(400, msg, "invalid_value", "input")
         raw = raw if "request_id" in body else None
-        view = chat_view(body, self._tokenizer.engine)
-        length = "input" if body.get("truncation") != "auto" else None  # else the engine cuts
-        return await self._viewed(
-            body, view, namespace, reuse, raw, inline, length, body.get("previous_response_id")
-        )
+        length = "input" if body.get("truncation") != "auto" else None
+        return chat_view(body, self._tokenizer.engine), raw, length
 
-    async def _message(
-        self,
-        body: dict[str, Any],
-        namespace: str,
-        reuse: bool,
-        raw: bytes | None,
-        inline: bool,
-    ) -> _Prepared:
-        """A /v1/messages body (Anthropic's API): keyed by the chat vLLM converts it to
-        (`router.messages`), else placed by load and its length in bytes / 4; sent as it came
-        (the engine always streams a Messages answer's usage), not handed off to a vLLM
-        prefill worker."""
-        given = body.get("messages")
+    def _message_view(self, body: dict[str, Any]) -> dict[str, Any] | None:
+        """A /v1/messages body's chat (Anthropic's API; `router.messages`); the body is sent
+        as it came (the engine always streams a Messages answer's usage)."""
+        given, system = body.get("messages"), body.get("system")
         if not isinstance(given, list) or not given or not all(
             isinstance(m, dict) for m in given
         ):
             raise ApiError(400, "'messages' must be a non-empty list of messages (objects)",
                            "invalid_value", "messages")  # fmt: skip
-        system = body.get("system")
         if not (system is None or isinstance(system, str) or isinstance(system, list) and all(
             isinstance(block, dict) for block in system
         )):
             msg = "'system' must be a string or a list of content blocks (objects)"
             raise ApiError(400, msg, "invalid_value", "system")
         tok = self._tokenizer
-        view = messages_view(body, tok.engine, tok.merges_inline_system, self._disabled_effort)
-        return await self._viewed(body, view, namespace, reuse, raw, inline, "messages", None)
+        return messages_view(body, tok.engine, tok.merges_inline_system, self._disabled_effort)
 
     def _disabled_effort(self) -> str:
         """`router.messages.disabled_effort` for this tokenizer, probed once."""
@@ -481,9 +468,10 @@ class Proxy:
         length: str | None,
         follows: str | None,
     ) -> _Prepared:
-        """A body of an API the engine renders through the chat template: keyed by `view`, the
-        chat it renders to (None: placed by load and its length in bytes / 4), its length
-        checked as `length` names the prompt (None: not checked)."""
+        """A body of an API the engine renders through the chat template (Responses, Anthropic
+        Messages): keyed by `view`, the chat it renders to (None: placed by load and its length
+        in bytes / 4), its length checked as `length` names the prompt (None: not checked);
+        not handed off to a vLLM prefill worker (its decode worker prefills it)."""
         stream = bool(body.get("stream", False))
         if view is None:
             size = len(raw) if raw is not None else len(msgspec.json.encode(body))
