@@ -240,6 +240,8 @@ def _summary(config: RouterConfig) -> str:
         f"template defaults {json.dumps(config.default_chat_template_kwargs)}"
         if config.default_chat_template_kwargs else "",
         "tools left out for tool_choice none" if config.exclude_tools_when_tool_choice_none else "",
+        f"thinking disabled as effort {config.anthropic_disabled_thinking_effort}"
+        if config.anthropic_disabled_thinking_effort != "auto" else "",
     ]  # fmt: skip
     if any(chat):
         lines.append("chat: " + ", ".join(c for c in chat if c))

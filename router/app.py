@@ -110,6 +110,7 @@ class Router:
             config.upstream_idle_timeout_s,
             config.limits,
             config.trust_request_chat_template,
+            config.anthropic_disabled_thinking_effort,
         )
         self.proxy.max_model_len = config.max_model_len
         self.tiering: TierRunner | None = None

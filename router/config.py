@@ -381,6 +381,13 @@ class RouterConfig(_Strict):
     exclude_tools_when_tool_choice_none: bool = False
     """vLLM's `--exclude-tools-when-tool-choice-none`: a chat or response whose `tool_choice`
     is "none" reaches the template without its tools (SGLang always leaves them out then)."""
+    anthropic_disabled_thinking_effort: Literal[
+        "auto", "none", "low", "medium", "high", "xhigh", "max"
+    ] = "auto"
+    """vLLM's `--anthropic-disabled-thinking-effort`: the reasoning effort a /v1/messages
+    request with `thinking: {"type": "disabled"}` renders with; "auto" probes the template as
+    vLLM 0.32 does ("none", or "low" where the template refuses it or renders it as a thinking
+    effort)."""
     default_chat_template_kwargs: dict[str, Any] = Field(default_factory=dict)
     """The engines' `--default-chat-template-kwargs` (e.g. `{enable_thinking: false}`):
     template arguments a request's own `chat_template_kwargs` and reasoning effort override,
@@ -532,6 +539,7 @@ CLI_FIELDS: dict[str, type] = {
     "max_model_len": int,
     "chat_template": str,
     "chat_template_content_format": str,
+    "anthropic_disabled_thinking_effort": str,
 }
 """Fields settable by a `--flag` of the same name (dashes for underscores); top-level ones, and
 `index_max_entries` for `index.max_entries`."""

@@ -187,10 +187,14 @@ class Proxy:
         idle_timeout_s: float | None = None,
         limits: LimitsConfig | None = None,
         trust_request_chat_template: bool = False,
+        disabled_thinking_effort: str = "auto",
     ) -> None:
+        """`disabled_thinking_effort`: the engines' `--anthropic-disabled-thinking-effort`
+        ("auto": probed as vLLM probes it, `router.messages.disabled_effort`)."""
         self.model = model
         self._trust_template = trust_request_chat_template
-        self._effort_when_disabled: str | None = None
+        auto = disabled_thinking_effort == "auto"
+        self._effort_when_disabled: str | None = None if auto else disabled_thinking_effort
         self.served = frozenset((model, *adapters))
         """Names a request's `model` may take: the base model and its LoRA adapters."""
         self.max_model_len: int | None = None
@@ -452,7 +456,8 @@ class Proxy:
         return messages_view(body, tok.engine, tok.merges_inline_system, self._disabled_effort)
 
     def _disabled_effort(self) -> str:
-        """`router.messages.disabled_effort` for this tokenizer, probed once."""
+        """The effort a Messages request with thinking disabled renders with: the configured
+        one, else `router.messages.disabled_effort` for this tokenizer, probed once."""
         if self._effort_when_disabled is None:
             self._effort_when_disabled = disabled_effort(self._tokenizer.render_chat)
         return self._effort_when_disabled

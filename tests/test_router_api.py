@@ -357,7 +357,10 @@ async def running(
             **overrides,
         }
     )
-    router = Router(config, RouterTokenizer(tokenizer_dir, config.tokenizer_cache_mib << 20))
+    tokenizer = RouterTokenizer(
+        tokenizer_dir, config.tokenizer_cache_mib << 20, chat_template=config.chat_template
+    )
+    router = Router(config, tokenizer)
     router_runner, base = await _serve(router.app)
     session = aiohttp.ClientSession()
 

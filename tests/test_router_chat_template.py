@@ -157,21 +157,22 @@ def test_the_settings_are_validated(tmp_path: Path, tokenizer_dir: Path) -> None
 
 
 def test_the_flags_mirror_the_engines(tmp_path: Path, tokenizer_dir: Path) -> None:
-    """`--chat-template`, `--chat-template-content-format`, `--default-chat-template-kwargs`
-    and `--exclude-tools-when-tool-choice-none` as vLLM spells them; a bad one is one line and
-    exit 2."""
+    """`--chat-template`, `--chat-template-content-format`, `--default-chat-template-kwargs`,
+    `--exclude-tools-when-tool-choice-none` and `--anthropic-disabled-thinking-effort` as vLLM
+    spells them; a bad one is one line and exit 2."""
     path = tmp_path / "chat.jinja"
     path.write_text(TEMPLATE)
     common = ["--model", "m", "--tokenizer", str(tokenizer_dir), "--worker", "http://h:1",
               "--block-size", "16", "--check"]  # fmt: skip
     ok = _router_cli(*common, "--chat-template", str(path), "--chat-template-content-format",
                      "openai", "--default-chat-template-kwargs", '{"house": "x"}',
-                     "--exclude-tools-when-tool-choice-none")  # fmt: skip
+                     "--exclude-tools-when-tool-choice-none",
+                     "--anthropic-disabled-thinking-effort", "low")  # fmt: skip
     assert ok.returncode == 0, ok.stderr
     assert f"chat template {path} (not the tokenizer folder's)" in ok.stdout
     assert (
         'chat: content format openai, template defaults {"house": "x"}, tools left out for '
-        "tool_choice none" in ok.stdout
+        "tool_choice none, thinking disabled as effort low" in ok.stdout
     ), ok.stdout
     plain = _router_cli(*common)
     assert plain.returncode == 0 and "chat" not in plain.stdout, plain.stdout
@@ -179,6 +180,7 @@ def test_the_flags_mirror_the_engines(tmp_path: Path, tokenizer_dir: Path) -> No
         (["--chat-template", str(tmp_path / "gone.jinja")], "names no readable file"),
         (["--default-chat-template-kwargs", "{house"], "--default-chat-template-kwargs is not"),
         (["--chat-template-content-format", "parts"], "chat_template_content_format"),
+        (["--anthropic-disabled-thinking-effort", "off"], "anthropic_disabled_thinking_effort"),
     ):
         out = _router_cli(*common, *flags)
         assert out.returncode == 2 and message in out.stderr, out.stderr

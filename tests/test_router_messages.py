@@ -184,6 +184,28 @@ def test_the_disabled_thinking_effort_is_probed_as_vllm_probes_it() -> None:
     assert disabled_effort(ignores) == "low" and disabled_effort(refuses_none) == "low"
 
 
+def test_a_configured_disabled_thinking_effort_is_used_as_the_engine_uses_it(
+    tokenizer_dir: Path,  # noqa: F811
+) -> None:
+    """A fleet started with `--anthropic-disabled-thinking-effort low`: the router renders
+    thinking-disabled messages with effort "low", where its own probe would pick "none" for a
+    template that prints the effort."""
+    shows = "{% for m in messages %}{{ m.content }}{% endfor %}<{{ reasoning_effort }}>"
+
+    async def scenario() -> None:
+        body = {"max_tokens": 4, "thinking": {"type": "disabled"},
+                "messages": [{"role": "user", "content": "the cache"}]}  # fmt: skip
+        for setting, effort in (("auto", "none"), ("low", "low")):
+            async with running(tokenizer_dir, [FakeEngine("a", max_model_len=4096)],
+                               chat_template=shows,
+                               anthropic_disabled_thinking_effort=setting) as (router, *_):
+                tokens, _, _ = await router.proxy.tokens(dict(body), "messages")
+                chat = {"messages": body["messages"], "reasoning_effort": effort}
+                assert tokens == (await router.proxy.tokens(chat, "chat"))[0]
+
+    _run(scenario())
+
+
 def test_usage_and_events_read_as_the_accounting_needs_them() -> None:
     assert openai_usage({"input_tokens": 3, "cache_read_input_tokens": 32, "output_tokens": 1}) \
         == {"prompt_tokens": 35, "prompt_tokens_details": {"cached_tokens": 32}}

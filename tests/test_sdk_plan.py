@@ -116,7 +116,8 @@ def test_the_engines_chat_template_flags_reach_the_router(model_dir: str, tmp_pa
     template.write_text("{{ messages }}")
     flags = [f"--chat-template={template}", "--chat-template-content-format", "openai",
              "--default-chat-template-kwargs", '{"enable_thinking": false}',
-             "--exclude-tools-when-tool-choice-none"]  # fmt: skip
+             "--exclude-tools-when-tool-choice-none",
+             "--anthropic-disabled-thinking-effort=none"]  # fmt: skip
     spec = wp.DisaggEngine(model=model_dir, backend="vllm", kv_transfer="nixl",
                            prefill=wp.Pool("cpu", engine_args=flags),
                            decode=wp.Pool("cpu", engine_args=flags))  # fmt: skip
@@ -124,10 +125,12 @@ def test_the_engines_chat_template_flags_reach_the_router(model_dir: str, tmp_pa
     assert (config.chat_template, config.chat_template_content_format) == (str(template), "openai")
     assert config.default_chat_template_kwargs == {"enable_thinking": False}
     assert config.exclude_tools_when_tool_choice_none
+    assert config.anthropic_disabled_thinking_effort == "none"
     plain_plan = make_plan(wp.Engine(model=model_dir), BINS, tmp_path)
     plain = RouterConfig.model_validate(plain_plan.router_config)
     assert plain.chat_template is None and plain.default_chat_template_kwargs == {}
     assert not plain.exclude_tools_when_tool_choice_none
+    assert plain.anthropic_disabled_thinking_effort == "auto"
     split = spec.model_copy(update={"decode": wp.Pool("cpu")})
     with pytest.raises(PlanError, match="chat-template flags differently .*decode: none"):
         make_plan(split, BINS, tmp_path)
