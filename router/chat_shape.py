@@ -346,9 +346,15 @@ def sglang_conversation(messages: list[Any], parts: bool) -> list[dict[str, Any]
 def sglang_kwargs(
     given: Mapping[str, Any], effort: Any, defaults: Mapping[str, Any]
 ) -> dict[str, Any]:
-    """The template arguments SGLang 0.5 passes: the client's `chat_template_kwargs`, the
-    server's `--default-chat-template-kwargs` filling the keys it left out, over
-    `reasoning_effort` (the request's, else those arguments' own)."""
+    """The template arguments SGLang 0.5 passes: the client's `chat_template_kwargs` (where a
+    request's `reasoning_effort` sets `thinking` and `enable_thinking` unless they are given:
+    on for any effort but "none", as its request model does when it is built), the server's
+    `--default-chat-template-kwargs` filling the keys it left out, over `reasoning_effort`
+    (the request's, else those arguments' own)."""
+    if effort is not None:
+        on = effort != "none"
+        given = {**given, "thinking": given.get("thinking", on),
+                 "enable_thinking": given.get("enable_thinking", on)}  # fmt: skip
     kwargs = {**defaults, **given}
     if effort is None:
         effort = kwargs.get("reasoning_effort")

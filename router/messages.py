@@ -13,7 +13,9 @@ unless the client chose); `output_config.effort` as the reasoning effort, `think
 `system` inside `messages`) stay where they are, or join the first system message when the chat
 template refuses a system message after the first (vLLM's probe, `merges_inline_system`).
 Anything else (images, tool results that are not text, tool additions and removals) is placed
-by load alone, as is every body for an SGLang fleet, whose conversion differs.
+by load alone. SGLang 0.5 converts a body its own way (`_sglang_view`): text-only bodies
+without thinking, tools or inline system messages are keyed as it converts them, the rest
+placed by load.
 """
 
 from __future__ import annotations
@@ -233,18 +235,66 @@ def _tools(body: Mapping[str, Any], view: dict[str, Any]) -> bool:
     return True
 
 
+def _sglang_view(body: Mapping[str, Any]) -> dict[str, Any] | None:
+    """The chat SGLang 0.5 converts a text-only Messages body to
+    (`AnthropicServing._convert_to_chat_completion_request`): `system` (a string that is not
+    blank, else its non-empty text blocks joined by newlines) as the first system message, each
+    user or assistant message's content as it is (a string) or as its text parts (one: a
+    string; an empty text kept; an assistant's without any: ""). None for anything else
+    (thinking, an effort, tools, inline system messages, other blocks): their conversion
+    depends on the server's reasoning parser and template detection, and SGLang sets an
+    effort on the request it has built, so without the thinking switches a chat's effort
+    brings (`router.chat_shape.sglang_kwargs`)."""
+    config = body.get("output_config")
+    if any(body.get(k) is not None for k in ("thinking", "tools", "tool_choice")) or (
+        isinstance(config, dict) and config.get("effort") is not None
+    ):
+        return None
+    system = body.get("system")
+    if isinstance(system, str):
+        parts = [system] if system.strip() else []
+    else:
+        parts = [t for b in system or [] if b.get("type") == "text" and (t := _str(b, "text"))]
+    chat: list[dict[str, Any]] = [{"role": "system", "content": "\n".join(parts)}] if parts else []
+    for msg in body["messages"]:
+        role, content = msg["role"], msg["content"]
+        if role == "system":
+            return None
+        if isinstance(content, str):
+            chat.append({"role": role, "content": content})
+            continue
+        texts = []
+        for block in content:
+            text = block.get("text")
+            if block.get("type") != "text" or not (text is None or isinstance(text, str)):
+                return None
+            if text is not None:
+                texts.append({"type": "text", "text": text})
+        if texts:
+            chat.append({"role": role, "content": texts[0]["text"] if len(texts) == 1 else texts})
+        elif role == "assistant":
+            chat.append({"role": role, "content": ""})
+    view: dict[str, Any] = {"messages": chat}
+    if "model" in body:
+        view["model"] = body["model"]
+    return view
+
+
 def chat_view(
     body: Mapping[str, Any],
     engine: str | None,
     merge_inline_system: Callable[[], bool],
     effort_when_disabled: Callable[[], str],
 ) -> dict[str, Any] | None:
-    """The /v1/chat/completions body whose prompt vLLM 0.32 makes of this Messages body (its
-    model, cache salt and template arguments kept); None when the router cannot key it.
-    `merge_inline_system` and `effort_when_disabled` are asked only when the body needs them
-    (`merges_inline_system`, `disabled_effort`)."""
-    if engine == "sglang" or not _valid(body):
+    """The /v1/chat/completions body whose prompt `engine` ("sglang", else vLLM 0.32) makes of
+    this Messages body (for vLLM its model, cache salt and template arguments kept; SGLang's
+    conversion passes neither); None when the router cannot key it. `merge_inline_system` and
+    `effort_when_disabled` are asked only when the body needs them (`merges_inline_system`,
+    `disabled_effort`)."""
+    if not _valid(body):
         return None
+    if engine == "sglang":
+        return _sglang_view(body)
     messages: list[dict[str, Any]] = body["messages"]
     if any(isinstance(m["content"], list) and any(b.get("type") in _TOOL_CHANGES
                                                   for b in m["content"]) for m in messages):

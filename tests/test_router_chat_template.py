@@ -82,8 +82,8 @@ def test_a_content_format_given_overrides_the_detected_one(tokenizer_dir: Path) 
         ({"chat_template_kwargs": {"house": None}}, "<acme|False|-|None>", "<None|False|-|None>"),
         ({"chat_template_kwargs": {"house": "auto"}}, "<acme|False|-|None>",
          "<auto|False|-|None>"),
-        # an effort turns thinking on in vLLM, over the default; SGLang passes the effort only
-        ({"reasoning_effort": "high"}, "<acme|True|high|None>", "<acme|False|high|None>"),
+        # an effort turns thinking on in both, over the default
+        ({"reasoning_effort": "high"}, "<acme|True|high|None>", "<acme|True|high|None>"),
         ({"reasoning_effort": "none"}, "<acme|False|none|None>", "<acme|False|none|None>"),
         ({"chat_template_kwargs": {"documents": ["d"]}}, "<acme|False|-|['d']>",
          "<acme|False|-|['d']>"),
@@ -107,11 +107,12 @@ def test_an_effort_among_sglang_defaults_wins_as_the_clients_kwargs_would(
 ) -> None:
     """SGLang 0.5 copies its defaults into the request's `chat_template_kwargs`, which it lays
     over the request's `reasoning_effort`: a default effort is rendered even when a request
-    names another (vLLM lets the request's win)."""
+    names another (vLLM lets the request's win); the request's own effort still turned
+    thinking on when its request model was built."""
     defaults = {"reasoning_effort": "low"}
     tok = _tok(tokenizer_dir, "sglang", default_kwargs=defaults)
     assert tok.render_chat(CHAT).endswith("<-|-|low|None>")
-    assert tok.render_chat({**CHAT, "reasoning_effort": "high"}).endswith("<-|-|low|None>")
+    assert tok.render_chat({**CHAT, "reasoning_effort": "high"}).endswith("<-|True|low|None>")
     vllm = _tok(tokenizer_dir, default_kwargs=defaults)
     assert vllm.render_chat({**CHAT, "reasoning_effort": "high"}).endswith("<-|True|high|None>")
 

@@ -147,9 +147,17 @@ def test_what_the_router_cannot_follow_is_placed_by_load(messages: Any) -> None:
     assert _view({"messages": messages}) is None
 
 
-def test_an_sglang_fleet_places_messages_by_load() -> None:
-    assert chat_view({"messages": [{"role": "user", "content": "a"}]}, "sglang", _never,
-                     _never) is None  # fmt: skip
+def test_an_sglang_fleet_keys_text_messages_only() -> None:
+    """SGLang joins system texts by newlines, keeps empty texts and blank-free system strings
+    whole, and converts the rest its own way (tests/sglang/test_chat_shape.py checks this
+    against its code): text only is keyed."""
+    body = {"system": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}],
+            "messages": [{"role": "user", "content": [{"type": "text", "text": ""}]},
+                         {"role": "assistant", "content": []}]}  # fmt: skip
+    assert chat_view(body, "sglang", _never, _never) == {"messages": [
+        {"role": "system", "content": "a\nb"}, {"role": "user", "content": ""},
+        {"role": "assistant", "content": ""}]}  # fmt: skip
+    assert chat_view({**AGENT, "tools": None}, "sglang", _never, _never) is None  # thinking
 
 
 QWEN_LIKE = (

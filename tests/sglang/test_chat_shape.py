@@ -9,9 +9,12 @@ this is the part of its rendering that runs on this machine."""
 from __future__ import annotations
 
 import copy
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
+from sglang.srt.entrypoints.anthropic.protocol import AnthropicMessagesRequest
+from sglang.srt.entrypoints.anthropic.serving import AnthropicServing
 from sglang.srt.entrypoints.openai.protocol import ChatCompletionRequest, ToolChoice
 from sglang.srt.entrypoints.openai.serving_chat import (
     normalize_assistant_tool_call_arguments,
@@ -22,8 +25,9 @@ from sglang.srt.parser.jinja_template_utils import (
     process_content_for_template_format,
 )
 
-from router.chat_shape import PromptError, sglang_conversation, sglang_tools
+from router.chat_shape import PromptError, sglang_conversation, sglang_kwargs, sglang_tools
 from router.content_format import sglang_content_format
+from router.messages import chat_view as messages_view
 from router.tokenize import _environment
 
 STRING = "{% for m in messages %}{{ m | tojson }}{% endfor %}"
@@ -71,7 +75,11 @@ CHATS: list[list[dict[str, Any]]] = [
 
 def _sglang(messages: list[dict[str, Any]], template: str) -> list[dict[str, Any]]:
     """The messages SGLang 0.5 hands the template, by its own functions."""
-    request = ChatCompletionRequest(model="m", messages=copy.deepcopy(messages))
+    return _shaped(ChatCompletionRequest(model="m", messages=copy.deepcopy(messages)), template)
+
+
+def _shaped(request: ChatCompletionRequest, template: str) -> list[dict[str, Any]]:
+    """The messages SGLang 0.5 hands the template for `request`."""
     content_format = detect_jinja_template_content_format(template)
     dumped = [m.model_dump() for m in request.messages]
     for m in dumped:
@@ -138,3 +146,83 @@ def test_tools_reach_the_template_as_sglang_passes_them(choice: Any) -> None:
     if want is not None:
         assert [list(t["function"]) for t in got] == [list(t["function"]) for t in want]
     assert sglang_tools({"messages": body["messages"]}) is None
+
+
+@pytest.mark.parametrize(
+    ("effort", "given", "defaults"),
+    [(None, {}, {}), ("high", {}, {"enable_thinking": False}), ("none", {}, {}),
+     ("low", {"thinking": None}, {}), ("high", {"enable_thinking": False}, {"thinking": 0}),
+     (None, {}, {"reasoning_effort": "low"}), ("high", {}, {"reasoning_effort": "low"})],
+)  # fmt: skip
+def test_template_arguments_are_passed_as_sglang_passes_them(
+    effort: Any, given: dict[str, Any], defaults: dict[str, Any]
+) -> None:
+    """SGLang's request model, when built, sets `thinking` and `enable_thinking` from a
+    `reasoning_effort` where the client's kwargs leave them out; its defaults then fill the
+    rest (`_process_messages`) and the effort goes under them (`_apply_jinja_template`)."""
+    body: dict[str, Any] = {"model": "m", "messages": [{"role": "user", "content": "go"}],
+                            "chat_template_kwargs": copy.deepcopy(given)}  # fmt: skip
+    if effort is not None:
+        body["reasoning_effort"] = effort
+    request = ChatCompletionRequest(**body)
+    kwargs = dict(request.chat_template_kwargs or {})
+    for key, value in defaults.items():
+        kwargs.setdefault(key, value)
+    chosen = request.reasoning_effort
+    if chosen is None:
+        chosen = kwargs.get("reasoning_effort")
+    want = {**({} if chosen is None else {"reasoning_effort": chosen}), **kwargs}
+    assert sglang_kwargs(given, effort, defaults) == want
+
+
+ANTHROPIC: list[dict[str, Any]] = [
+    {"system": "Route by prefix.", "messages": [
+        {"role": "user", "content": "Where is block 7?"},
+        {"role": "assistant", "content": [{"type": "text", "text": "On the cpu tier."}]},
+        {"role": "user", "content": [{"type": "text", "text": "one"},
+                                     {"type": "text", "text": ""}]}]},
+    {"system": [{"type": "text", "text": "x-anthropic-billing-header: cc=1"},
+                {"type": "text", "text": ""}, {"type": "text", "text": "Be brief."}],
+     "messages": [{"role": "user", "content": [{"type": "text", "text": "hi"}]},
+                  {"role": "assistant", "content": []},
+                  {"role": "user", "content": []},
+                  {"role": "user", "content": "again"}]},
+    {"system": "   ", "messages": [{"role": "user", "content": "no system"}]},
+]  # fmt: skip
+UNKEYED: list[dict[str, Any]] = [
+    {"messages": [{"role": "user", "content": "a"}], "thinking": {"type": "disabled"}},
+    {"messages": [{"role": "user", "content": "a"}], "output_config": {"effort": "high"}},
+    {"messages": [{"role": "user", "content": "a"}],
+     "tools": [{"name": "f", "input_schema": {"type": "object"}}]},
+    {"messages": [{"role": "user", "content": "a"}, {"role": "system", "content": "late"}]},
+    {"messages": [{"role": "assistant", "content": [
+        {"type": "tool_use", "id": "t", "name": "f", "input": {}}]}]},
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("template", [STRING, PARTS])
+def test_a_text_message_is_keyed_as_sglang_converts_it(template: str) -> None:
+    """A text-only Anthropic Messages body: SGLang's own conversion
+    (`AnthropicServing._convert_to_chat_completion_request`) and then its chat shaping give the
+    template what the router's view gives it through `sglang_conversation`; bodies whose
+    conversion depends on the server (thinking, an effort, tools, inline system messages, tool
+    use) get no view."""
+    serving = AnthropicServing(SimpleNamespace(supports_inline_system=True))  # type: ignore[arg-type]
+    openai = sglang_content_format(template, _environment()) == "openai"
+    for body in ANTHROPIC:
+        full = {"model": "m", "max_tokens": 4, **body}
+        request = serving._convert_to_chat_completion_request(
+            AnthropicMessagesRequest.model_validate(copy.deepcopy(full))
+        )
+        view = messages_view(full, "sglang", _never, _never)
+        assert view is not None and request.reasoning_effort is None
+        got = sglang_conversation(view["messages"], openai)
+        want = _shaped(request, template)
+        assert [list(m.items()) for m in got] == [list(m.items()) for m in want]
+    for body in UNKEYED:
+        assert messages_view({"model": "m", "max_tokens": 4, **body}, "sglang", _never,
+                             _never) is None  # fmt: skip
+
+
+def _never() -> Any:
+    raise AssertionError("SGLang's view asks for no vLLM probe")
