@@ -380,8 +380,12 @@ def openapi_document(config: RouterConfig) -> dict[str, Any]:
             ),
             "post": _admin(
                 {
-                    "requestBody": _body({"oneOf": [{"$ref": _REF.format(name=n)} for n in (
-                        "CompletionRequest", "ChatCompletionRequest")]}),  # fmt: skip
+                    "parameters": [{"name": "api", "in": "query", "required": False,
+                                    "schema": {"enum": ["messages"]},
+                                    "description": "the body is an Anthropic Messages one"}],
+                    "requestBody": _body({"anyOf": [{"$ref": _REF.format(name=n)} for n in (
+                        "CompletionRequest", "ChatCompletionRequest", "MessagesRequest"
+                    )]}),  # fmt: skip
                     "responses": {
                         "200": _json("Where", "holdings and choice"),
                         **_errors(400, 404, 413, 415),

@@ -39,7 +39,11 @@ async def request_body(request: web.Request) -> tuple[dict[str, Any], str]:
         if "cache_key" in query:
             body["warply"] = {"cache_key": query["cache_key"]}
     kind = "responses" if "input" in body else "chat" if "messages" in body else "completion"
-    if request.query.get("api") == "messages":
+    api = request.query.getall("api", [])
+    if any(a != "messages" for a in api):
+        raise ApiError(400, "'api' must be 'messages' (an Anthropic Messages body) or left out",
+                       "invalid_value", "api")  # fmt: skip
+    if api:
         kind = "messages"
     return body, kind
 

@@ -104,6 +104,15 @@ def test_where_takes_a_request_body_with_its_namespace(tokenizer_dir: Path) -> N
             assert all(w["blocks"] == 0 for w in body["pools"][0]["workers"])
             rules = {w["score"]["rule"] for w in body["pools"][0]["workers"]}
             assert rules == {"new conversation: fewest started"}
+            # An Anthropic Messages body (`?api=messages`): its system prompt is the chat's first
+            # message, which the same body read as a chat completion would not have.
+            message = {"system": "hold", "messages": [{"role": "user", "content": PROMPT}]}
+            status, body = await call("POST", "/warply/where?api=messages", message)
+            as_chat = {"messages": [{"role": "system", "content": "hold"}, *message["messages"]]}
+            want, _, _ = await router.proxy.tokens(as_chat, "chat")
+            assert status == 200 and body["prompt_tokens"] == len(want)
+            status, body = await call("POST", "/warply/where?api=chat", message)
+            assert status == 400 and _is_error(body, "invalid_value")
 
     _run(scenario())
 
