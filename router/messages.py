@@ -242,9 +242,9 @@ def _sglang_view(body: Mapping[str, Any]) -> dict[str, Any] | None:
     user or assistant message's content as it is (a string) or as its text parts (one: a
     string; an empty text kept; an assistant's without any: ""). None for anything else
     (thinking, an effort, tools, inline system messages, other blocks): their conversion
-    depends on the server's reasoning parser and template detection, and SGLang sets an
-    effort on the request it has built, so without the thinking switches a chat's effort
-    brings (`router.chat_shape.sglang_kwargs`)."""
+    depends on the server's reasoning parser and template detection, and an effort is set on
+    the request SGLang has already built, so it comes without the thinking switches a chat's
+    effort brings (`router.chat_shape.sglang_kwargs`), which a chat view cannot express."""
     config = body.get("output_config")
     if any(body.get(k) is not None for k in ("thinking", "tools", "tool_choice")) or (
         isinstance(config, dict) and config.get("effort") is not None

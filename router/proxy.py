@@ -453,6 +453,17 @@ class Proxy:
             msg = "'system' must be a string or a list of content blocks (objects)"
             raise ApiError(400, msg, "invalid_value", "system")
         tok = self._tokenizer
+        if tok.engine == "sglang" and body.get("cache_salt") is not None:
+            # SGLang 0.5's conversion (`AnthropicServing`) drops the field: tenants' requests
+            # would share KV in the engine whatever their keys.
+            raise ApiError(
+                400,
+                "this fleet's engines (SGLang) do not pass cache_salt on from /v1/messages, so a "
+                "cache_key (or cache_salt) cannot keep this request's KV apart from other "
+                "tenants': send it to /v1/chat/completions, or without one",
+                "cache_key_unsupported",
+                "cache_salt",
+            )
         return messages_view(body, tok.engine, tok.merges_inline_system, self._disabled_effort)
 
     def _disabled_effort(self) -> str:

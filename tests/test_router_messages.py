@@ -214,6 +214,29 @@ def test_a_configured_disabled_thinking_effort_is_used_as_the_engine_uses_it(
     _run(scenario())
 
 
+def test_an_sglang_fleet_refuses_a_tenant_key_it_cannot_keep_apart(
+    tokenizer_dir: Path,  # noqa: F811
+) -> None:
+    """SGLang 0.5's /v1/messages drops `cache_salt`: a request with a `cache_key` (or its own
+    `cache_salt`) would share KV with every other tenant's in the engine, so it is refused;
+    without one it is served and keyed."""
+
+    async def scenario() -> None:
+        card = b'{"data": [{"id": "m", "max_model_len": 4096, "owned_by": "sglang"}]}'
+        engine = FakeEngine("a", models=card)
+        async with running(tokenizer_dir, [engine]) as (_, call, _s, _b):
+            body = {"max_tokens": 4, "messages": [{"role": "user", "content": "the cache"}]}
+            for extra in ({"warply": {"cache_key": "t1"}}, {"cache_salt": "t1"}):
+                status, got = await call("POST", "/v1/messages", {**body, **extra})
+                assert status == 400 and got["error"]["type"] == "invalid_request_error"
+                assert "cache_salt" in got["error"]["message"] and not engine.bodies
+            assert (await call("POST", "/v1/messages", body))[0] == 200
+            assert (await call("POST", "/v1/chat/completions", {**body, "cache_salt": "t1"}))[
+                0] == 200  # fmt: skip
+
+    _run(scenario())
+
+
 def test_usage_and_events_read_as_the_accounting_needs_them() -> None:
     assert openai_usage({"input_tokens": 3, "cache_read_input_tokens": 32, "output_tokens": 1}) \
         == {"prompt_tokens": 35, "prompt_tokens_details": {"cached_tokens": 32}}
