@@ -1,10 +1,12 @@
-"""The OpenAI request path (completions, chat completions, responses): parse → tokenize →
-place → dispatch (`router.dispatch`: direct, or prefill → decode; JSON or SSE) → measure.
+"""The request path of the OpenAI API (completions, chat completions, responses) and of
+Anthropic's Messages API: parse → tokenize → place → dispatch (`router.dispatch`: direct, or
+prefill → decode; JSON or SSE) → measure.
 
 Every field of the client's body goes to the engine unchanged except the router's own `warply`
 field (stripped; `cache_key` becomes the engine's `cache_salt`, so tenants never share KV inside
-the engine). Streams always ask the engine for a final usage chunk (to read `cached_tokens`) and
-drop it again when the client did not ask for it. A client that disconnects cancels the handler,
+the engine). Chat and completion streams always ask the engine for a final usage chunk (to read
+`cached_tokens`) and drop it again when the client did not ask for it (Responses and Messages
+streams carry their usage anyway). A client that disconnects cancels the handler,
 which closes the upstream connection, and the engine aborts the request.
 """
 
@@ -172,7 +174,7 @@ def _max_tokens(body: dict[str, Any]) -> int:
 
 
 class Proxy:
-    """Handles /v1/completions, /v1/chat/completions and /v1/responses."""
+    """Handles /v1/completions, /v1/chat/completions, /v1/responses and /v1/messages."""
 
     def __init__(
         self,
@@ -238,7 +240,7 @@ class Proxy:
         self._tokenize_pool.shutdown(wait=False, cancel_futures=True)
 
     async def handle(self, request: web.Request, kind: str) -> web.StreamResponse:
-        """One OpenAI request of `kind` ("chat" | "completion" | "responses")."""
+        """One request of `kind` ("chat" | "completion" | "responses" | "messages")."""
         account = RequestAccount(self._metrics, time.perf_counter())
         status = 500
         flight = self.drain.enter()
