@@ -5,7 +5,11 @@ vLLM 0.32 answers every origin by default (`--allowed-origins '["*"]'`), so a br
 that talked to an engine needs the router to say which pages may call it. Only the client API
 answers: the admin API (`/warply/*`) never grants a preflight, so a page cannot call it with a
 token or a JSON body, whatever origins are allowed (docs/reliability.md, Security). No
-credentials (cookies) are ever allowed: the API's own token travels in `Authorization`.
+credentials (cookies) are ever allowed: the API's own token travels in `Authorization`. The
+headers a page asks to send are allowed, as vLLM's default (`--allowed-headers '["*"]'`) allows
+them: the JavaScript SDKs send their own (OpenAI's and Anthropic's `x-stainless-*`;
+Anthropic's `x-api-key`, `anthropic-version`, `anthropic-dangerous-direct-browser-access`),
+and a preflight that leaves one out makes the browser refuse the call.
 """
 
 from __future__ import annotations
@@ -44,10 +48,11 @@ class Cors:
         if request.method == "OPTIONS" and "Access-Control-Request-Method" in request.headers:
             allowed = self._allowed(request)
             if allowed is not None:
+                asked = request.headers.get("Access-Control-Request-Headers")
                 return web.Response(status=204, headers={
                     "Access-Control-Allow-Origin": allowed,
                     "Access-Control-Allow-Methods": "GET, POST",
-                    "Access-Control-Allow-Headers": _HEADERS,
+                    "Access-Control-Allow-Headers": asked or _HEADERS,
                     "Access-Control-Max-Age": _MAX_AGE_S,
                     "Vary": "Origin",
                 })  # fmt: skip

@@ -53,7 +53,7 @@ def test_allowed_origins_call_the_client_api_and_never_the_admin_api(
                                             headers=PREFLIGHT)  # fmt: skip
             assert status == 204 and headers["Access-Control-Allow-Origin"] == APP
             assert "POST" in headers["Access-Control-Allow-Methods"]
-            assert "Authorization" in headers["Access-Control-Allow-Headers"]
+            assert "authorization" in headers["Access-Control-Allow-Headers"].lower()
             for path in ("/v1/completions", "/warply/workers/a", "/warply/directives"):
                 other = {**PREFLIGHT, "Origin": "https://elsewhere.example"}
                 status, headers = await _answer(session, "OPTIONS", base + path, headers=other)
@@ -71,6 +71,34 @@ def test_allowed_origins_call_the_client_api_and_never_the_admin_api(
             status, headers = await _answer(session, "GET", base + "/warply/cache_stats",
                                             headers={"Origin": APP})  # fmt: skip
             assert status == 200 and "Access-Control-Allow-Origin" not in headers
+
+    _run(scenario())
+
+
+def test_the_headers_a_browser_sdk_sends_are_allowed(tokenizer_dir: Path) -> None:  # noqa: F811
+    """The Anthropic and OpenAI JavaScript SDKs in a page send headers of their own: the
+    preflight allows what it is asked for (as vLLM's default `--allowed-headers '["*"]'`), and
+    the call itself goes through."""
+    sdk = ("anthropic-dangerous-direct-browser-access, anthropic-version, content-type, "
+           "x-api-key, x-stainless-arch, x-stainless-lang, x-stainless-retry-count")
+
+    async def scenario() -> None:
+        async with running(
+            tokenizer_dir, [FakeEngine("a", max_model_len=4096)], cors_allowed_origins=[APP]
+        ) as (_, _c, session, base):
+            asked = {**PREFLIGHT, "Access-Control-Request-Headers": sdk}
+            status, headers = await _answer(session, "OPTIONS", base + "/v1/messages",
+                                            headers=asked)  # fmt: skip
+            assert status == 204 and headers["Access-Control-Allow-Headers"] == sdk
+            bare = {k: v for k, v in PREFLIGHT.items() if k != "Access-Control-Request-Headers"}
+            status, headers = await _answer(session, "OPTIONS", base + "/v1/messages",
+                                            headers=bare)  # fmt: skip
+            assert status == 204 and "Authorization" in headers["Access-Control-Allow-Headers"]
+            body = {"max_tokens": 4, "messages": [{"role": "user", "content": "hi"}]}
+            sent = {"Origin": APP, "x-api-key": "k", "anthropic-version": "2023-06-01"}
+            status, headers = await _answer(session, "POST", base + "/v1/messages", json=body,
+                                            headers=sent)  # fmt: skip
+            assert status == 200 and headers["Access-Control-Allow-Origin"] == APP
 
     _run(scenario())
 
