@@ -36,6 +36,7 @@ from router.load import open_ledger
 from router.loop_watch import LoopWatch
 from router.membership import Membership
 from router.messages import PATH as MESSAGES
+from router.messages import anthropic_shaped
 from router.metrics import RouterMetrics, kv_transfer_stats
 from router.model_cards import read_cards
 from router.openapi import openapi_document
@@ -286,7 +287,7 @@ class Router:
             _log.exception("unhandled error on %s %s", request.method, request.path)
             error = ApiError(500, "internal router error (logged)", "internal_error")
         self.metrics.error(error.status, error.code)
-        return error.response(request.path.startswith(MESSAGES))
+        return error.response(anthropic_shaped(request.path))
 
     def _auth(self, request: web.Request) -> None:
         """401 for an admin path without the configured Bearer token."""

@@ -40,6 +40,12 @@ _EFFORTS = ("low", "medium", "high", "xhigh", "max")
 """vLLM 0.32's `AnthropicEffort` values, in its order."""
 
 
+def anthropic_shaped(path: str) -> bool:
+    """Whether the router's own errors on `path` take Anthropic's shape: /v1/messages and the
+    paths under it (`count_tokens`)."""
+    return path.startswith(PATH)
+
+
 def error_event(status: int, message: str) -> bytes:
     """The SSE event that ends a started Messages stream the upstream broke."""
     body = ApiError(status, message).anthropic_body()
@@ -349,7 +355,7 @@ class _Event(msgspec.Struct):
 
 _read_event = msgspec.json.Decoder(_Event)
 _FINAL = b"event: message_delta"
-_LAST = b"event: message_stop"
+_LAST = (b"event: message_stop", b"event: error")
 _DELTA = b"event: content_block_delta"
 
 
@@ -357,7 +363,7 @@ def event_usage(event: bytes) -> tuple[bool, dict[str, Any] | None]:
     """(whether `event` ends the stream, the usage it reports) for one SSE event of a
     Messages stream: `message_delta` carries the request's final usage, `message_stop` (or an
     `error` event) ends it."""
-    if event.startswith(_LAST) or event.startswith(b"event: error"):
+    if event.startswith(_LAST):
         return True, None
     if not event.startswith(_FINAL):
         return False, None

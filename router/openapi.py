@@ -199,10 +199,12 @@ def _json(schema: dict[str, Any] | str, description: str) -> dict[str, Any]:
     return {"description": description, "content": {"application/json": {"schema": ref}}}
 
 
+_SHAPES = {"Error": "OpenAI", "AnthropicError": "Anthropic"}
+"""Each error component, by whose shape it has."""
+
+
 def _errors(*statuses: int, shape: str = "Error") -> dict[str, Any]:
-    what = "an error in the Anthropic shape" if shape == "AnthropicError" else "an error in the " \
-        "OpenAI shape"
-    return {str(s): _json(shape, what) for s in statuses}
+    return {str(s): _json(shape, f"an error in the {_SHAPES[shape]} shape") for s in statuses}
 
 
 def _body(schema: dict[str, Any] | str) -> dict[str, Any]:

@@ -30,8 +30,8 @@ from router.config import LimitsConfig
 from router.dispatch import Call, Dispatcher, Retry
 from router.drain import SHUTTING_DOWN, Drain, withdraw_cancel
 from router.errors import ApiError, check_model, read_body
+from router.messages import anthropic_shaped, disabled_effort
 from router.messages import chat_view as messages_view
-from router.messages import disabled_effort
 from router.metrics import RouterMetrics
 from router.placement import Decision, Placement
 from router.responses import chat_view, holder_unavailable, owner
@@ -266,7 +266,7 @@ class Proxy:
         except ApiError as err:
             status = err.status
             self._metrics.error(err.status, err.code)
-            return err.response(kind == "messages")
+            return err.response(anthropic_shaped(request.path))
         except asyncio.CancelledError:
             if not flight.cut:
                 status = 499  # the client went away; leaving the upstream context closed it
@@ -277,7 +277,7 @@ class Proxy:
             withdraw_cancel()
             cut = ApiError(status, SHUTTING_DOWN, "shutting_down")
             self._metrics.error(cut.status, cut.code)
-            return cut.response(kind == "messages")
+            return cut.response(anthropic_shaped(request.path))
         finally:
             self.drain.leave(flight)
             account.closed(status)
