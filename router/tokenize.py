@@ -38,7 +38,7 @@ from router.chat_shape import (
 )
 from router.chat_template import ChatTemplates, TemplateLoadError, engine_template, folder_templates
 from router.content_format import ContentFormatOption, content_format, sglang_content_format
-from router.messages import merges_inline_system
+from router.messages import merges_inline_system, renders_inline_system
 from router.token_cache import ChunkCache, Lineage, Partial
 
 _SPECIAL_NAMES = (
@@ -309,9 +309,10 @@ class RouterTokenizer:
         return rendered
 
     def merges_inline_system(self) -> bool:
-        """Whether vLLM 0.32's /v1/messages merges inline system messages into the leading
-        one for this model (`router.messages.merges_inline_system` over the templates a chat
-        without and with tools gets); probed once."""
+        """Whether the engine's /v1/messages merges inline system messages into the leading one
+        for this model, probed once: vLLM 0.32 when a template a chat without or with tools gets
+        rejects them (`router.messages.merges_inline_system`), SGLang 0.5 when its template
+        does not render them (`router.messages.renders_inline_system`)."""
         if self._merges_inline is None:
             sources: list[str | None] = []
             for tools in (False, True):
@@ -319,7 +320,10 @@ class RouterTokenizer:
                     sources.append(self._templates.pick(None, tools).source)
                 except PromptError:
                     sources.append(None)
-            self._merges_inline = merges_inline_system(sources)
+            if self.engine == "sglang":
+                self._merges_inline = not renders_inline_system(sources[0])
+            else:
+                self._merges_inline = merges_inline_system(sources)
         return self._merges_inline
 
     def chat_tokens(self, body: Mapping[str, Any]) -> list[int]:

@@ -23,6 +23,7 @@ from router.messages import (
     merges_inline_system,
     openai_usage,
     rejects_inline_system,
+    renders_inline_system,
 )
 from tests.test_router_api import (  # noqa: F401
     FakeEngine,
@@ -147,17 +148,27 @@ def test_what_the_router_cannot_follow_is_placed_by_load(messages: Any) -> None:
     assert _view({"messages": messages}) is None
 
 
-def test_an_sglang_fleet_keys_text_messages_only() -> None:
-    """SGLang joins system texts by newlines, keeps empty texts and blank-free system strings
-    whole, and converts the rest its own way (tests/sglang/test_chat_shape.py checks this
-    against its code): text only is keyed."""
+def test_an_sglang_fleet_keys_messages_as_sglang_converts_them() -> None:
+    """SGLang joins system texts by newlines, keeps empty texts, puts the text before a tool
+    result in a user message of its own and leaves server tools out (tests/sglang/
+    test_chat_shape.py checks this against its code); thinking history is not keyed."""
     body = {"system": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}],
             "messages": [{"role": "user", "content": [{"type": "text", "text": ""}]},
                          {"role": "assistant", "content": []}]}  # fmt: skip
     assert chat_view(body, "sglang", _never, _never) == {"messages": [
         {"role": "system", "content": "a\nb"}, {"role": "user", "content": ""},
         {"role": "assistant", "content": ""}]}  # fmt: skip
-    assert chat_view({**AGENT, "tools": None}, "sglang", _never, _never) is None  # thinking
+    assert chat_view(AGENT, "sglang", _never, _never) is None  # thinking
+    thoughtless = [{**m, "content": [b for b in m["content"] if b["type"] != "thinking"]}
+                   if m["role"] == "assistant" else m for m in AGENT["messages"]]  # fmt: skip
+    server = {"type": "bash_20250124", "name": "bash"}
+    view = chat_view({**AGENT, "messages": thoughtless, "tools": [*TOOLS, server]}, "sglang",
+                     _never, _never)  # fmt: skip
+    assert view is not None and [t["function"]["name"] for t in view["tools"]] == ["lookup"]
+    assert view["tool_choice"] == "auto" and [m["role"] for m in view["messages"]] == [
+        "system", "user", "assistant", "tool", "user"]  # fmt: skip
+    assert view["messages"][3]["content"] == [
+        {"type": "text", "text": "cpu"}, {"type": "text", "text": "tier 2"}]  # fmt: skip
 
 
 QWEN_LIKE = (
@@ -174,6 +185,16 @@ def test_the_inline_system_probe_is_vllms() -> None:
     assert not rejects_inline_system("{% for m in messages %}{{ m.content }}{% endfor %}")
     assert merges_inline_system(["{{ messages }}", QWEN_LIKE])
     assert not merges_inline_system(["{{ messages }}", "{{ messages | length }}"])
+
+
+def test_the_inline_system_probe_for_sglang_is_sglangs() -> None:
+    """SGLang keeps a later system message in place only where the template prints it; one
+    that refuses it, drops it or cannot render merges it."""
+    assert renders_inline_system("{% for m in messages %}{{ m.content }}{% endfor %}")
+    dropping = ("{% for m in messages %}{% if m.role != 'system' or loop.first %}{{ m.content }}"
+                "{% endif %}{% endfor %}")  # fmt: skip
+    for template in (QWEN_LIKE, dropping, "{{ nope() }}", None):
+        assert not renders_inline_system(template)
 
 
 def test_the_disabled_thinking_effort_is_probed_as_vllm_probes_it() -> None:
@@ -233,6 +254,33 @@ def test_an_sglang_fleet_refuses_a_tenant_key_it_cannot_keep_apart(
             assert (await call("POST", "/v1/messages", body))[0] == 200
             assert (await call("POST", "/v1/chat/completions", {**body, "cache_salt": "t1"}))[
                 0] == 200  # fmt: skip
+
+    _run(scenario())
+
+
+def test_an_sglang_fleet_merges_inline_system_messages_where_its_template_drops_them(
+    tokenizer_dir: Path,  # noqa: F811
+) -> None:
+    """On an SGLang fleet the router probes its template as SGLang does: a template that
+    drops a later system message (vLLM's probe would keep it in place: it renders) gets it
+    stripped and joined into the first by a newline, one that prints it keeps it in place."""
+    plain = "{% for m in messages %}[{{ m.role }}]{{ m.content }}{% endfor %}"
+    dropping = ("{% for m in messages %}{% if m.role != 'system' or loop.first %}[{{ m.role }}]"
+                "{{ m.content }}{% endif %}{% endfor %}")  # fmt: skip
+    card = b'{"data": [{"id": "m", "max_model_len": 4096, "owned_by": "sglang"}]}'
+    body = {"max_tokens": 4, "system": "Rules.", "messages": [
+        {"role": "user", "content": "go"}, {"role": "system", "content": " late "}]}  # fmt: skip
+    merged = [{"role": "system", "content": "Rules.\nlate"}, {"role": "user", "content": "go"}]
+    kept = [{"role": "system", "content": "Rules."}, {"role": "user", "content": "go"},
+            {"role": "system", "content": " late "}]  # fmt: skip
+
+    async def scenario() -> None:
+        for template, chat in ((dropping, merged), (plain, kept)):
+            async with running(tokenizer_dir, [FakeEngine("a", models=card)],
+                               chat_template=template) as (router, *_):  # fmt: skip
+                tokens, _, _ = await router.proxy.tokens(dict(body), "messages")
+                want = (await router.proxy.tokens({"messages": chat}, "chat"))[0]
+                assert tokens == want, template
 
     _run(scenario())
 

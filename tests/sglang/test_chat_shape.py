@@ -24,10 +24,12 @@ from sglang.srt.parser.jinja_template_utils import (
     detect_jinja_template_content_format,
     process_content_for_template_format,
 )
+from sglang.srt.parser.template_detection import detect_inline_system_support
 
 from router.chat_shape import PromptError, sglang_conversation, sglang_kwargs, sglang_tools
 from router.content_format import sglang_content_format
 from router.messages import chat_view as messages_view
+from router.messages import renders_inline_system
 from router.tokenize import _environment
 
 STRING = "{% for m in messages %}{{ m | tojson }}{% endfor %}"
@@ -94,6 +96,16 @@ def _shaped(request: ChatCompletionRequest, template: str) -> list[dict[str, Any
     return shaped
 
 
+def _template_tools(request: ChatCompletionRequest) -> list[dict[str, Any]] | None:
+    """The tools SGLang 0.5 hands the template for `request` (`_process_messages`)."""
+    if not request.tools or request.tool_choice == "none":
+        return None
+    if isinstance(request.tool_choice, ToolChoice):
+        named = request.tool_choice.function.name
+        return [t.model_dump() for t in request.tools if t.function.name == named] or None
+    return [t.model_dump() for t in request.tools]
+
+
 def test_the_content_format_is_detected_as_sglang_detects_it() -> None:
     for source, want in TEMPLATES.items():
         assert detect_jinja_template_content_format(source) == want, source
@@ -135,12 +147,7 @@ def test_tools_reach_the_template_as_sglang_passes_them(choice: Any) -> None:
         body["tool_choice"] = choice
     request = ChatCompletionRequest(model="m", **copy.deepcopy(body))
     assert request.tools is not None
-    want: list[dict[str, Any]] | None = [t.model_dump() for t in request.tools]
-    if request.tool_choice == "none":
-        want = None
-    elif isinstance(request.tool_choice, ToolChoice):
-        named = request.tool_choice.function.name
-        want = [t.model_dump() for t in request.tools if t.function.name == named] or None
+    want = _template_tools(request)
     got = sglang_tools(body)
     assert got == want
     if want is not None:
@@ -175,6 +182,36 @@ def test_template_arguments_are_passed_as_sglang_passes_them(
     assert sglang_kwargs(given, effort, defaults) == want
 
 
+SCHEMA = {"properties": {"path": {"type": "string"}}, "required": ["path"]}
+ANTHROPIC_TOOLS: list[dict[str, Any]] = [
+    {"name": "read", "description": "Read a file.", "input_schema": SCHEMA},
+    {"type": "custom", "name": "grep", "input_schema": {"type": "object"}, "strict": True,
+     "defer_loading": True},
+    {"type": "web_search_20250305", "name": "web_search"},
+]  # fmt: skip
+AGENT: list[dict[str, Any]] = [
+    {"role": "user", "content": "Where is block 7?"},
+    {"role": "assistant", "content": [
+        {"type": "thinking", "thinking": ""},
+        {"type": "text", "text": "Looking."},
+        {"type": "tool_use", "id": "toolu_1", "name": "read", "input": {"path": "a"}},
+        {"type": "tool_use", "id": "toolu_2", "name": "grep", "input": {}}]},
+    {"role": "user", "content": [
+        {"type": "text", "text": "before"},
+        {"type": "tool_result", "tool_use_id": "toolu_1", "content": "cpu"},
+        {"type": "tool_result", "tool_use_id": "toolu_2", "content": [
+            {"type": "text", "text": "one"}, {"type": "text", "text": "two"},
+            {"type": "text", "text": ""}]},
+        {"type": "text", "text": "after"}]},
+    {"role": "assistant", "content": [
+        {"type": "tool_use", "id": "toolu_3", "name": "read", "input": {"path": "b"}}]},
+    {"role": "user", "content": [
+        {"type": "tool_result", "tool_use_id": "toolu_3", "is_error": True},
+        {"type": "tool_result", "id": "toolu_4", "content": []}]},
+    {"role": "assistant", "content": [
+        {"type": "tool_result", "tool_use_id": "toolu_3", "content": [
+            {"type": "text", "text": "x"}, {"type": "text", "text": "y"}]}]},
+]  # fmt: skip
 ANTHROPIC: list[dict[str, Any]] = [
     {"system": "Route by prefix.", "messages": [
         {"role": "user", "content": "Where is block 7?"},
@@ -188,40 +225,102 @@ ANTHROPIC: list[dict[str, Any]] = [
                   {"role": "user", "content": []},
                   {"role": "user", "content": "again"}]},
     {"system": "   ", "messages": [{"role": "user", "content": "no system"}]},
+    {"system": "Use the tools.", "tools": ANTHROPIC_TOOLS, "messages": AGENT},
+    {"tools": ANTHROPIC_TOOLS, "tool_choice": {"type": "any"}, "messages": AGENT[:1]},
+    {"tools": ANTHROPIC_TOOLS, "tool_choice": {"type": "none"}, "messages": AGENT[:1]},
+    {"tools": ANTHROPIC_TOOLS, "messages": AGENT[:1],
+     "tool_choice": {"type": "tool", "name": "grep", "disable_parallel_tool_use": True}},
+    {"tools": ANTHROPIC_TOOLS[2:], "tool_choice": {"type": "auto"}, "messages": AGENT[:1]},
+    {"system": [{"type": "text", "text": "Rules."}], "messages": [
+        {"role": "system", "content": [{"type": "text", "text": " reminder "},
+                                       {"type": "text", "text": "  "}]},
+        {"role": "user", "content": "go"},
+        {"role": "system", "content": "late"},
+        {"role": "system", "content": "   "},
+        {"role": "assistant", "content": "ok"}]},
 ]  # fmt: skip
 UNKEYED: list[dict[str, Any]] = [
     {"messages": [{"role": "user", "content": "a"}], "thinking": {"type": "disabled"}},
     {"messages": [{"role": "user", "content": "a"}], "output_config": {"effort": "high"}},
-    {"messages": [{"role": "user", "content": "a"}],
-     "tools": [{"name": "f", "input_schema": {"type": "object"}}]},
-    {"messages": [{"role": "user", "content": "a"}, {"role": "system", "content": "late"}]},
     {"messages": [{"role": "assistant", "content": [
-        {"type": "tool_use", "id": "t", "name": "f", "input": {}}]}]},
+        {"type": "thinking", "thinking": "hm", "signature": "s"}]}]},
+    {"messages": [{"role": "assistant", "content": [{"type": "redacted_thinking", "data": "x"}]}]},
+    {"messages": [{"role": "user", "content": [
+        {"type": "image", "source": {"type": "url", "url": "http://127.0.0.1/a.png"}}]}]},
+    {"messages": [{"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t",
+        "content": [{"type": "image", "source": {"type": "url", "url": "http://x/a.png"}}]}]}]},
+    {"messages": [{"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t",
+        "content": [{"type": "tool_reference", "tool_name": "read"}]}]}]},
+    {"messages": [{"role": "user", "content": "a"}], "tools": ANTHROPIC_TOOLS[2:],
+     "tool_choice": {"type": "any"}},
+    {"messages": [{"role": "user", "content": "a"}], "tools": ANTHROPIC_TOOLS,
+     "tool_choice": {"type": "tool", "name": "web_search"}},
 ]  # fmt: skip
 
 
+def _converted(body: dict[str, Any], inline: bool) -> ChatCompletionRequest:
+    """SGLang 0.5's own conversion of a Messages body, on a server whose template renders
+    inline system messages (`inline`) or not."""
+    serving = AnthropicServing(SimpleNamespace(supports_inline_system=inline))  # type: ignore[arg-type]
+    return serving._convert_to_chat_completion_request(
+        AnthropicMessagesRequest.model_validate(copy.deepcopy(body))
+    )
+
+
 @pytest.mark.parametrize("template", [STRING, PARTS])
-def test_a_text_message_is_keyed_as_sglang_converts_it(template: str) -> None:
-    """A text-only Anthropic Messages body: SGLang's own conversion
+@pytest.mark.parametrize("inline", [True, False])
+def test_a_messages_request_is_keyed_as_sglang_converts_it(template: str, inline: bool) -> None:
+    """An Anthropic Messages body: SGLang's own conversion
     (`AnthropicServing._convert_to_chat_completion_request`) and then its chat shaping give the
-    template what the router's view gives it through `sglang_conversation`; bodies whose
-    conversion depends on the server (thinking, an effort, tools, inline system messages, tool
-    use) get no view."""
-    serving = AnthropicServing(SimpleNamespace(supports_inline_system=True))  # type: ignore[arg-type]
+    template the messages and tools the router's view gives it (through `sglang_conversation`
+    and `sglang_tools`), with inline system messages in place or merged into the first; bodies
+    whose conversion depends on the server (thinking, an effort, thinking history) or that hold
+    images get no view, nor those SGLang refuses."""
     openai = sglang_content_format(template, _environment()) == "openai"
     for body in ANTHROPIC:
         full = {"model": "m", "max_tokens": 4, **body}
-        request = serving._convert_to_chat_completion_request(
-            AnthropicMessagesRequest.model_validate(copy.deepcopy(full))
-        )
-        view = messages_view(full, "sglang", _never, _never)
+        request = _converted(full, inline)
+        view = messages_view(full, "sglang", lambda: not inline, _never)
         assert view is not None and request.reasoning_effort is None
         got = sglang_conversation(view["messages"], openai)
         want = _shaped(request, template)
         assert [list(m.items()) for m in got] == [list(m.items()) for m in want]
+        tools = sglang_tools(view)
+        assert tools == _template_tools(request)
+        if tools is not None:
+            assert [list(t["function"]["parameters"]) for t in tools] == [
+                list(t["function"]["parameters"]) for t in _template_tools(request) or []
+            ]
     for body in UNKEYED:
-        assert messages_view({"model": "m", "max_tokens": 4, **body}, "sglang", _never,
-                             _never) is None  # fmt: skip
+        assert messages_view({"model": "m", "max_tokens": 4, **body}, "sglang",
+                             lambda: not inline, _never) is None  # fmt: skip
+
+
+def test_a_refused_tool_choice_is_refused_by_sglang_too() -> None:
+    """The tool choices the view gives up on for SGLang are ones SGLang refuses (400)."""
+    for body in UNKEYED[-2:]:
+        with pytest.raises(ValueError):
+            _converted({"model": "m", "max_tokens": 4, **body}, True)
+
+
+INLINE_TEMPLATES = [
+    STRING,
+    PARTS,
+    "{% for m in messages %}{% if m.role == 'system' and not loop.first %}"
+    "{{ raise_exception('system first') }}{% endif %}{{ m.content }}{% endfor %}",
+    "{% for m in messages %}{% if m.role != 'system' or loop.first %}{{ m.content }}"
+    "{% endif %}{% endfor %}",
+    "{% for m in messages %}{% if loop.index > 2 %}{% break %}{% endif %}{{ m.content }}"
+    "{% endfor %}",
+    "{{ messages[2].content | upper }}",
+    "{{ undefined_function() }}",
+    "",
+]
+
+
+def test_inline_system_support_is_probed_as_sglang_probes_it() -> None:
+    for template in INLINE_TEMPLATES:
+        assert renders_inline_system(template) == detect_inline_system_support(template), template
 
 
 def _never() -> Any:
