@@ -7,16 +7,18 @@ vLLM 0.32 and SGLang 0.5 render a Responses input through the chat template, eac
 The router keys (places by prefix) the chat the engine its workers' `/v1/models` cards name
 makes of an input (`chat_view`): `instructions` as the first system message, then a string
 input as one user message, or the input items. For vLLM: text messages of every role,
-function calls and their outputs, reasoning items, function tools and a reasoning effort, as
-vLLM 0.32 merges and renders them. For SGLang, whose rendering differs past that: text
-messages of role user or assistant with no tools and no reasoning options. Anything else
-(images, custom tools, a chain through `previous_response_id`, whose history only the engine
-holds) is placed by load alone.
+function and custom tool calls (namespaced ones too) and their outputs, reasoning items,
+function, custom and namespace tools and a reasoning effort, as vLLM 0.32 merges and renders
+them. For SGLang, whose rendering differs past that: text messages of role user or assistant
+with no tools and no reasoning options. Anything else (images, built-in tools, a chain
+through `previous_response_id`, whose history only the engine holds) is placed by load
+alone.
 """
 
 from __future__ import annotations
 
 import hashlib
+import json
 import uuid
 from collections.abc import Iterable, Mapping
 from typing import Any
@@ -108,13 +110,33 @@ def _common_messages(given: list[Any]) -> list[dict[str, Any]] | None:
     return messages
 
 
+_CUSTOM_INPUT = "input"
+_CUSTOM_PARAMETERS = {
+    "type": "object",
+    "properties": {_CUSTOM_INPUT: {"type": "string",
+                                   "description": "The freeform text payload for this tool."}},
+    "required": [_CUSTOM_INPUT],
+    "additionalProperties": False,
+}  # fmt: skip
+"""The single-string function vLLM 0.32 shows a custom tool as (`custom_tool_parameters`)."""
+
+
 def _tool_call(item: Mapping[str, Any]) -> dict[str, Any] | None:
-    """A `function_call` item as vLLM 0.32 makes it an assistant's tool call (namespaced calls
-    are left to load)."""
-    fields = [item.get(k) for k in ("call_id", "name", "arguments")]
-    if not all(isinstance(f, str) for f in fields) or item.get("namespace") is not None:
+    """A `function_call` item as vLLM 0.32 makes it an assistant's tool call (a namespaced
+    one named `NAMESPACE__NAME`), or a `custom_tool_call` item as a call of its function shim
+    (the input as `{"input": ...}`); None when a field is not text."""
+    call_id, name = item.get("call_id"), item.get("name")
+    if item.get("type") == "custom_tool_call":
+        payload = item.get("input") or ""
+        if not isinstance(payload, str):
+            return None
+        arguments: Any = json.dumps({_CUSTOM_INPUT: payload}, ensure_ascii=False)
+    else:
+        arguments, namespace = item.get("arguments"), item.get("namespace")
+        if namespace is not None:
+            name = f"{namespace}__{name}" if isinstance(namespace, str) else None
+    if not all(isinstance(f, str) for f in (call_id, name, arguments)):
         return None
-    call_id, name, arguments = fields
     return {"id": call_id, "function": {"name": name, "arguments": arguments}, "type": "function"}
 
 
@@ -136,22 +158,23 @@ def _vllm_messages(given: list[Any]) -> list[dict[str, Any]] | None:
     """The chat vLLM 0.32 makes of input items (`construct_chat_messages_with_tool_call`):
     user, system and developer messages as they are; a function call, a reasoning item and
     an assistant message's text each join the assistant message before them while it lacks
-    that part (else each starts a new one); a function call's output as a tool message.
-    None for anything else (custom tools, outputs that are not text, images)."""
+    that part (else each starts a new one), as does a custom tool call (`_tool_call`); a
+    function or custom tool call's output as a tool message. None for anything else (outputs
+    that are not text, images, encrypted reasoning)."""
     messages: list[dict[str, Any]] = []
     for item in given:
         if not isinstance(item, Mapping):
             return None
         kind = item.get("type", "message")
         last = messages[-1] if messages and messages[-1]["role"] == "assistant" else None
-        if kind == "function_call":
+        if kind in ("function_call", "custom_tool_call"):
             if (call := _tool_call(item)) is None:
                 return None
             if last is not None:
                 last.setdefault("tool_calls", []).append(call)
             else:
                 messages.append({"role": "assistant", "tool_calls": [call]})
-        elif kind == "function_call_output":
+        elif kind in ("function_call_output", "custom_tool_call_output"):
             output, call_id = item.get("output"), item.get("call_id")
             if not isinstance(output, str) or not isinstance(call_id, str):
                 return None
@@ -182,16 +205,33 @@ def _vllm_messages(given: list[Any]) -> list[dict[str, Any]] | None:
 
 
 def _vllm_tools(tools: Any) -> list[dict[str, Any]] | None:
-    """Responses function tools in the chat shape vLLM 0.32 renders them in
-    (`construct_tool_dicts`); None when one is of another type (custom and namespace tools
-    are rendered as shims, built-in ones not at all) or not an object."""
-    if not isinstance(tools, list) or not all(
-        isinstance(t, Mapping) and t.get("type") == "function" for t in tools
-    ):
+    """Responses tools in the chat shape vLLM 0.32 renders them in (`construct_tool_dicts`,
+    `get_function_tools`): function tools as they are, a custom tool as its single-string
+    function shim, a namespace's function tools each named `NAMESPACE__NAME` (its custom ones
+    are not shown). None when one is of another type (built-in tools, which vLLM does not
+    render) or not an object."""
+    if not isinstance(tools, list):
         return None
+    functions: list[Mapping[str, Any]] = []
+    for tool in tools:
+        kind = tool.get("type") if isinstance(tool, Mapping) else None
+        if kind == "function":
+            functions.append(tool)
+        elif kind == "custom":
+            functions.append({"name": tool.get("name"), "description": tool.get("description"),
+                              "parameters": _CUSTOM_PARAMETERS})  # fmt: skip
+        elif kind == "namespace" and isinstance(members := tool.get("tools"), list):
+            if not isinstance(tool.get("name"), str) or not all(
+                isinstance(m, Mapping) for m in members
+            ):
+                return None
+            functions.extend({**m, "name": f"{tool['name']}__{m.get('name')}"}
+                             for m in members if m.get("type") == "function")  # fmt: skip
+        else:
+            return None
     return [
-        {"type": "function", "function": {k: v for k, v in t.items() if k != "type"}}
-        for t in tools
+        {"type": "function", "function": {k: v for k, v in f.items() if k != "type"}}
+        for f in functions
     ]
 
 

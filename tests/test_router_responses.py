@@ -58,9 +58,12 @@ def test_text_inputs_render_as_the_chat_both_engines_make_of_them() -> None:
         {"input": [{"role": "assistant", "content": []}, TURNS[0]]},
         {"input": [{"type": "function_call_output", "call_id": "c", "output": [image]}]},
         {"input": [{"type": "reasoning", "encrypted_content": "x"}, TURNS[0]]},
-        {"input": [{**call, "namespace": "ns"}, TURNS[0]]},
-        {"input": [{"type": "custom_tool_call", "call_id": "c", "name": "f", "input": ""}]},
-        {"input": TURNS, "tools": [{"type": "custom", "name": "f"}]},
+        {"input": [{**call, "namespace": 3}, TURNS[0]]},
+        {"input": [{"type": "custom_tool_call", "call_id": "c", "name": "f", "input": 3},
+                   TURNS[0]]},
+        {"input": [{"type": "custom_tool_call_output", "call_id": "c", "output": [image]}]},
+        {"input": TURNS, "tools": [{"type": "web_search"}]},  # built-in: not rendered
+        {"input": TURNS, "tools": [{"type": "namespace", "name": "ns", "tools": ["x"]}]},
         {"input": TURNS, "tools": [{"type": "function", "name": "f"}, "x"]},
         {"input": []},
         {"input": 3},
@@ -125,6 +128,41 @@ def test_an_agent_loop_renders_as_the_chat_vllm_makes_of_it() -> None:
             "name": "lookup", "parameters": {"type": "object"}, "strict": True}}],
         "reasoning_effort": "low",
     }  # fmt: skip
+
+
+def test_custom_and_namespaced_tools_render_as_the_shims_vllm_shows() -> None:
+    """vLLM 0.32 shows a custom tool as a function taking one string (`input`) and calls to it
+    as that function's calls; a namespace's function tools as functions named
+    `NAMESPACE__NAME` (its custom tools not at all), and namespaced calls by that name."""
+    items = [
+        {"role": "user", "content": "Patch it."},
+        {"type": "custom_tool_call", "call_id": "c1", "name": "apply_patch", "input": "*** é"},
+        {"type": "function_call", "call_id": "c2", "name": "find", "namespace": "crm",
+         "arguments": "{}"},
+        {"type": "custom_tool_call_output", "call_id": "c1", "output": "done"},
+        {"role": "user", "content": "Thanks."},
+    ]  # fmt: skip
+    tools = [
+        {"type": "custom", "name": "apply_patch", "description": "Edit files.",
+         "format": {"type": "grammar", "syntax": "lark", "definition": "start: /.+/"}},
+        {"type": "namespace", "name": "crm", "description": "The CRM.", "tools": [
+            {"type": "function", "name": "find", "parameters": {"type": "object"},
+             "defer_loading": True},
+            {"type": "custom", "name": "note"}]},
+    ]  # fmt: skip
+    view = chat_view({"input": items, "tools": tools})
+    assert view is not None
+    assert view["messages"][1] == {"role": "assistant", "tool_calls": [
+        {"id": "c1", "type": "function",
+         "function": {"name": "apply_patch", "arguments": '{"input": "*** é"}'}},
+        {"id": "c2", "type": "function", "function": {"name": "crm__find", "arguments": "{}"}},
+    ]}  # fmt: skip
+    assert view["messages"][2] == {"role": "tool", "content": "done", "tool_call_id": "c1"}
+    shim = view["tools"][0]["function"]
+    assert shim["name"] == "apply_patch" and shim["description"] == "Edit files."
+    assert shim["parameters"]["required"] == ["input"] and "format" not in shim
+    assert view["tools"][1:] == [{"type": "function", "function": {
+        "name": "crm__find", "parameters": {"type": "object"}, "defer_loading": True}}]  # fmt: skip
 
 
 def test_a_response_id_names_its_worker_on_every_replica() -> None:

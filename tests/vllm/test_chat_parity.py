@@ -163,12 +163,20 @@ def test_a_reasoning_effort_reaches_the_template_as_vllm_passes_it(
 def test_an_agent_loop_through_the_responses_api_renders_as_vllm_renders_it(
     server: VllmServer, tiny_model: str
 ) -> None:
-    """A Responses input with function tools, reasoning, function calls and their outputs:
-    vLLM folds each turn's parts into one assistant message and renders its chat; the router's
-    `chat_view` of it tokenizes to the engine's prompt (the second BOS included)."""
+    """A Responses input with function, custom and namespace tools, reasoning, function,
+    custom and namespaced calls and their outputs: vLLM folds each turn's parts into one
+    assistant message and renders its chat (custom tools as single-string function shims,
+    namespace functions as `NAMESPACE__NAME`); the router's `chat_view` of it tokenizes to the
+    engine's prompt (the second BOS included)."""
     tools = [{"type": "function", "name": "lookup", "description": "find a block",
               "parameters": {"type": "object", "properties": {"block": {"type": "integer"}}}},
-             {"type": "function", "name": "list_tiers", "parameters": None, "strict": False}]
+             {"type": "function", "name": "list_tiers", "parameters": None, "strict": False},
+             {"type": "custom", "name": "apply_patch", "description": "Edit files.",
+              "format": {"type": "text"}},  # vLLM 0.32 refuses grammar formats
+             {"type": "namespace", "name": "crm", "description": "The CRM.", "tools": [
+                 {"type": "function", "name": "find", "parameters": {"type": "object"},
+                  "defer_loading": True, "strict": True},
+                 {"type": "custom", "name": "note"}]}]
     items = [
         {"role": "developer", "content": "Use the tools."},
         {"role": "user", "content": [{"type": "input_text", "text": "Where is block 7?"}]},
@@ -180,6 +188,13 @@ def test_an_agent_loop_through_the_responses_api_renders_as_vllm_renders_it(
         {"type": "function_call_output", "call_id": "c2", "output": "gpu, cpu, disk"},
         {"type": "message", "role": "assistant",
          "content": [{"type": "output_text", "text": "On the cpu tier."}]},
+        {"role": "user", "content": "Move it."},
+        {"type": "custom_tool_call", "call_id": "c3", "name": "apply_patch",
+         "input": "*** Begin Patch\n+tier: gpu é\n*** End Patch"},
+        {"type": "function_call", "call_id": "c4", "name": "find", "namespace": "crm",
+         "arguments": '{"q": "block 7"}'},
+        {"type": "custom_tool_call_output", "call_id": "c3", "output": "Done."},
+        {"type": "function_call_output", "call_id": "c4", "output": "none"},
         {"role": "user", "content": "And block 8?"},
     ]  # fmt: skip
     tok = RouterTokenizer(Path(tiny_model))
