@@ -438,7 +438,8 @@ class Proxy:
             raise ApiError(400, msg, "invalid_value", "input")
         raw = raw if "request_id" in body else None
         length = "input" if body.get("truncation") != "auto" else None
-        return chat_view(body, self._tokenizer.engine), raw, length
+        tok = self._tokenizer
+        return chat_view(body, tok.engine, tok.merges_inline_system), raw, length
 
     def _message_view(self, body: dict[str, Any]) -> dict[str, Any] | None:
         """A /v1/messages body's chat (Anthropic's API; `router.messages`); the body is sent

@@ -9,10 +9,11 @@ makes of an input (`chat_view`): `instructions` as the first system message, the
 input as one user message, or the input items. For vLLM: text messages of every role,
 function and custom tool calls (namespaced ones too) and their outputs, reasoning items,
 function, custom and namespace tools and a reasoning effort, as vLLM 0.32 merges and renders
-them. For SGLang, whose rendering differs past that: text messages of role user or assistant
-with no tools and no reasoning options. Anything else (images, built-in tools, a chain
-through `previous_response_id`, whose history only the engine holds) is placed by load
-alone.
+them. For SGLang, as SGLang 0.5 converts them (`router.responses_sglang`): messages of every
+role (developer ones labelled), function and custom tool calls and their outputs, reasoning
+items, consecutive assistant messages merged, function and custom tools, a reasoning effort.
+Anything else (images, built-in tools, a chain through `previous_response_id`, whose history
+only the engine holds) is placed by load alone.
 """
 
 from __future__ import annotations
@@ -20,12 +21,13 @@ from __future__ import annotations
 import hashlib
 import json
 import uuid
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 import msgspec
 
 from router.errors import ApiError
+from router.responses_sglang import sglang_chat
 
 PATH = "/v1/responses"
 _PREFIX = "resp_"
@@ -62,14 +64,12 @@ def holder_unavailable(worker: str, response_id: str, param: str | None = None) 
     return ApiError(503, message, "no_healthy_worker", param)
 
 
-def _text(content: Any, single: bool) -> Any:
+def _text(content: Any) -> Any:
     """A message item's content as chat content: a string as it is, `input_text` /
-    `output_text` parts as text parts (`single`: only one part, as SGLang 0.5 and vLLM 0.32
-    read an assistant item's text differently past its first); None when it has anything
-    else."""
+    `output_text` parts as text parts; None when it has anything else."""
     if isinstance(content, str):
         return content
-    if not isinstance(content, list) or not content or (single and len(content) > 1):
+    if not isinstance(content, list) or not content:
         return None
     parts = []
     for part in content:
@@ -89,25 +89,6 @@ def _instructions(body: Mapping[str, Any]) -> list[dict[str, Any]] | None:
     if not isinstance(instructions, str):
         return None
     return [{"role": "system", "content": instructions}]
-
-
-def _common_messages(given: list[Any]) -> list[dict[str, Any]] | None:
-    """The chat both engines make of message items of role user or assistant (text only, no
-    assistant turn after another, which SGLang 0.5 merges and vLLM 0.32 does not), or None."""
-    messages: list[dict[str, Any]] = []
-    for item in given:
-        if not isinstance(item, Mapping) or item.get("type", "message") != "message":
-            return None
-        role = item.get("role")
-        if role not in ("user", "assistant"):
-            return None
-        if role == "assistant" and messages and messages[-1]["role"] == "assistant":
-            return None
-        content = _text(item.get("content"), single=role == "assistant")
-        if content is None:
-            return None
-        messages.append({"role": role, "content": content})
-    return messages
 
 
 _CUSTOM_INPUT = "input"
@@ -187,7 +168,7 @@ def _vllm_messages(given: list[Any]) -> list[dict[str, Any]] | None:
             else:
                 messages.append({"role": "assistant", "reasoning": text})
         elif kind == "message" and item.get("role") == "assistant":
-            content = _text(item.get("content"), single=False)
+            content = _text(item.get("content"))
             if content is None:
                 return None
             text = content if isinstance(content, str) else content[0]["text"]
@@ -196,7 +177,7 @@ def _vllm_messages(given: list[Any]) -> list[dict[str, Any]] | None:
             else:
                 messages.append({"role": "assistant", "content": text})
         elif kind == "message" and item.get("role") in ("user", "system", "developer"):
-            if (content := _text(item.get("content"), single=False)) is None:
+            if (content := _text(item.get("content"))) is None:
                 return None
             messages.append({"role": item["role"], "content": content})
         else:
@@ -235,38 +216,45 @@ def _vllm_tools(tools: Any) -> list[dict[str, Any]] | None:
     ]
 
 
-def chat_view(body: Mapping[str, Any], engine: str | None = None) -> dict[str, Any] | None:
+def chat_view(
+    body: Mapping[str, Any],
+    engine: str | None = None,
+    merge_inline_system: Callable[[], bool] = bool,
+) -> dict[str, Any] | None:
     """The /v1/chat/completions body whose prompt `engine` ("sglang", else vLLM 0.32) makes of
     this Responses body (its model, cache salt and template arguments kept); None when the
     router cannot key it. vLLM 0.32 tokenizes a response's rendered chat with the tokenizer's
     special tokens added (`ResponsesRequest.build_tok_params` leaves `add_special_tokens` at
     its default, True; a chat completion's is False), so a tokenizer that adds a BOS puts a
-    second one in front of the template's; SGLang 0.5 renders it as its chat (False). For
-    SGLang only the inputs both engines render alike are keyed (no tools, no reasoning)."""
+    second one in front of the template's; SGLang 0.5 renders it as its chat (False), its own
+    way (`router.responses_sglang`, which asks `merge_inline_system` whether the template
+    drops system messages after the first)."""
     if body.get("previous_response_id") is not None:
         return None  # its history is the engine's
-    vllm = engine != "sglang"
     messages = _instructions(body)
     given = body.get("input")
     if messages is None or not given or not isinstance(given, (str, list)):
         return None
-    view: dict[str, Any] = {"add_special_tokens": vllm}
+    if engine == "sglang":
+        items = [{"role": "user", "content": given}] if isinstance(given, str) else given
+        return sglang_chat(body, items, merge_inline_system)
+    view: dict[str, Any] = {"add_special_tokens": True}
     if isinstance(given, str):
-        items: list[dict[str, Any]] | None = [{"role": "user", "content": given}]
+        chat: list[dict[str, Any]] | None = [{"role": "user", "content": given}]
     else:
-        items = _vllm_messages(given) if vllm else _common_messages(given)
-    if items is None or items[-1]["role"] == "assistant":
+        chat = _vllm_messages(given)
+    if chat is None or chat[-1]["role"] == "assistant":
         return None  # vLLM continues a final assistant message
     if body.get("tools"):
-        if not vllm or (tools := _vllm_tools(body["tools"])) is None:
+        if (tools := _vllm_tools(body["tools"])) is None:
             return None
         view["tools"] = tools
     reasoning = body.get("reasoning")
     if reasoning is not None:
-        if not vllm or not isinstance(reasoning, Mapping):
+        if not isinstance(reasoning, Mapping):
             return None
         view["reasoning_effort"] = reasoning.get("effort")
-    view["messages"] = messages + items
+    view["messages"] = messages + chat
     for field in ("model", "cache_salt", "chat_template_kwargs", "tool_choice"):
         if field in body:
             view[field] = body[field]

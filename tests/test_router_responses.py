@@ -1,7 +1,8 @@
 """The Responses API through the router, against the in-process fake engines of
 test_router_api: placement by the chat a text input renders to, response ids that name their
 worker (follow-ups, retrieval and cancel reach it), streams, usage. Real vLLM:
-tests/vllm/test_router_responses.py."""
+tests/vllm/test_router_integration.py and tests/vllm/test_chat_parity.py; SGLang's own
+conversion: tests/sglang/test_chat_shape.py."""
 
 from __future__ import annotations
 
@@ -70,15 +71,21 @@ def test_text_inputs_render_as_the_chat_both_engines_make_of_them() -> None:
         {"instructions": 3, "input": "hi"},
     ]
     assert [chat_view(b) for b in unkeyed] == [None] * len(unkeyed)
-    sglang_unkeyed = [
-        {"input": TURNS, "tools": [{"type": "function", "name": "f"}]},
-        {"input": TURNS, "reasoning": {"effort": "low"}},
-        {"input": [{"role": "developer", "content": "x"}, *TURNS]},  # SGLang merges these
-        {"input": [TURNS[0], TURNS[1], TURNS[1], TURNS[2]]},  # SGLang merges these
-        {"input": [{"role": "assistant", "content": [TURNS[1]["content"][0]] * 2}, TURNS[0]]},
-    ]
-    assert [chat_view(b, "sglang") for b in sglang_unkeyed] == [None] * len(sglang_unkeyed)
-    assert None not in [chat_view(b) for b in sglang_unkeyed]
+    # SGLang 0.5 converts its own way (tests/sglang/test_chat_shape.py checks it against its
+    # code): developer messages labelled as system ones, consecutive assistant texts merged.
+    dev = chat_view({"input": [{"role": "developer", "content": "x"}, *TURNS]}, "sglang")
+    assert dev is not None and dev["messages"][0] == {
+        "role": "system", "content": "Developer instructions:\nx"}  # fmt: skip
+    twice = chat_view({"input": [TURNS[0], TURNS[1], TURNS[1], TURNS[2]]}, "sglang")
+    assert twice is not None and twice["messages"][1] == {"role": "assistant", "content": [
+        {"type": "text", "text": "a prefix"}, {"type": "text", "text": "a prefix"}]}  # fmt: skip
+    tools = chat_view({"input": TURNS, "tools": [{"type": "function", "name": "f"}],
+                       "reasoning": {}}, "sglang")  # fmt: skip
+    assert tools is not None and tools["reasoning_effort"] == "medium"  # SGLang's default
+    assert tools["tools"][0]["function"]["strict"] is False and tools["tool_choice"] == "auto"
+    for body in ({"input": TURNS, "tools": [{"type": "web_search_preview"}]},
+                 {"input": [image]}, {"input": TURNS, "reasoning": "low"}):  # fmt: skip
+        assert chat_view(body, "sglang") is None
 
 
 def test_an_agent_loop_renders_as_the_chat_vllm_makes_of_it() -> None:

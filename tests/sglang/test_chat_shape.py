@@ -8,6 +8,7 @@ this is the part of its rendering that runs on this machine."""
 
 from __future__ import annotations
 
+import asyncio
 import copy
 from types import SimpleNamespace
 from typing import Any
@@ -15,11 +16,17 @@ from typing import Any
 import pytest
 from sglang.srt.entrypoints.anthropic.protocol import AnthropicMessagesRequest
 from sglang.srt.entrypoints.anthropic.serving import AnthropicServing
-from sglang.srt.entrypoints.openai.protocol import ChatCompletionRequest, ToolChoice
+from sglang.srt.entrypoints.openai.protocol import (
+    ChatCompletionRequest,
+    ResponsesRequest,
+    ToolChoice,
+)
+from sglang.srt.entrypoints.openai.responses_adapters import encode_reasoning_state
 from sglang.srt.entrypoints.openai.serving_chat import (
     normalize_assistant_tool_call_arguments,
     normalize_tool_content,
 )
+from sglang.srt.entrypoints.openai.serving_responses import OpenAIServingResponses
 from sglang.srt.parser.jinja_template_utils import (
     detect_jinja_template_content_format,
     process_content_for_template_format,
@@ -30,6 +37,7 @@ from router.chat_shape import PromptError, sglang_conversation, sglang_kwargs, s
 from router.content_format import sglang_content_format
 from router.messages import chat_view as messages_view
 from router.messages import renders_inline_system
+from router.responses import chat_view as responses_view
 from router.tokenize import _environment
 
 STRING = "{% for m in messages %}{{ m | tojson }}{% endfor %}"
@@ -325,3 +333,112 @@ def test_inline_system_support_is_probed_as_sglang_probes_it() -> None:
 
 def _never() -> Any:
     raise AssertionError("SGLang's view asks for no vLLM probe")
+
+
+RESPONSES_TOOLS: list[dict[str, Any]] = [
+    {"type": "function", "name": "lookup", "description": "find a block",
+     "parameters": {"properties": {"block": {"type": "integer"}}, "type": "object"}},
+    {"type": "function", "name": "tiers", "strict": True},
+    {"type": "custom", "name": "apply_patch", "description": "Edit files.",
+     "format": {"type": "grammar", "syntax": "lark", "definition": "start: /.+/"}},
+    {"type": "custom", "name": "note"},
+]  # fmt: skip
+RESPONSES_AGENT: list[dict[str, Any]] = [
+    {"role": "developer", "content": [{"type": "input_text", "text": "Use the tools."}]},
+    {"role": "user", "content": [{"type": "input_text", "text": "Where is block 7?"},
+                                 {"type": "input_text", "text": "Quickly."}]},
+    {"type": "reasoning", "id": "rs_1", "summary": [{"type": "summary_text", "text": "look"},
+                                                    {"type": "summary_text", "text": "it up"}]},
+    {"type": "message", "role": "assistant", "id": "m1", "status": "completed",
+     "content": [{"type": "output_text", "text": "Looking.", "annotations": []}]},
+    {"type": "function_call", "call_id": "c1", "name": "lookup", "arguments": '{"block": 7}'},
+    {"type": "function_call", "call_id": "c2", "name": "tiers", "arguments": "not json"},
+    {"type": "custom_tool_call", "call_id": "c3", "name": "apply_patch", "input": "+ gpu é"},
+    {"type": "function_call_output", "call_id": "c1", "output": "cpu"},
+    {"type": "function_call_output", "call_id": "c2",
+     "output": [{"type": "input_text", "text": "gpu, "}, {"type": "input_text", "text": "cpu"}]},
+    {"type": "custom_tool_call_output", "call_id": "c3", "output": "Done."},
+    {"type": "reasoning", "id": "rs_2", "summary": [],
+     "encrypted_content": encode_reasoning_state("stored thought")},
+    {"type": "reasoning", "id": "rs_3", "summary": [], "content": []},
+    {"role": "assistant", "content": "On the cpu tier.", "phase": "final_answer"},
+    {"role": "assistant", "content": "Again.", "phase": "final_answer"},
+    {"role": "system", "content": "Be brief."},
+    {"role": "user", "content": "And block 8?"},
+]  # fmt: skip
+RESPONSES: list[dict[str, Any]] = [
+    {"instructions": "Route by prefix.", "input": "Where is block 7?"},
+    {"instructions": "Route by prefix.", "input": RESPONSES_AGENT, "tools": RESPONSES_TOOLS},
+    {"input": RESPONSES_AGENT, "tools": RESPONSES_TOOLS, "reasoning": {"summary": "auto"},
+     "tool_choice": {"type": "custom", "name": "apply_patch"}},
+    {"input": RESPONSES_AGENT[:2], "tools": RESPONSES_TOOLS, "reasoning": {"effort": "none"},
+     "tool_choice": "required", "chat_template_kwargs": {"enable_thinking": True}},
+    {"input": RESPONSES_AGENT[:2], "tools": RESPONSES_TOOLS[:1], "reasoning": {"effort": None},
+     "tool_choice": {"type": "web_search_preview"}},
+    {"input": RESPONSES_AGENT[:2], "tool_choice": "required"},
+    {"input": [RESPONSES_AGENT[1], RESPONSES_AGENT[3], {"role": "assistant", "content": "More."},
+               {"role": "assistant", "content": ""}, RESPONSES_AGENT[-1]]},
+]  # fmt: skip
+RESPONSES_UNKEYED: list[dict[str, Any]] = [
+    {"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "u"}]}]},
+    {"input": RESPONSES_AGENT[:2], "tools": [{"type": "web_search_preview"}]},
+    {"input": RESPONSES_AGENT[:2], "previous_response_id": "resp_1"},
+]  # fmt: skip
+
+
+class _Shaped(Exception):
+    """Raised by the stand-in for `_process_messages` with the chat request SGLang built."""
+
+    def __init__(self, request: ChatCompletionRequest) -> None:
+        self.request = request
+
+
+def _responses_chat(body: dict[str, Any], inline: bool) -> ChatCompletionRequest:
+    """The chat request SGLang 0.5's own `_make_request` builds for a Responses body, on a
+    server (no harmony, Beam or Muse model) whose template renders inline system messages
+    (`inline`) or not: taken where it hands it to `_process_messages`."""
+    serving = object.__new__(OpenAIServingResponses)
+    serving.tool_call_parser = None
+    serving.supports_inline_system = inline
+    serving.msg_store = {}
+    serving.tokenizer_manager = SimpleNamespace(model_config=SimpleNamespace(is_multimodal=False))
+
+    def shaped(request: ChatCompletionRequest, *args: Any, **kwargs: Any) -> Any:
+        raise _Shaped(request)
+
+    serving._process_messages = shaped  # type: ignore[method-assign]
+    request = ResponsesRequest.model_validate(copy.deepcopy(body))
+    with pytest.raises(_Shaped) as caught:
+        asyncio.run(serving._make_request(request, None, None))
+    return caught.value.request
+
+
+@pytest.mark.parametrize("template", [STRING, PARTS])
+@pytest.mark.parametrize("inline", [True, False])
+def test_a_responses_request_is_keyed_as_sglang_converts_it(template: str, inline: bool) -> None:
+    """A Responses body: the chat request SGLang builds from it (`_make_request`: its input
+    items converted, developer messages labelled, consecutive assistant messages merged,
+    system messages merged where the template drops inline ones, function and custom tools,
+    the tool choice and the reasoning effort) and then its chat shaping give the template the
+    messages, tools and arguments the router's view gives it; images and built-in tools get
+    no view."""
+    openai = sglang_content_format(template, _environment()) == "openai"
+    for body in RESPONSES:
+        full = {"model": "m", **body}
+        request = _responses_chat(full, inline)
+        view = responses_view(full, "sglang", lambda: not inline)
+        assert view is not None and view["add_special_tokens"] is False
+        got = sglang_conversation(view["messages"], openai)
+        want = _shaped(request, template)
+        assert [list(m.items()) for m in got] == [list(m.items()) for m in want]
+        tools = sglang_tools(view)
+        assert tools == _template_tools(request)
+        assert [list(t["function"]) for t in tools or []] == [
+            list(t["function"]) for t in _template_tools(request) or []]  # fmt: skip
+        kwargs = dict(request.chat_template_kwargs or {})
+        effort = request.reasoning_effort
+        assert sglang_kwargs(view.get("chat_template_kwargs") or {},
+                             view.get("reasoning_effort"), {}) == {
+            **({} if effort is None else {"reasoning_effort": effort}), **kwargs}  # fmt: skip
+    for body in RESPONSES_UNKEYED:
+        assert responses_view({"model": "m", **body}, "sglang", lambda: not inline) is None
