@@ -19,13 +19,13 @@ only the engine holds) is placed by load alone.
 from __future__ import annotations
 
 import hashlib
-import json
 import uuid
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 import msgspec
 
+from router import custom_tools
 from router.errors import ApiError
 from router.responses_sglang import sglang_chat
 
@@ -91,15 +91,6 @@ def _instructions(body: Mapping[str, Any]) -> list[dict[str, Any]] | None:
     return [{"role": "system", "content": instructions}]
 
 
-_CUSTOM_INPUT = "input"
-_CUSTOM_PARAMETERS = {
-    "type": "object",
-    "properties": {_CUSTOM_INPUT: {"type": "string",
-                                   "description": "The freeform text payload for this tool."}},
-    "required": [_CUSTOM_INPUT],
-    "additionalProperties": False,
-}  # fmt: skip
-"""The single-string function vLLM 0.32 shows a custom tool as (`custom_tool_parameters`)."""
 
 
 def _tool_call(item: Mapping[str, Any]) -> dict[str, Any] | None:
@@ -111,7 +102,7 @@ def _tool_call(item: Mapping[str, Any]) -> dict[str, Any] | None:
         payload = item.get("input") or ""
         if not isinstance(payload, str):
             return None
-        arguments: Any = json.dumps({_CUSTOM_INPUT: payload}, ensure_ascii=False)
+        arguments: Any = custom_tools.arguments(payload)
     else:
         arguments, namespace = item.get("arguments"), item.get("namespace")
         if namespace is not None:
@@ -200,7 +191,7 @@ def _vllm_tools(tools: Any) -> list[dict[str, Any]] | None:
             functions.append(tool)
         elif kind == "custom":
             functions.append({"name": tool.get("name"), "description": tool.get("description"),
-                              "parameters": _CUSTOM_PARAMETERS})  # fmt: skip
+                              "parameters": custom_tools.PARAMETERS})  # fmt: skip
         elif kind == "namespace" and isinstance(members := tool.get("tools"), list):
             if not isinstance(tool.get("name"), str) or not all(
                 isinstance(m, Mapping) for m in members

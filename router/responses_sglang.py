@@ -15,20 +15,13 @@ import zlib
 from collections.abc import Callable, Mapping
 from typing import Any
 
+from router import custom_tools
+
 _DEVELOPER_LABEL = "Developer instructions:"
 """The line SGLang 0.5 puts before a developer message's text (`label_developer_content`)."""
 _REASONING_STATE = "sglang-reasoning-v1."
 """The prefix of the reasoning blob SGLang 0.5 hands a store=false client (`encode_reasoning_state`:
 the text zlib-compressed, URL-safe base64): no secret, so a replayed one can be read."""
-_CUSTOM_INPUT = "input"
-_CUSTOM_PARAMETERS = {
-    "type": "object",
-    "properties": {_CUSTOM_INPUT: {"type": "string",
-                                   "description": "The freeform text payload for this tool."}},
-    "required": [_CUSTOM_INPUT],
-    "additionalProperties": False,
-}  # fmt: skip
-"""The single-string function SGLang 0.5 shows a custom tool as (`custom_tool_parameters`)."""
 _DROPPED = ("id", "status", "type")
 
 
@@ -66,7 +59,7 @@ def _call(item: Mapping[str, Any]) -> dict[str, Any]:
     """A `function_call` (its arguments a JSON object's text, "{}" when they are not one) or
     `custom_tool_call` item (its input as `{"input": ...}`) as an assistant's tool call."""
     if item.get("type") == "custom_tool_call":
-        arguments = json.dumps({_CUSTOM_INPUT: item.get("input") or ""}, ensure_ascii=False)
+        arguments = custom_tools.arguments(item.get("input") or "")
     else:
         raw = item.get("arguments")
         if isinstance(raw, dict):
@@ -210,7 +203,7 @@ def _tools(tools: Any) -> list[dict[str, Any]]:
         if kind == "function":
             description, parameters = tool.get("description"), tool.get("parameters")
         elif kind == "custom" and tool.get("name"):
-            description, parameters = _description(tool), _CUSTOM_PARAMETERS
+            description, parameters = _description(tool), custom_tools.PARAMETERS
         else:
             raise _Unkeyed
         out.append({"type": "function", "function": {
