@@ -337,6 +337,34 @@ def test_a_response_to_sglang_is_tokenized_as_its_chat(tokenizer_dir: Path) -> N
     _run(scenario())
 
 
+def test_an_sglang_fleet_keys_a_tool_loop_as_sglang_converts_it(
+    tokenizer_dir: Path,  # noqa: F811
+) -> None:
+    """On an SGLang fleet a Responses tool loop is keyed as SGLang builds its chat: the
+    developer message labelled, a call and its output, and, with a template that drops system
+    messages after the first, every system text joined into the first by a blank line."""
+    dropping = ("{% for m in messages %}{% if m.role != 'system' or loop.first %}[{{ m.role }}]"
+                "{{ m.content }}{% endif %}{% endfor %}")  # fmt: skip
+    call = {"type": "function_call", "call_id": "c", "name": "f", "arguments": "{}"}
+    body = {"input": [{"role": "developer", "content": "x"}, TURNS[0], call,
+                      {"type": "function_call_output", "call_id": "c", "output": "ok"},
+                      {"role": "system", "content": "late"}, TURNS[2]],
+            "tools": [{"type": "function", "name": "f"}]}  # fmt: skip
+    chat = [{"role": "system", "content": "Developer instructions:\nx\n\nlate"}, TURNS[0],
+            {"role": "assistant", "tool_calls": [
+                {"id": "c", "type": "function", "function": {"name": "f", "arguments": "{}"}}]},
+            {"role": "tool", "tool_call_id": "c", "content": "ok"}, CHAT[3]]  # fmt: skip
+
+    async def scenario() -> None:
+        card = b'{"data": [{"id": "m", "max_model_len": 4096, "owned_by": "sglang"}]}'
+        async with running(tokenizer_dir, [FakeEngine("a", models=card)],
+                           chat_template=dropping) as (router, *_):  # fmt: skip
+            tokens, _, _ = await router.proxy.tokens(body, "responses")
+            assert tokens == (await router.proxy.tokens({"messages": chat}, "chat"))[0]
+
+    _run(scenario())
+
+
 @pytest.mark.parametrize(
     ("body", "status", "code", "param"),
     [
