@@ -242,6 +242,8 @@ def _summary(config: RouterConfig) -> str:
         "tools left out for tool_choice none" if config.exclude_tools_when_tool_choice_none else "",
         f"thinking disabled as effort {config.anthropic_disabled_thinking_effort}"
         if config.anthropic_disabled_thinking_effort != "auto" else "",
+        f"SGLang's named template {config.hf_chat_template_name}"
+        if config.hf_chat_template_name else "",
     ]  # fmt: skip
     if any(chat):
         lines.append("chat: " + ", ".join(c for c in chat if c))

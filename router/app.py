@@ -87,6 +87,7 @@ class Router:
             content_format=config.chat_template_content_format,
             default_kwargs=config.default_chat_template_kwargs,
             exclude_tools_when_none=config.exclude_tools_when_tool_choice_none,
+            hf_template_name=config.hf_chat_template_name,
         )
         self.tokenizer = tokenizer
         """The engine's tokenizer and chat template (its `engine` set from the cards)."""

@@ -8,7 +8,8 @@ additional_chat_templates/NAME.jinja when either exists, else tokenizer_config.j
 as transformers' `get_chat_template` does, which both engines call: the request's own
 `chat_template` (the name of one of the folder's named templates, or a template's text), else
 "tool_use" when the request hands the template tools and the folder has that template
-(Command R's and other tool-calling models' folders do), else "default".
+(Command R's and other tool-calling models' folders do), else "default". SGLang 0.5 instead
+renders every request with one of them (`ChatTemplates.only`).
 """
 
 from __future__ import annotations
@@ -103,6 +104,27 @@ class ChatTemplates:
             except jinja2.TemplateError as exc:
                 msg = f"the chat template {label} does not parse: {exc}"
                 raise TemplateLoadError(msg) from None
+
+    def only(self, name: str | None) -> Picked:
+        """The template SGLang 0.5 renders every request with: it keeps one, resolving a
+        folder's named templates (`_select_named_template`) to `name` (its
+        `--hf-chat-template-name`), else to the first ("default" where the folder has one; the
+        router takes the other files in name order, transformers in directory order). A
+        request's own `chat_template` and its tools choose nothing there."""
+        if not self._by_name:
+            return self.pick(None, False)
+        if name is None:
+            return next(iter(self._named.values()))
+        return self._named[name]
+
+    def check_name(self, name: str | None) -> None:
+        """`TemplateLoadError` when `name` (SGLang's `--hf-chat-template-name`) names none of
+        the folder's named templates, which SGLang refuses at start-up too."""
+        if name is not None and self._by_name and name not in self._named:
+            raise TemplateLoadError(
+                f"hf_chat_template_name {name!r} names none of the chat templates "
+                f"({', '.join(self._named)})"
+            )
 
     def pick(self, requested: Any, tools: bool) -> Picked:
         """The template for a request whose own `chat_template` is `requested` and which hands

@@ -388,6 +388,11 @@ class RouterConfig(_Strict):
     request with `thinking: {"type": "disabled"}` renders with; "auto" probes the template as
     vLLM 0.32 does ("none", or "low" where the template refuses it or renders it as a thinking
     effort)."""
+    hf_chat_template_name: str | None = Field(None, min_length=1)
+    """SGLang's `--hf-chat-template-name`: which of the tokenizer folder's named chat templates
+    an SGLang fleet renders every request with (unset: the first, "default" where the folder
+    has one; SGLang ignores a request's own template and tool templates). vLLM has no such flag:
+    it picks one per request."""
     default_chat_template_kwargs: dict[str, Any] = Field(default_factory=dict)
     """The engines' `--default-chat-template-kwargs` (e.g. `{enable_thinking: false}`):
     template arguments a request's own `chat_template_kwargs` and reasoning effort override,
@@ -539,6 +544,7 @@ CLI_FIELDS: dict[str, type] = {
     "max_model_len": int,
     "chat_template": str,
     "chat_template_content_format": str,
+    "hf_chat_template_name": str,
     "anthropic_disabled_thinking_effort": str,
 }
 """Fields settable by a `--flag` of the same name (dashes for underscores); top-level ones, and

@@ -36,7 +36,13 @@ from router.chat_shape import (
     vllm_kwargs,
     vllm_tools,
 )
-from router.chat_template import ChatTemplates, TemplateLoadError, engine_template, folder_templates
+from router.chat_template import (
+    ChatTemplates,
+    Picked,
+    TemplateLoadError,
+    engine_template,
+    folder_templates,
+)
 from router.content_format import ContentFormatOption, content_format, sglang_content_format
 from router.messages import merges_inline_system, renders_inline_system
 from router.token_cache import ChunkCache, Lineage, Partial
@@ -153,6 +159,14 @@ def _model_vocab(folder: Path) -> int:
     return size if isinstance(size, int) else 0
 
 
+def _source(pick: Callable[[], Picked]) -> str | None:
+    """The text of the template `pick` chooses; None when there is none."""
+    try:
+        return pick().source
+    except PromptError:
+        return None
+
+
 class RouterTokenizer:
     """The engine's tokenizer and chat template, loaded from a model folder."""
 
@@ -165,10 +179,11 @@ class RouterTokenizer:
         content_format: ContentFormatOption = "auto",
         default_kwargs: Mapping[str, Any] | None = None,
         exclude_tools_when_none: bool = False,
+        hf_template_name: str | None = None,
     ) -> None:
         """The keywords are the engines' `--chat-template`, `--chat-template-content-format`,
-        `--default-chat-template-kwargs` and `--exclude-tools-when-tool-choice-none`
-        (`RouterConfig`)."""
+        `--default-chat-template-kwargs`, `--exclude-tools-when-tool-choice-none` and SGLang's
+        `--hf-chat-template-name` (`RouterConfig`)."""
         self.folder = Path(folder)
         try:
             self._tok = Tokenizer.from_file(str(self.folder / "tokenizer.json"))
@@ -187,11 +202,13 @@ class RouterTokenizer:
                 sources, by_name = {"default": engine_template(chat_template)}, False
                 origin = "given"
             self._templates = ChatTemplates(self._env, sources, by_name, origin)
+            self._templates.check_name(hf_template_name)
         except TemplateLoadError as exc:
             raise TokenizerError(str(exc)) from None
         self._format = content_format
         self._defaults = dict(default_kwargs or {})
         self._exclude_tools = exclude_tools_when_none
+        self._hf_name = hf_template_name
         self._merges_inline: bool | None = None
         self.engine: str | None = None
         """Whose chat rendering to follow where the engines differ: its workers' `/v1/models`
@@ -277,17 +294,16 @@ class RouterTokenizer:
         continue_final = bool(body.get("continue_final_message", False))
         effort = body.get("reasoning_effort")
         context: dict[str, Any] = {"documents": None, **self._special}
-        requested = body.get("chat_template")
         if self.engine == "sglang":  # SGLang 0.5 has no `documents` field: its kwargs' only
             tools = sglang_tools(body)
-            picked = self._templates.pick(requested, tools is not None)
+            picked = self._templates.only(self._hf_name)
             parts = sglang_content_format(picked.source, self._env) == "openai"
             conversation = sglang_conversation(messages, parts)
             context.update(sglang_kwargs(kwargs, effort, self._defaults))
         else:
             excluded = self._exclude_tools and body.get("tool_choice") == "none"
             tools = None if excluded else vllm_tools(body.get("tools"))
-            picked = self._templates.pick(requested, tools is not None)
+            picked = self._templates.pick(body.get("chat_template"), tools is not None)
             source = picked.source
             fmt = content_format(source, self._env) if self._format == "auto" else self._format
             conversation = vllm_conversation(messages, source, fmt == "openai")
@@ -314,15 +330,13 @@ class RouterTokenizer:
         rejects them (`router.messages.merges_inline_system`), SGLang 0.5 when its template
         does not render them (`router.messages.renders_inline_system`)."""
         if self._merges_inline is None:
-            sources: list[str | None] = []
-            for tools in (False, True):
-                try:
-                    sources.append(self._templates.pick(None, tools).source)
-                except PromptError:
-                    sources.append(None)
+            templates = self._templates
             if self.engine == "sglang":
-                self._merges_inline = not renders_inline_system(sources[0])
+                source = _source(lambda: templates.only(self._hf_name))
+                self._merges_inline = not renders_inline_system(source)
             else:
+                sources = [_source(lambda: templates.pick(None, False)),
+                           _source(lambda: templates.pick(None, True))]  # fmt: skip
                 self._merges_inline = merges_inline_system(sources)
         return self._merges_inline
 

@@ -72,8 +72,8 @@ from lmcache.integration.vllm.lmcache_mp_connector import LMCacheMPConnector' \
 # sglang 0.5.23 is installed without its dependency tree (11 GB, CUDA kernels that cannot load
 # here). requirements/sglang.txt is an exact lock (sglang, torch 2.14.1 + torchvision 0.29.1 with
 # the NVIDIA runtime wheels torch needs just to import, and the deps that SGLang's radix cache,
-# KV-event publisher, plugin framework, ServerArgs and chat and Responses serving modules
-# import); ~6 GB. The rest of the lock goes in with dependency resolution on, so a lock that
+# KV-event publisher, plugin framework, ServerArgs, chat and Responses serving modules and template
+# manager import); ~6 GB. The rest of the lock goes in with dependency resolution on, so a lock that
 # misses something fails here.
 # The Python TreeCore JIT-builds SGLang's sha256 page hash (torch cpp_extension): g++, ninja and
 # OpenSSL headers (Debian libssl-dev) must be present for it; the default Rust TreeCore is bundled.
@@ -86,8 +86,9 @@ install_sglang() {
     "$venv/bin/python" -W ignore -c 'import sglang.srt.mem_cache.unified_radix_cache, sglang.srt.mem_cache.memory_pool
 import sglang.srt.mem_cache.allocator, sglang.srt.disaggregation.kv_events, sglang.srt.plugins
 from sglang.srt.server_args import ServerArgs, prepare_server_args
-import sglang.srt.entrypoints.openai.serving_chat, sglang.srt.entrypoints.openai.serving_responses' \
-        || { log "sglang venv check failed: the cache / kv_events / plugins / server_args / serving_chat / serving_responses imports"; return 1; }
+import sglang.srt.entrypoints.openai.serving_chat, sglang.srt.entrypoints.openai.serving_responses
+import sglang.srt.parser.template_manager' \
+        || { log "sglang venv check failed: the cache / kv_events / plugins / server_args / chat and Responses serving / template manager imports"; return 1; }
 }
 
 ensure_venv() {

@@ -1280,11 +1280,9 @@ def test_tools_reach_the_template_as_vllm_dumps_them(tokenizer_dir: Path) -> Non
 
     async def scenario(card: bytes | None, vllm: bool) -> None:
         engine = FakeEngine("a", max_model_len=4096, models=card)
-        async with running(tokenizer_dir, [engine], trust_request_chat_template=True) as (
-            router, *_,
-        ):  # fmt: skip
-            body = {"messages": [{"role": "user", "content": "hi"}], "tools": tools,
-                    "chat_template": "{{ tools | tojson }}{{ messages[0]['content'] }}"}
+        template = "{{ tools | tojson }}{{ messages[0]['content'] }}"  # the engines' flag:
+        async with running(tokenizer_dir, [engine], chat_template=template) as (router, *_):
+            body = {"messages": [{"role": "user", "content": "hi"}], "tools": tools}
             tokens, _, _ = await router.proxy.tokens(dict(body), "chat")
             dump = vllm_tools(tools) if vllm else sglang_tools(body)
             text = json.dumps(dump, ensure_ascii=False) + "hi"
@@ -1314,8 +1312,10 @@ def test_developer_messages_render_as_vllm_renders_them(tokenizer_dir: Path) -> 
     assert render(chat[2:3] + chat[1:2]) == "system=b;user=u;"  # first: nothing to merge
     named = shown + "{% if false %}'developer'{% endif %}"
     assert render(chat, named) == "system=a;user=u;developer=b;developer=;"
-    tok.engine = "sglang"
-    assert render(chat) == "system=a;user=u;developer=b;developer=;"
+    sglang = RouterTokenizer(tokenizer_dir, chat_template=shown)  # SGLang ignores a request's
+    sglang.engine = "sglang"
+    assert sglang.render_chat({"messages": chat, "add_generation_prompt": False}) == (
+        "system=a;user=u;developer=b;developer=;")  # fmt: skip
 
 
 def test_messages_reach_the_template_as_vllm_parses_them(tokenizer_dir: Path) -> None:
@@ -1335,8 +1335,9 @@ def test_messages_reach_the_template_as_vllm_parses_them(tokenizer_dir: Path) ->
         '{"role": "assistant", "content": "", "reasoning": "r", "reasoning_content": "r"};'
         '{"role": "tool", "content": "t", "tool_call_id": "c"};'
     )
-    tok.engine = "sglang"
-    assert tok.render_chat(body) == (
+    sglang = RouterTokenizer(tokenizer_dir, chat_template=shown)  # SGLang ignores a request's
+    sglang.engine = "sglang"
+    assert sglang.render_chat({k: v for k, v in body.items() if k != "chat_template"}) == (
         '{"role": "user", "content": "u"};'
         '{"role": "assistant", "content": "", "reasoning_content": "x"};'
         '{"role": "tool", "content": "t", "tool_call_id": "c"};'

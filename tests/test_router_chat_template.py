@@ -159,8 +159,8 @@ def test_the_settings_are_validated(tmp_path: Path, tokenizer_dir: Path) -> None
 
 def test_the_flags_mirror_the_engines(tmp_path: Path, tokenizer_dir: Path) -> None:
     """`--chat-template`, `--chat-template-content-format`, `--default-chat-template-kwargs`,
-    `--exclude-tools-when-tool-choice-none` and `--anthropic-disabled-thinking-effort` as vLLM
-    spells them; a bad one is one line and exit 2."""
+    `--exclude-tools-when-tool-choice-none`, `--anthropic-disabled-thinking-effort` as vLLM
+    spells them and `--hf-chat-template-name` as SGLang does; a bad one is one line and exit 2."""
     path = tmp_path / "chat.jinja"
     path.write_text(TEMPLATE)
     common = ["--model", "m", "--tokenizer", str(tokenizer_dir), "--worker", "http://h:1",
@@ -168,12 +168,14 @@ def test_the_flags_mirror_the_engines(tmp_path: Path, tokenizer_dir: Path) -> No
     ok = _router_cli(*common, "--chat-template", str(path), "--chat-template-content-format",
                      "openai", "--default-chat-template-kwargs", '{"house": "x"}',
                      "--exclude-tools-when-tool-choice-none",
-                     "--anthropic-disabled-thinking-effort", "low")  # fmt: skip
+                     "--anthropic-disabled-thinking-effort", "low",
+                     "--hf-chat-template-name", "tool_use")  # fmt: skip
     assert ok.returncode == 0, ok.stderr
     assert f"chat template {path} (not the tokenizer folder's)" in ok.stdout
     assert (
         'chat: content format openai, template defaults {"house": "x"}, tools left out for '
-        "tool_choice none, thinking disabled as effort low" in ok.stdout
+        "tool_choice none, thinking disabled as effort low, SGLang's named template tool_use"
+        in ok.stdout
     ), ok.stdout
     plain = _router_cli(*common)
     assert plain.returncode == 0 and "chat" not in plain.stdout, plain.stdout
@@ -219,10 +221,12 @@ def _named_folder(tmp_path: Path, tokenizer_dir: Path, layout: str) -> Path:
 def test_a_folders_named_templates_are_picked_as_transformers_picks_them(
     tmp_path: Path, tokenizer_dir: Path, layout: str
 ) -> None:
-    """A tool chat renders with the "tool_use" template, a request's `chat_template` may name
-    one, anything else renders with "default" (the router rendered "default" always, so every
-    tool chat on such a model was predicted from another prompt). Against transformers itself:
-    tests/vllm/test_chat_parity.py."""
+    """On vLLM a tool chat renders with the "tool_use" template, a request's `chat_template`
+    may name one, anything else renders with "default" (the router rendered "default" always,
+    so every tool chat on such a model was predicted from another prompt); SGLang 0.5 renders
+    every chat with the one its `--hf-chat-template-name` names, else the first. Against
+    transformers itself: tests/vllm/test_chat_parity.py; against SGLang's choice:
+    tests/sglang/test_chat_shape.py."""
     tok = RouterTokenizer(_named_folder(tmp_path, tokenizer_dir, layout))
     tool = {"type": "function", "function": {"name": "f"}}
     plain = {**CHAT, "add_generation_prompt": False}
@@ -233,10 +237,16 @@ def test_a_folders_named_templates_are_picked_as_transformers_picks_them(
     assert tok.render_chat({**plain, "chat_template": "{{ 'own' }}"}) == "own"
     excluding = RouterTokenizer(tok.folder, exclude_tools_when_none=True)
     assert excluding.render_chat({**plain, "tools": [tool], "tool_choice": "none"}) == "default:hi"
-    tok.engine = "sglang"  # SGLang hands the template no tools for tool_choice none, or none given
-    assert tok.render_chat({**plain, "tools": [tool]}) == "tool_use:1:hi"
-    assert tok.render_chat({**plain, "tools": [tool], "tool_choice": "none"}) == "default:hi"
-    assert tok.render_chat({**plain, "tools": []}) == "default:hi"
+    tok.engine = "sglang"  # SGLang keeps one template: the first, whatever the request
+    assert tok.render_chat({**plain, "tools": [tool]}) == "default:hi"
+    assert tok.render_chat({**plain, "chat_template": "rag"}) == "default:hi"
+    named = RouterTokenizer(tok.folder, hf_template_name="tool_use")  # --hf-chat-template-name
+    named.engine = "sglang"
+    assert named.render_chat({**plain, "tools": [tool, tool]}) == "tool_use:2:hi"
+    assert named.render_chat({**plain, "tools": [tool], "chat_template": "rag"}) == "tool_use:1:hi"
+    with pytest.raises(TokenizerError, match="hf_chat_template_name 'chat' names none"):
+        RouterTokenizer(tok.folder, hf_template_name="chat")  # SGLang refuses it as well
+    assert RouterTokenizer(tokenizer_dir, hf_template_name="chat")  # one template: not by name
 
 
 def test_a_single_template_is_not_looked_up_by_name(tmp_path: Path, tokenizer_dir: Path) -> None:

@@ -182,7 +182,9 @@ def test_gpu_pools_take_devices_in_order(model_dir: str, tmp_path: Path) -> None
 def test_sglang_disaggregation_flags(model_dir: str, tmp_path: Path) -> None:
     spec = wp.DisaggEngine(
         model=model_dir, backend="sglang", kv_transfer="mooncake",
-        prefill=wp.Pool("1xH200"), decode=wp.Pool("1xH200", engine_args=["--mem-fraction", "0.8"]),
+        prefill=wp.Pool("1xH200", engine_args=["--hf-chat-template-name", "tool_use"]),
+        decode=wp.Pool("1xH200", engine_args=["--hf-chat-template-name=tool_use",
+                                              "--mem-fraction", "0.8"]),
         routing=wp.CacheRouting(tiering=wp.KVTier(l2="cpu", l2_size_gb=8)),
     )  # fmt: skip
     plan = make_plan(spec, BINS, tmp_path, gpus=2)
@@ -194,6 +196,7 @@ def test_sglang_disaggregation_flags(model_dir: str, tmp_path: Path) -> None:
     assert _flag(decode, "--hicache-size") == "8" and decode.argv[-1] == "0.8"
     config = RouterConfig.model_validate(plan.router_config)
     assert config.pools[0].kv_handoff == "sglang"
+    assert config.hf_chat_template_name == "tool_use"  # the router picks SGLang's template too
     assert config.pools[0].workers[0].bootstrap_port == int(
         _flag(prefill, "--disaggregation-bootstrap-port"))  # fmt: skip
 

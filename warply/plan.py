@@ -36,6 +36,7 @@ _TEMPLATE_FLAGS = {
     "--chat-template-content-format": "chat_template_content_format",
     "--default-chat-template-kwargs": "default_chat_template_kwargs",
     "--anthropic-disabled-thinking-effort": "anthropic_disabled_thinking_effort",
+    "--hf-chat-template-name": "hf_chat_template_name",
 }
 """Engine flags that change how a chat renders, and the router settings that follow them."""
 _EXCLUDE_TOOLS = "--exclude-tools-when-tool-choice-none"

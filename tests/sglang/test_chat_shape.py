@@ -27,13 +27,16 @@ from sglang.srt.entrypoints.openai.serving_chat import (
     normalize_tool_content,
 )
 from sglang.srt.entrypoints.openai.serving_responses import OpenAIServingResponses
+from sglang.srt.parser import template_manager
 from sglang.srt.parser.jinja_template_utils import (
     detect_jinja_template_content_format,
     process_content_for_template_format,
 )
 from sglang.srt.parser.template_detection import detect_inline_system_support
+from sglang.srt.parser.template_manager import TemplateManager
 
 from router.chat_shape import PromptError, sglang_conversation, sglang_kwargs, sglang_tools
+from router.chat_template import ChatTemplates
 from router.content_format import sglang_content_format
 from router.messages import chat_view as messages_view
 from router.messages import renders_inline_system
@@ -442,3 +445,24 @@ def test_a_responses_request_is_keyed_as_sglang_converts_it(template: str, inlin
             **({} if effort is None else {"reasoning_effort": effort}), **kwargs}  # fmt: skip
     for body in RESPONSES_UNKEYED:
         assert responses_view({"model": "m", **body}, "sglang", lambda: not inline) is None
+
+
+@pytest.mark.parametrize("name", [None, "tool_use", "rag"])
+def test_a_folders_named_templates_resolve_as_sglang_resolves_them(
+    name: str | None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """SGLang 0.5 keeps one of a folder's named templates (as transformers holds them: the
+    default first, then the others) for every request: its `--hf-chat-template-name`'s, else
+    the first (`TemplateManager._select_named_template`); the router's `ChatTemplates.only`."""
+    named = {"default": "{{ 'd' }}", "tool_use": "{{ 't' }}", "rag": "{{ 'r' }}"}
+    monkeypatch.setattr(template_manager, "get_serving",
+                        lambda: SimpleNamespace(hf_chat_template_name=name))  # fmt: skip
+    want = TemplateManager()._select_named_template(named, None)  # type: ignore[arg-type]
+    templates = ChatTemplates(_environment(), named, True, "given")
+    assert templates.only(name).source == want
+    rest = {k: v for k, v in named.items() if k != "default"}  # no default: the first one
+    if name in (None, *rest):
+        monkeypatch.setattr(template_manager, "get_serving",
+                            lambda: SimpleNamespace(hf_chat_template_name=name))  # fmt: skip
+        want = TemplateManager()._select_named_template(rest, None)  # type: ignore[arg-type]
+        assert ChatTemplates(_environment(), rest, True, "given").only(name).source == want
