@@ -105,12 +105,16 @@ class ChatTemplates:
                 msg = f"the chat template {label} does not parse: {exc}"
                 raise TemplateLoadError(msg) from None
 
-    def only(self, name: str | None) -> Picked:
-        """The template SGLang 0.5 renders every request with: it keeps one, resolving a
-        folder's named templates (`_select_named_template`) to `name` (its
-        `--hf-chat-template-name`), else to the first ("default" where the folder has one; the
-        router takes the other files in name order, transformers in directory order). A
-        request's own `chat_template` and its tools choose nothing there."""
+    def only(self, name: str | None, given: Any = None) -> Picked:
+        """The template SGLang 0.5 renders a request with: it keeps one, resolving a folder's
+        named templates (`_select_named_template`) to `name` (its `--hf-chat-template-name`),
+        else to the first ("default" where the folder has one; the router takes the other
+        files in name order, transformers in directory order). A request's own
+        `chat_template` and its tools choose nothing there; a `chat_template` among the
+        template arguments (`given`: the request's `chat_template_kwargs` or the server's
+        defaults) is the template's text, as transformers takes that argument."""
+        if isinstance(given, str):
+            return self._compiled(given)
         if not self._by_name:
             return self.pick(None, False)
         if name is None:
@@ -126,6 +130,12 @@ class ChatTemplates:
                 f"({', '.join(self._named)})"
             )
 
+    def _compiled(self, text: str) -> Picked:
+        try:
+            return Picked(text, self._env.from_string(text))
+        except jinja2.TemplateError as exc:
+            raise PromptError(f"chat template error: {exc}") from None
+
     def pick(self, requested: Any, tools: bool) -> Picked:
         """The template for a request whose own `chat_template` is `requested` and which hands
         the template tools when `tools`; `PromptError` when there is none or it does not
@@ -133,10 +143,7 @@ class ChatTemplates:
         if isinstance(requested, str):
             if self._by_name and requested in self._named:
                 return self._named[requested]
-            try:
-                return Picked(requested, self._env.from_string(requested))
-            except jinja2.TemplateError as exc:
-                raise PromptError(f"chat template error: {exc}") from None
+            return self._compiled(requested)
         picked = self._named.get("tool_use") if tools and self._by_name else None
         picked = picked or self._named.get("default")
         if picked is None:

@@ -296,10 +296,10 @@ class RouterTokenizer:
         context: dict[str, Any] = {"documents": None, **self._special}
         if self.engine == "sglang":  # SGLang 0.5 has no `documents` field: its kwargs' only
             tools = sglang_tools(body)
-            picked = self._templates.only(self._hf_name)
+            context.update(sglang_kwargs(kwargs, effort, self._defaults))
+            picked = self._templates.only(self._hf_name, context.pop("chat_template", None))
             parts = sglang_content_format(picked.source, self._env) == "openai"
             conversation = sglang_conversation(messages, parts)
-            context.update(sglang_kwargs(kwargs, effort, self._defaults))
         else:
             excluded = self._exclude_tools and body.get("tool_choice") == "none"
             tools = None if excluded else vllm_tools(body.get("tools"))

@@ -244,6 +244,13 @@ def test_a_folders_named_templates_are_picked_as_transformers_picks_them(
     named.engine = "sglang"
     assert named.render_chat({**plain, "tools": [tool, tool]}) == "tool_use:2:hi"
     assert named.render_chat({**plain, "tools": [tool], "chat_template": "rag"}) == "tool_use:1:hi"
+    # A `chat_template` among the template arguments is transformers' own argument: the text
+    # SGLang renders with (a request's, else the server's --default-chat-template-kwargs').
+    own = {**plain, "chat_template_kwargs": {"chat_template": "{{ chat_template }}kw"}}
+    assert named.render_chat(own) == "kw"
+    served = RouterTokenizer(tok.folder, default_kwargs={"chat_template": "{{ 'server' }}"})
+    served.engine = "sglang"
+    assert served.render_chat(plain) == "server" and served.render_chat(own) == "kw"
     with pytest.raises(TokenizerError, match="hf_chat_template_name 'chat' names none"):
         RouterTokenizer(tok.folder, hf_template_name="chat")  # SGLang refuses it as well
     assert RouterTokenizer(tokenizer_dir, hf_template_name="chat")  # one template: not by name
