@@ -91,8 +91,6 @@ def _instructions(body: Mapping[str, Any]) -> list[dict[str, Any]] | None:
     return [{"role": "system", "content": instructions}]
 
 
-
-
 def _tool_call(item: Mapping[str, Any]) -> dict[str, Any] | None:
     """A `function_call` item as vLLM 0.32 makes it an assistant's tool call (a namespaced
     one named `NAMESPACE__NAME`), or a `custom_tool_call` item as a call of its function shim

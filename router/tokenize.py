@@ -325,10 +325,11 @@ class RouterTokenizer:
         return rendered
 
     def merges_inline_system(self) -> bool:
-        """Whether the engine's /v1/messages merges inline system messages into the leading one
-        for this model, probed once: vLLM 0.32 when a template a chat without or with tools gets
-        rejects them (`router.messages.merges_inline_system`), SGLang 0.5 when its template
-        does not render them (`router.messages.renders_inline_system`)."""
+        """Whether the engine merges inline system messages into the leading one for this model,
+        probed once: vLLM 0.32's /v1/messages when a template a chat without or with tools gets
+        rejects them (`router.messages.merges_inline_system`); SGLang 0.5's /v1/messages and
+        /v1/responses when its template does not render them
+        (`router.messages.renders_inline_system`)."""
         if self._merges_inline is None:
             templates = self._templates
             if self.engine == "sglang":
