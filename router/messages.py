@@ -13,15 +13,11 @@ unless the client chose); `output_config.effort` as the reasoning effort, `think
 `system` inside `messages`) stay where they are, or join the first system message when the chat
 template refuses a system message after the first (vLLM's probe, `merges_inline_system`).
 Anything else (images, tool results that are not text, tool additions and removals) is placed
-by load alone. SGLang 0.5 converts a body its own way (`_sglang_view`): texts, tool calls and
-results, tools and inline system messages (merged where its probe, `renders_inline_system`,
-says the template drops them) are keyed as it converts them; thinking and efforts are placed by
-load.
+by load alone. SGLang 0.5 converts a body its own way (`router.messages_sglang`).
 """
 
 from __future__ import annotations
 
-import json
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
@@ -30,8 +26,10 @@ import jinja2.ext
 import jinja2.sandbox
 import msgspec
 
+from router.anthropic_blocks import str_field, tool_call
 from router.chat_shape import PromptError
 from router.errors import ApiError
+from router.messages_sglang import sglang_chat
 
 PATH = "/v1/messages"
 COUNT_TOKENS_PATH = PATH + "/count_tokens"
@@ -95,17 +93,12 @@ def disabled_effort(render: Callable[[dict[str, Any]], str]) -> str:
     return "none"
 
 
-def _str(block: Mapping[str, Any], key: str) -> str | None:
-    value = block.get(key)
-    return value if isinstance(value, str) else None
-
-
 def _system_parts(system: Any) -> list[str]:
     """The top-level `system` as vLLM 0.32 collects it: a string whole, else its non-empty
     text blocks' texts but billing headers."""
     if isinstance(system, str):
         return [system] if system else []
-    return [t for b in system if b.get("type") == "text" and (t := _str(b, "text"))
+    return [t for b in system if b.get("type") == "text" and (t := str_field(b, "text"))
             and not t.startswith(_BILLING)]  # fmt: skip
 
 
@@ -115,19 +108,6 @@ def _inline_text(content: Any) -> str | None:
     if isinstance(content, str):
         return None if content.startswith(_BILLING) else content
     return "".join(parts) if (parts := _system_parts(content)) else None
-
-
-def _tool_call(block: Mapping[str, Any]) -> dict[str, Any] | None:
-    """A `tool_use` block as vLLM 0.32 makes it a tool call; None without an id (vLLM names
-    such a call by the clock, which no router can follow; clients echo the engine's id)."""
-    call_id, name, given = _str(block, "id"), block.get("name"), block.get("input")
-    if not call_id or not (name is None or isinstance(name, str)) or not (
-        given is None or isinstance(given, dict)
-    ):
-        return None
-    arguments = json.dumps(given or {})
-    return {"id": call_id, "type": "function",
-            "function": {"name": name or "", "arguments": arguments}}  # fmt: skip
 
 
 def _tool_result(block: Mapping[str, Any]) -> dict[str, Any] | None:
@@ -174,7 +154,7 @@ def _message(msg: Mapping[str, Any], out: list[dict[str, Any]]) -> bool:
                     return False
                 reasoning.append(thought)
         elif kind == "tool_use":
-            if (call := _tool_call(block)) is None:
+            if (call := tool_call(block)) is None:
                 return False
             calls.append(call)
         elif kind == "tool_result" and role == "user":
@@ -242,200 +222,6 @@ def _tools(body: Mapping[str, Any], view: dict[str, Any]) -> bool:
     return True
 
 
-def renders_inline_system(template: str | None) -> bool:
-    """SGLang 0.5's probe (`detect_inline_system_support`): whether `template`, in a bare
-    sandbox, renders a second system message's text where [system, user, system, user] has it;
-    a template that raises or drops it does not (SGLang's /v1/messages then merges inline
-    system messages into the leading one)."""
-    if not template:
-        return False
-    env = jinja2.sandbox.ImmutableSandboxedEnvironment(
-        trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols]
-    )
-    mark = "__inline_system_probe__"
-    turns = [{"role": "system", "content": "t"}, {"role": "user", "content": "t"},
-             {"role": "system", "content": mark}, {"role": "user", "content": "t"}]  # fmt: skip
-    try:
-        return mark in env.from_string(template).render(messages=turns, add_generation_prompt=False)
-    except Exception:  # template code is data: SGLang counts any failure as "does not render"
-        return False
-
-
-def _sglang_system_text(content: Any) -> str | None:
-    """An inline system message's text as SGLang 0.5 merges it (`_extract_system_text`): its
-    text blocks stripped, the non-empty ones joined by newlines; None when nothing is left."""
-    if isinstance(content, str):
-        return content.strip() or None
-    texts = [t.strip() for b in content if b.get("type") == "text" and (t := _str(b, "text"))]
-    return "\n".join(t for t in texts if t) or None
-
-
-def _sglang_result(block: Mapping[str, Any]) -> tuple[list[Any], str] | None:
-    """A `tool_result` block's content as SGLang 0.5 converts it (`_convert_tool_result_content`),
-    text only: the tool message's contents (its non-empty texts as parts, a lone one as a
-    string) and the text an assistant's result shows. None for images, search results and
-    tool references (content parts a chat is placed by load for: `chat_shape.has_media`)."""
-    content = block.get("content")
-    if not isinstance(content, list):
-        if not (content is None or isinstance(content, str)):
-            return None
-        return [content or ""], content or ""
-    texts: list[str] = []
-    for item in content:
-        kind = item.get("type") if isinstance(item, dict) else None
-        if kind == "text":
-            if not isinstance(text := item.get("text", ""), str):
-                return None
-            if text:
-                texts.append(text)
-        elif kind in ("image", "search_result", "tool_reference"):
-            return None
-    parts = [{"type": "text", "text": t} for t in texts]
-    return [texts[0] if len(texts) == 1 else parts] if texts else [""], "\n".join(texts)
-
-
-def _sglang_blocks(msg: Mapping[str, Any], out: list[dict[str, Any]]) -> bool:
-    """Append what SGLang 0.5 makes of one message's blocks: text parts (one: a string),
-    `tool_use` blocks as tool calls, a user's `tool_result` blocks as tool messages in their
-    place among its texts, an assistant's as "Tool result: ..." text; an empty assistant
-    message as "". False when the router cannot follow it (thinking that is not empty: its
-    history depends on the server's reasoning parser; images, search results)."""
-    role = msg["role"]
-    pending: list[dict[str, Any]] = []
-    calls: list[dict[str, Any]] = []
-    shaped: dict[str, Any] = {"role": role}
-
-    def flush() -> None:
-        if pending:
-            only = len(pending) == 1 and pending[0]["type"] == "text"
-            out.append({"role": "user", "content": pending[0]["text"] if only else list(pending)})
-            pending.clear()
-
-    for block in msg["content"]:
-        kind = block.get("type")
-        if kind in ("thinking", "redacted_thinking"):
-            if role == "assistant" and (kind == "redacted_thinking" or block.get("thinking")):
-                return False
-        elif kind == "text":
-            if not isinstance(text := block.get("text"), str):
-                return False
-            pending.append({"type": "text", "text": text})
-        elif kind == "tool_use":
-            if role != "assistant" or (call := _tool_call(block)) is None:
-                return False
-            calls.append(call)
-        elif kind == "tool_result":
-            call_id = block.get("tool_use_id") or block.get("id") or ""
-            if (result := _sglang_result(block)) is None or not isinstance(call_id, str):
-                return False
-            if role != "user":
-                pending.append({"type": "text", "text": f"Tool result: {result[1]}"})
-                continue
-            flush()
-            out.extend({"role": "tool", "tool_call_id": call_id, "content": c} for c in result[0])
-        else:
-            return False
-    if calls:
-        shaped["tool_calls"] = calls
-    if pending:
-        only = len(pending) == 1 and pending[0]["type"] == "text"
-        shaped["content"] = pending[0]["text"] if only else pending
-    elif not calls:
-        if role == "user":
-            return True
-        shaped["content"] = ""
-    out.append(shaped)
-    return True
-
-
-_SERVER_TOOLS = ("web_search_", "computer_", "bash_", "text_editor_")
-"""Type prefixes of Anthropic's server tools, which SGLang 0.5 leaves out of the chat."""
-
-
-def _sglang_tools(body: Mapping[str, Any], view: dict[str, Any]) -> bool:
-    """Tools and the tool choice as SGLang 0.5 converts them: server tools left out, each
-    custom tool a function tool (`description` "" when unset, `input_schema` with its default
-    `"type": "object"` last, `strict` false by default); the choice mapped ("auto" when there
-    are tools and no choice). False when the router cannot follow them or SGLang refuses."""
-    tools, choice = body.get("tools") or [], body.get("tool_choice")
-    if not isinstance(tools, list) or not all(isinstance(t, dict) for t in tools):
-        return False
-    converted = []
-    for tool in tools:
-        kind = tool.get("type")
-        if isinstance(kind, str) and kind.startswith(_SERVER_TOOLS):
-            continue
-        schema = tool.get("input_schema")
-        if kind not in (None, "custom") or not isinstance(schema, dict):
-            return False
-        function = {"name": tool.get("name"), "description": tool.get("description") or "",
-                    "parameters": {**schema, "type": schema.get("type", "object")},
-                    "strict": tool.get("strict", False)}  # fmt: skip
-        converted.append(
-            {"type": "function", "defer_loading": tool.get("defer_loading"), "function": function}
-        )
-    if converted:
-        view["tools"] = converted
-    if choice is None:
-        if converted:
-            view["tool_choice"] = "auto"
-        return True
-    kind = choice.get("type") if isinstance(choice, dict) else None
-    names = [t["function"]["name"] for t in converted]
-    if kind == "none":
-        view["tool_choice"] = "none"
-    elif kind in ("auto", "any") and names:
-        view["tool_choice"] = "auto" if kind == "auto" else "required"
-    elif kind == "tool" and choice.get("name") in names:
-        view["tool_choice"] = {"type": "function", "function": {"name": choice["name"]}}
-    elif kind != "auto":
-        return False
-    return True
-
-
-def _sglang_view(
-    body: Mapping[str, Any], merge_inline: Callable[[], bool]
-) -> dict[str, Any] | None:
-    """The chat SGLang 0.5 converts a Messages body to
-    (`AnthropicServing._convert_to_chat_completion_request`): `system` (a string that is not
-    blank, else its non-empty text blocks) and, where the template does not render them in
-    place (`merge_inline`: not `renders_inline_system`), the inline system messages' texts,
-    joined by newlines as the first system message; each message as `_sglang_blocks` makes
-    it; tools as `_sglang_tools`. None for a request with thinking or an effort: SGLang sets
-    them on the request it has already built, so they come without the thinking switches a
-    chat's effort brings (`router.chat_shape.sglang_kwargs`), which a chat view cannot
-    express."""
-    config = body.get("output_config")
-    if body.get("thinking") is not None or (
-        isinstance(config, dict) and config.get("effort") is not None
-    ):
-        return None
-    messages: list[dict[str, Any]] = body["messages"]
-    merge = any(m["role"] == "system" for m in messages) and merge_inline()
-    system = body.get("system")
-    if isinstance(system, str):
-        parts = [system] if system.strip() else []
-    else:
-        parts = [t for b in system or [] if b.get("type") == "text" and (t := _str(b, "text"))]
-    if merge:
-        parts += [t for m in messages if m["role"] == "system"
-                  and (t := _sglang_system_text(m["content"]))]  # fmt: skip
-    chat: list[dict[str, Any]] = [{"role": "system", "content": "\n".join(parts)}] if parts else []
-    for msg in messages:
-        if msg["role"] == "system" and merge:
-            continue
-        if isinstance(msg["content"], str):
-            chat.append({"role": msg["role"], "content": msg["content"]})
-        elif not _sglang_blocks(msg, chat):
-            return None
-    view: dict[str, Any] = {"messages": chat}
-    if not _sglang_tools(body, view):
-        return None
-    if "model" in body:
-        view["model"] = body["model"]
-    return view
-
-
 def chat_view(
     body: Mapping[str, Any],
     engine: str | None,
@@ -450,7 +236,7 @@ def chat_view(
     if not _valid(body):
         return None
     if engine == "sglang":
-        return _sglang_view(body, merge_inline_system)
+        return sglang_chat(body, merge_inline_system)
     messages: list[dict[str, Any]] = body["messages"]
     if any(isinstance(m["content"], list) and any(b.get("type") in _TOOL_CHANGES
                                                   for b in m["content"]) for m in messages):

@@ -44,7 +44,8 @@ from router.chat_template import (
     folder_templates,
 )
 from router.content_format import ContentFormatOption, content_format, sglang_content_format
-from router.messages import merges_inline_system, renders_inline_system
+from router.messages import merges_inline_system
+from router.messages_sglang import renders_inline_system
 from router.token_cache import ChunkCache, Lineage, Partial
 
 _SPECIAL_NAMES = (
@@ -329,7 +330,7 @@ class RouterTokenizer:
         probed once: vLLM 0.32's /v1/messages when a template a chat without or with tools gets
         rejects them (`router.messages.merges_inline_system`); SGLang 0.5's /v1/messages and
         /v1/responses when its template does not render them
-        (`router.messages.renders_inline_system`)."""
+        (`router.messages_sglang.renders_inline_system`)."""
         if self._merges_inline is None:
             templates = self._templates
             if self.engine == "sglang":

@@ -23,8 +23,8 @@ from router.messages import (
     merges_inline_system,
     openai_usage,
     rejects_inline_system,
-    renders_inline_system,
 )
+from router.messages_sglang import renders_inline_system
 from tests.test_router_api import (  # noqa: F401
     FakeEngine,
     _run,

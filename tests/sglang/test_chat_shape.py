@@ -39,7 +39,7 @@ from router.chat_shape import PromptError, sglang_conversation, sglang_kwargs, s
 from router.chat_template import ChatTemplates
 from router.content_format import sglang_content_format
 from router.messages import chat_view as messages_view
-from router.messages import renders_inline_system
+from router.messages_sglang import renders_inline_system
 from router.responses import chat_view as responses_view
 from router.tokenize import _environment
 
