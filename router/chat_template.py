@@ -20,11 +20,22 @@ from pathlib import Path
 from typing import Any
 
 import jinja2
+import jinja2.ext
+import jinja2.sandbox
 
 from router.chat_shape import PromptError
 
 _TEMPLATE_DIR = "additional_chat_templates"
 """transformers 5's folder of named templates beside chat_template.jinja (`CHAT_TEMPLATE_DIR`)."""
+
+
+def bare_environment() -> jinja2.sandbox.ImmutableSandboxedEnvironment:
+    """The sandbox both engines render chat templates in (transformers' options: trimmed blocks,
+    loop controls), with no globals or filters added: as vLLM's and SGLang's inline-system probes
+    render a template; the router's renderer adds the engines' globals to it."""
+    return jinja2.sandbox.ImmutableSandboxedEnvironment(
+        trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols]
+    )
 
 
 class TemplateLoadError(ValueError):

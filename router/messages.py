@@ -22,12 +22,11 @@ from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 import jinja2
-import jinja2.ext
-import jinja2.sandbox
 import msgspec
 
 from router.anthropic_blocks import str_field, tool_call
 from router.chat_shape import PromptError
+from router.chat_template import bare_environment
 from router.errors import ApiError
 from router.messages_sglang import sglang_chat
 
@@ -57,9 +56,7 @@ def rejects_inline_system(template: str | None) -> bool:
     `raise_exception` fails there); no template counts as failing."""
     if not template:
         return True
-    env = jinja2.sandbox.ImmutableSandboxedEnvironment(
-        trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols]
-    )
+    env = bare_environment()
     turns = [{"role": role, "content": "t"} for role in ("system", "user", "system", "user")]
     try:
         env.from_string(template).render(messages=turns, add_generation_prompt=False)

@@ -10,11 +10,8 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from typing import Any
 
-import jinja2
-import jinja2.ext
-import jinja2.sandbox
-
 from router.anthropic_blocks import str_field, tool_call
+from router.chat_template import bare_environment
 
 
 def renders_inline_system(template: str | None) -> bool:
@@ -24,9 +21,7 @@ def renders_inline_system(template: str | None) -> bool:
     system messages into the leading one)."""
     if not template:
         return False
-    env = jinja2.sandbox.ImmutableSandboxedEnvironment(
-        trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols]
-    )
+    env = bare_environment()
     mark = "__inline_system_probe__"
     turns = [{"role": "system", "content": "t"}, {"role": "user", "content": "t"},
              {"role": "system", "content": mark}, {"role": "user", "content": "t"}]  # fmt: skip

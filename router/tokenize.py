@@ -23,7 +23,6 @@ from pathlib import Path
 from typing import Any, overload
 
 import jinja2
-import jinja2.ext
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer
 
@@ -40,6 +39,7 @@ from router.chat_template import (
     ChatTemplates,
     Picked,
     TemplateLoadError,
+    bare_environment,
     engine_template,
     folder_templates,
 )
@@ -119,9 +119,7 @@ def _strftime_now(fmt: str) -> str:
 
 
 def _environment() -> ImmutableSandboxedEnvironment:
-    env = ImmutableSandboxedEnvironment(
-        trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols]
-    )
+    env = bare_environment()
     env.filters["tojson"] = _tojson
     env.globals["raise_exception"] = _raise_exception
     env.globals["strftime_now"] = _strftime_now
