@@ -61,7 +61,12 @@ def _result(block: Mapping[str, Any]) -> tuple[list[Any], str] | None:
         elif kind in ("image", "search_result", "tool_reference"):
             return None
     parts = [{"type": "text", "text": t} for t in texts]
-    return [texts[0] if len(texts) == 1 else parts] if texts else [""], "\n".join(texts)
+    return [_content(parts)] if parts else [""], "\n".join(texts)
+
+
+def _content(parts: list[dict[str, Any]]) -> str | list[dict[str, Any]]:
+    """A message's text parts as SGLang 0.5 gives its content: a lone part as its text."""
+    return parts[0]["text"] if len(parts) == 1 else list(parts)
 
 
 def _blocks(msg: Mapping[str, Any], out: list[dict[str, Any]]) -> bool:
@@ -77,8 +82,7 @@ def _blocks(msg: Mapping[str, Any], out: list[dict[str, Any]]) -> bool:
 
     def flush() -> None:
         if pending:
-            only = len(pending) == 1 and pending[0]["type"] == "text"
-            out.append({"role": "user", "content": pending[0]["text"] if only else list(pending)})
+            out.append({"role": "user", "content": _content(pending)})
             pending.clear()
 
     for block in msg["content"]:
@@ -108,8 +112,7 @@ def _blocks(msg: Mapping[str, Any], out: list[dict[str, Any]]) -> bool:
     if calls:
         shaped["tool_calls"] = calls
     if pending:
-        only = len(pending) == 1 and pending[0]["type"] == "text"
-        shaped["content"] = pending[0]["text"] if only else pending
+        shaped["content"] = _content(pending)
     elif not calls:
         if role == "user":
             return True
