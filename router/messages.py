@@ -196,7 +196,7 @@ def _tools(body: Mapping[str, Any], view: dict[str, Any]) -> bool:
         names = {"auto": "auto", "any": "required", "none": "none"}
         if kind == "tool":
             view["tool_choice"] = {"type": "function", "function": {"name": choice.get("name")}}
-        elif kind in names:
+        elif isinstance(kind, str) and kind in names:  # any JSON value: a list is unhashable
             view["tool_choice"] = names[kind]
         else:
             return False

@@ -32,7 +32,8 @@ from router.responses_sglang import sglang_chat
 PATH = "/v1/responses"
 _PREFIX = "resp_"
 _TAG_HEX = 8
-_TEXT_PARTS = frozenset(("input_text", "output_text"))
+_TEXT_PARTS = ("input_text", "output_text")
+"""A tuple, not a set: a client's `type` may be any JSON value, a list among them (unhashable)."""
 
 
 def worker_tag(worker: str) -> str:

@@ -113,7 +113,10 @@ def _message(item: Mapping[str, Any]) -> dict[str, Any] | None:
     if kind in ("function_call_output", "custom_tool_call_output"):
         output = item.get("output", "")
         if isinstance(output, list):
-            output = "".join(p.get("text", "") for p in output if isinstance(p, dict))
+            texts = [p.get("text", "") for p in output if isinstance(p, dict)]
+            if not all(isinstance(t, str) for t in texts):
+                raise _Unkeyed  # SGLang 0.5's own join of them fails
+            output = "".join(texts)
         return {"role": "tool", "tool_call_id": item.get("call_id"), "content": output}
     if kind == "reasoning":
         text = _reasoning(item)
@@ -182,7 +185,10 @@ def _system_merged(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 def _description(tool: Mapping[str, Any]) -> str | None:
     """A custom tool's description with its grammar described (`custom_tool_description`)."""
-    parts = [tool["description"]] if tool.get("description") else []
+    described = tool.get("description")
+    if described is not None and not isinstance(described, str):
+        raise _Unkeyed  # SGLang's request model refuses it
+    parts = [described] if described else []
     fmt = tool.get("format")
     if isinstance(fmt, dict) and fmt.get("type") == "grammar":
         syntax, definition = fmt.get("syntax") or "lark", fmt.get("definition") or ""
@@ -217,7 +223,10 @@ def _tool_choice(choice: Any) -> Any:
     named function or custom tool as a named function, any other object as "auto"."""
     if not isinstance(choice, dict):
         return choice
-    name = choice.get("name") or (choice.get("function") or {}).get("name")
+    function = choice.get("function")
+    if function is not None and not isinstance(function, dict):
+        raise _Unkeyed  # SGLang's request model refuses it
+    name = choice.get("name") or (function or {}).get("name")
     if choice.get("type") in ("function", "custom") and name:
         return {"type": "function", "function": {"name": name}}
     return "auto"
@@ -238,12 +247,13 @@ def sglang_chat(
         if merge_inline_system():
             messages = _system_merged(messages)
         tools = _tools(body.get("tools") or [])
+        choice = _tool_choice(body.get("tool_choice", "auto")) if tools else None
     except _Unkeyed:
         return None
     view: dict[str, Any] = {"messages": messages, "add_special_tokens": False}
     if tools:
         view["tools"] = tools
-        view["tool_choice"] = _tool_choice(body.get("tool_choice", "auto"))
+        view["tool_choice"] = choice
     reasoning = body.get("reasoning")
     if isinstance(reasoning, dict) and reasoning.get("effort", "medium") is not None:
         view["reasoning_effort"] = reasoning.get("effort", "medium")
