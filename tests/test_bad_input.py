@@ -3,7 +3,7 @@
 JSON bodies and schemathesis over the router's own /openapi.json (positive and negative cases),
 all against a router on 127.0.0.1 in front of in-process fake engines (tests/test_router_api.py).
 Example counts are small and derandomized: seconds on 2 cores, the same examples every run
-(`WARPLY_FUZZ_EXAMPLES=N` fuzzes N random examples per endpoint instead)."""
+(`WARPLY_FUZZ_EXAMPLES=N` fuzzes N random examples per endpoint and operation instead)."""
 
 from __future__ import annotations
 
@@ -43,8 +43,9 @@ TOKEN = "admin-token"
 ADMIN = {"Authorization": f"Bearer {TOKEN}"}
 LIMITS = {"max_body_bytes": 64 << 10, "max_prompt_tokens": 96, "max_messages": 8, "max_prompts": 4}
 _DEEP = int(os.environ.get("WARPLY_FUZZ_EXAMPLES", "0"))
-"""Examples per fuzzed endpoint for a deeper run, random rather than derandomized (0: the
-suite's 60, the same every run; docs/reliability.md, "Bad input")."""
+"""Examples per fuzzed endpoint (and per OpenAPI operation) for a deeper run, random rather
+than derandomized (0: the suite's 60 and 15, the same every run; docs/reliability.md, "Bad
+input")."""
 FUZZ = settings(
     max_examples=_DEEP or 60,
     derandomize=not _DEEP,
@@ -543,7 +544,7 @@ _SCHEMA_CONFIG = RouterConfig.model_validate(
 schema = schemathesis.openapi.from_dict(
     openapi_document(_SCHEMA_CONFIG),
     config=SchemathesisConfig.from_dict(
-        {"generation": {"mode": "all", "max-examples": 15, "deterministic": True,
+        {"generation": {"mode": "all", "max-examples": _DEEP or 15, "deterministic": not _DEEP,
                         "database": "none"}}  # fmt: skip
     ),
 )
