@@ -23,9 +23,19 @@ from router.strategies import Score
 from router.workers import Workers
 from warply.protocol.api import PoolWhere, ScoreView, Where, WhereChoice, WorkerWhere
 
+_QUERY = {"GET": ("prompt", "model", "cache_key"), "POST": ("api",)}
+"""The query parameters each method takes: any other is refused, so that a misspelt one
+(`cachekey=`) is not an answer for another tenant's namespace."""
+
 
 async def request_body(request: web.Request) -> tuple[dict[str, Any], str]:
     """The completion / chat body the query or the POST body describes, and its kind."""
+    known = _QUERY.get(request.method, ())
+    if unknown := sorted(set(request.query) - set(known)):
+        names = ", ".join(map(repr, unknown))
+        msg = f"unknown query parameter {names}: {request.method} /warply/where takes " + (
+            ", ".join(map(repr, known)))  # fmt: skip
+        raise ApiError(400, msg, "invalid_value", unknown[0])
     if request.method == "POST":
         body = await read_object(request)
     else:

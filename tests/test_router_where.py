@@ -113,6 +113,13 @@ def test_where_takes_a_request_body_with_its_namespace(tokenizer_dir: Path) -> N
             assert status == 200 and body["prompt_tokens"] == len(want)
             status, body = await call("POST", "/warply/where?api=chat", message)
             assert status == 400 and _is_error(body, "invalid_value")
+            # A misspelt parameter is refused, not ignored (the default namespace answered).
+            status, body = await call("GET", "/warply/where?prompt=hi&cachekey=t1")
+            assert status == 400 and _is_error(body, "invalid_value")
+            error = body["error"]
+            assert error["param"] == "cachekey" and "'cache_key'" in error["message"]
+            status, body = await call("POST", "/warply/where?model=m", chat)
+            assert status == 400 and _is_error(body, "invalid_value")
 
     _run(scenario())
 
