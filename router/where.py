@@ -37,7 +37,13 @@ async def request_body(request: web.Request) -> tuple[dict[str, Any], str]:
             ", ".join(map(repr, known)))  # fmt: skip
         raise ApiError(400, msg, "invalid_value", unknown[0])
     if request.method == "POST":
+        api = request.query.getall("api", [])
+        if any(a != "messages" for a in api):
+            raise ApiError(400, "'api' must be 'messages' (an Anthropic Messages body) or left out",
+                           "invalid_value", "api")  # fmt: skip
         body = await read_object(request)
+        if api:
+            return body, "messages"
     else:
         query = request.query
         if "prompt" not in query:
@@ -49,12 +55,6 @@ async def request_body(request: web.Request) -> tuple[dict[str, Any], str]:
         if "cache_key" in query:
             body["warply"] = {"cache_key": query["cache_key"]}
     kind = "responses" if "input" in body else "chat" if "messages" in body else "completion"
-    api = request.query.getall("api", [])
-    if any(a != "messages" for a in api):
-        raise ApiError(400, "'api' must be 'messages' (an Anthropic Messages body) or left out",
-                       "invalid_value", "api")  # fmt: skip
-    if api:
-        kind = "messages"
     return body, kind
 
 
