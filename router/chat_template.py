@@ -1,7 +1,8 @@
 """Which chat template renders a request, as the engines pick it.
 
 The engines' own `--chat-template` (`engine_template`: a file or the Jinja text, as vLLM 0.32
-reads the flag) replaces the model folder's. Otherwise the folder's templates, by name, as
+reads the flag; `sglang_template`: a `.jinja` file as SGLang 0.5 reads it) replaces the model
+folder's. Otherwise the folder's templates, by name, as
 transformers 5 loads them (`folder_templates`: chat_template.jinja as "default" and
 additional_chat_templates/NAME.jinja when either exists, else tokenizer_config.json's
 `chat_template`, one text or a list of named ones). Per request, `ChatTemplates.pick` chooses
@@ -58,9 +59,26 @@ def engine_template(value: str) -> str:
     if any(c in value for c in "{}\n"):
         return value
     raise TemplateLoadError(
-        f"chat template {value!r} names no readable file (give the file's path: vLLM's "
-        "built-in template names are not known to the router)"
+        f"chat template {value!r} names no readable file (give the file's path: vLLM's and "
+        "SGLang's built-in template names are not known to the router)"
     )
+
+
+def sglang_template(value: str) -> str:
+    """The Jinja text of a `chat_template` setting as SGLang 0.5 reads `--chat-template`
+    (`TemplateManager._load_jinja_template`): a `.jinja` file's text without its leading and
+    trailing newlines, each backslash-n written in it (two characters) read as a newline; a
+    text that names no file as `engine_template` takes it (the router's own setting may hold
+    the template). `TemplateLoadError` for another file: SGLang reads it as a JSON
+    conversation template, which the router does not render."""
+    if not names_file(value):
+        return engine_template(value)
+    if not value.endswith(".jinja"):
+        raise TemplateLoadError(
+            f"SGLang reads the chat template file {value!r} as a JSON conversation template "
+            "(its name does not end in .jinja), which the router does not render"
+        )
+    return _read(Path(value)).strip("\n").replace("\\n", "\n")
 
 
 def _read(path: Path) -> str:

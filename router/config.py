@@ -372,8 +372,9 @@ class RouterConfig(_Strict):
     `--trust-request-chat-template`; turn both on together, for clients you trust."""
     chat_template: str | None = Field(None, min_length=1)
     """The chat template the engines were started with (`--chat-template` of vLLM and SGLang):
-    a file's path, or the Jinja text itself, read as vLLM 0.32 reads the flag. Unset: the
-    tokenizer folder's (chat_template.jinja, else tokenizer_config.json's)."""
+    a file's path, or the Jinja text itself, read as vLLM 0.32 reads the flag (an SGLang
+    fleet's `.jinja` file as SGLang 0.5 reads it). Unset: the tokenizer folder's
+    (chat_template.jinja, else tokenizer_config.json's)."""
     chat_template_content_format: Literal["auto", "string", "openai"] = "auto"
     """vLLM's `--chat-template-content-format`: message contents reach the template as one text
     ("string") or as text parts ("openai"); "auto" detects it from the template as vLLM does.

@@ -15,6 +15,7 @@ BOS), completion prompts with them (`add_special_tokens` in the request override
 from __future__ import annotations
 
 import json
+import logging
 from array import array
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -42,12 +43,14 @@ from router.chat_template import (
     bare_environment,
     engine_template,
     folder_templates,
+    sglang_template,
 )
 from router.content_format import ContentFormatOption, content_format, sglang_content_format
 from router.messages import merges_inline_system
 from router.messages_sglang import renders_inline_system
 from router.token_cache import ChunkCache, Lineage, Partial
 
+_log = logging.getLogger("warply.router")
 _SPECIAL_NAMES = (
     "bos_token",
     "eos_token",
@@ -196,28 +199,64 @@ class RouterTokenizer:
         try:
             if chat_template is None:
                 sources, by_name = folder_templates(self.folder, config)
-                origin = f"in {self.folder}"
+                self._templates = ChatTemplates(self._env, sources, by_name, f"in {self.folder}")
+                self._sglang_templates: ChatTemplates | TemplateLoadError = self._templates
             else:
-                sources, by_name = {"default": engine_template(chat_template)}, False
-                origin = "given"
-            self._templates = ChatTemplates(self._env, sources, by_name, origin)
+                self._templates = self._given(engine_template(chat_template))
+                self._sglang_templates = self._sglang_reading(chat_template)
             self._templates.check_name(hf_template_name)
         except TemplateLoadError as exc:
             raise TokenizerError(str(exc)) from None
+        self._vllm_templates = self._templates
         self._format = content_format
         self._defaults = dict(default_kwargs or {})
         self._exclude_tools = exclude_tools_when_none
         self._hf_name = hf_template_name
         self._merges_inline: bool | None = None
-        self.engine: str | None = None
-        """Whose chat rendering to follow where the engines differ: its workers' `/v1/models`
-        `owned_by` ("vllm", "sglang"; None: vLLM 0.32's), set at start-up."""
+        self._engine: str | None = None
         self.cache = ChunkCache(self._tok, cache_bytes)
         tokenizer_vocab = self._tok.get_vocab_size(with_added_tokens=True)
         self.vocab_size = max(tokenizer_vocab, _model_vocab(self.folder))
         """Token ids a prompt may hold: 0 to vocab_size - 1 (the tokenizer's or the model's
         vocabulary, whichever is larger, as vLLM 0.32's `validate_token_ids` allows)."""
         self._wrap = self._special_wrap()
+
+    @property
+    def engine(self) -> str | None:
+        """Whose chat rendering to follow where the engines differ: its workers' `/v1/models`
+        `owned_by` ("vllm", "sglang"; None: vLLM 0.32's), set at start-up."""
+        return self._engine
+
+    @engine.setter
+    def engine(self, engine: str | None) -> None:
+        self._engine = engine
+        sglang = self._sglang_templates
+        self._templates = self._vllm_templates
+        if engine != "sglang":
+            return
+        if isinstance(sglang, TemplateLoadError):
+            _log.error(
+                "chat_template: %s; this SGLang fleet's chats are keyed from the file read as "
+                "a Jinja template, which its engines do not render (the parity probe will "
+                "route its workers by load)", sglang
+            )  # fmt: skip
+        else:
+            self._templates = sglang
+
+    def _given(self, text: str) -> ChatTemplates:
+        """The one template of a `chat_template` setting, compiled."""
+        return ChatTemplates(self._env, {"default": text}, False, "given")
+
+    def _sglang_reading(self, setting: str) -> ChatTemplates | TemplateLoadError:
+        """The given template as an SGLang fleet renders it (`sglang_template`: the same
+        templates where its text is vLLM's), or why the router cannot render that one."""
+        try:
+            text = sglang_template(setting)
+            if text == self._templates.only(None).source:
+                return self._templates
+            return self._given(text)
+        except TemplateLoadError as exc:
+            return exc
 
     def _special_wrap(self) -> tuple[list[int], list[int]] | None:
         """The ids the post-processor puts before and after a single text (e.g. BOS), if it only

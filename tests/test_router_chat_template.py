@@ -60,6 +60,35 @@ def test_the_given_template_replaces_the_folders(tokenizer_dir: Path) -> None:
         RouterTokenizer(tokenizer_dir, chat_template="{% for %}")
 
 
+def test_an_sglang_fleet_reads_a_template_file_as_sglang_reads_it(
+    tokenizer_dir: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """SGLang 0.5 reads a `.jinja` file without its leading and trailing newlines and with each
+    written-out backslash-n as a newline; vLLM 0.32 reads the file as it is. The fleet's engine
+    is known at start-up: the router follows it. A file not named `.jinja` is a JSON
+    conversation template to SGLang: the router keeps the Jinja reading and says so (its
+    parity probe then routes the workers by load)."""
+    path = tmp_path / "chat.jinja"
+    path.write_text("\n\n{% for m in messages %}{{ m['content'] }}\\n{% endfor %}\n\n")
+    tok = RouterTokenizer(tokenizer_dir, chat_template=str(path))
+    assert tok.render_chat(CHAT) == "\n\nhi\\n"
+    tok.engine = "sglang"
+    assert tok.render_chat(CHAT) == "hi\n"
+    tok.engine = "vllm"
+    assert tok.render_chat(CHAT) == "\n\nhi\\n"
+    inline = _tok(tokenizer_dir, "sglang")  # the router's own setting holds the text
+    assert inline.render_chat(CHAT) == "[user:hi]<-|-|-|None>"
+    other = tmp_path / "chat.txt"
+    other.write_text(TEMPLATE)
+    tok = RouterTokenizer(tokenizer_dir, chat_template=str(other))
+    with caplog.at_level("ERROR", "warply.router"):
+        tok.engine = "sglang"
+    assert "as a JSON conversation template" in caplog.text
+    assert tok.render_chat(CHAT) == inline.render_chat(CHAT)
+    with pytest.raises(TokenizerError, match="vLLM's and SGLang's built-in template names"):
+        RouterTokenizer(tokenizer_dir, chat_template="chatml")
+
+
 def test_a_content_format_given_overrides_the_detected_one(tokenizer_dir: Path) -> None:
     """`--chat-template-content-format openai` hands a template that prints `content` the
     parts, which auto-detection (no loop over the content) would not."""

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import asyncio
 import copy
+import json
+from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
@@ -36,7 +38,12 @@ from sglang.srt.parser.template_detection import detect_inline_system_support
 from sglang.srt.parser.template_manager import TemplateManager
 
 from router.chat_shape import PromptError, sglang_conversation, sglang_kwargs, sglang_tools
-from router.chat_template import ChatTemplates
+from router.chat_template import (
+    ChatTemplates,
+    TemplateLoadError,
+    engine_template,
+    sglang_template,
+)
 from router.content_format import sglang_content_format
 from router.messages import chat_view as messages_view
 from router.messages_sglang import renders_inline_system
@@ -466,3 +473,27 @@ def test_a_folders_named_templates_resolve_as_sglang_resolves_them(
                             lambda: SimpleNamespace(hf_chat_template_name=name))  # fmt: skip
         want = TemplateManager()._select_named_template(rest, None)  # type: ignore[arg-type]
         assert ChatTemplates(_environment(), rest, True, "given").only(name).source == want
+
+
+def test_a_template_file_is_read_as_sglang_reads_it(tmp_path: Path) -> None:
+    """`--chat-template FILE`: SGLang 0.5's own `_load_explicit_chat_template` against the
+    router's `sglang_template`. A `.jinja` file loses its outer newlines and has its written-out
+    backslash-n read as newlines (vLLM reads it as it is); a `.json` file becomes a conversation
+    template there, which the router refuses to render."""
+    path = tmp_path / "chat.jinja"
+    path.write_text("\n\n{% for m in messages %}{{ m['content'] }}\\n{% endfor %}\n\n")
+    manager = SimpleNamespace(tokenizer=SimpleNamespace(chat_template=None))
+    TemplateManager()._load_explicit_chat_template(manager, str(path))  # type: ignore[arg-type]
+    assert sglang_template(str(path)) == manager.tokenizer.chat_template
+    assert manager.tokenizer.chat_template != engine_template(str(path))
+    conversation = tmp_path / "conversation.json"
+    conversation.write_text(json.dumps({
+        "name": "warply-probe", "system": "S", "user": "U", "assistant": "A",
+        "sep_style": "ADD_COLON_SINGLE", "stop_str": "</s>",
+    }))  # fmt: skip
+    manager = SimpleNamespace(tokenizer=SimpleNamespace(chat_template=None))
+    sglang = TemplateManager()
+    sglang._load_explicit_chat_template(manager, str(conversation))  # type: ignore[arg-type]
+    assert sglang.chat_template_name == "warply-probe" and manager.tokenizer.chat_template is None
+    with pytest.raises(TemplateLoadError, match="as a JSON conversation template"):
+        sglang_template(str(conversation))
