@@ -236,9 +236,9 @@ class RouterTokenizer:
             return
         if isinstance(sglang, TemplateLoadError):
             _log.error(
-                "chat_template: %s; this SGLang fleet's chats are keyed from the file read as "
-                "a Jinja template, which its engines do not render (the parity probe will "
-                "route its workers by load)", sglang
+                "chat_template: %s; this SGLang fleet's chats are keyed from the template as "
+                "vLLM reads it (where its engines render another prompt, the parity probe "
+                "routes their workers by load)", sglang
             )  # fmt: skip
         else:
             self._templates = sglang
