@@ -64,21 +64,21 @@ def engine_template(value: str) -> str:
     )
 
 
-def sglang_template(value: str) -> str:
+def sglang_template(value: str, text: str) -> str:
     """The Jinja text of a `chat_template` setting as SGLang 0.5 reads `--chat-template`
-    (`TemplateManager._load_jinja_template`): a `.jinja` file's text without its leading and
-    trailing newlines, each backslash-n written in it (two characters) read as a newline; a
-    text that names no file as `engine_template` takes it (the router's own setting may hold
-    the template). `TemplateLoadError` for another file: SGLang reads it as a JSON
-    conversation template, which the router does not render."""
+    (`TemplateManager._load_jinja_template`), from `text`, the setting as `engine_template`
+    read it: a `.jinja` file's text without its leading and trailing newlines, each
+    backslash-n written in it (two characters) read as a newline; a setting that names no file
+    as it is (the router's own setting may hold the template). `TemplateLoadError` for another
+    file: SGLang reads it as a JSON conversation template, which the router does not render."""
     if not names_file(value):
-        return engine_template(value)
+        return text
     if not value.endswith(".jinja"):
         raise TemplateLoadError(
             f"SGLang reads the chat template file {value!r} as a JSON conversation template "
             "(its name does not end in .jinja), which the router does not render"
         )
-    return _read(Path(value)).strip("\n").replace("\\n", "\n")
+    return text.strip("\n").replace("\\n", "\n")
 
 
 def _read(path: Path) -> str:

@@ -202,8 +202,9 @@ class RouterTokenizer:
                 self._templates = ChatTemplates(self._env, sources, by_name, f"in {self.folder}")
                 self._sglang_templates: ChatTemplates | TemplateLoadError = self._templates
             else:
-                self._templates = self._given(engine_template(chat_template))
-                self._sglang_templates = self._sglang_reading(chat_template)
+                text = engine_template(chat_template)
+                self._templates = self._given(text)
+                self._sglang_templates = self._sglang_reading(chat_template, text)
             self._templates.check_name(hf_template_name)
         except TemplateLoadError as exc:
             raise TokenizerError(str(exc)) from None
@@ -247,14 +248,13 @@ class RouterTokenizer:
         """The one template of a `chat_template` setting, compiled."""
         return ChatTemplates(self._env, {"default": text}, False, "given")
 
-    def _sglang_reading(self, setting: str) -> ChatTemplates | TemplateLoadError:
-        """The given template as an SGLang fleet renders it (`sglang_template`: the same
-        templates where its text is vLLM's), or why the router cannot render that one."""
+    def _sglang_reading(self, setting: str, text: str) -> ChatTemplates | TemplateLoadError:
+        """The given template as an SGLang fleet renders it (`sglang_template` of `text`, the
+        setting as vLLM reads it: the same templates where both texts are equal), or why the
+        router cannot render that one."""
         try:
-            text = sglang_template(setting)
-            if text == self._templates.only(None).source:
-                return self._templates
-            return self._given(text)
+            sglang = sglang_template(setting, text)
+            return self._templates if sglang == text else self._given(sglang)
         except TemplateLoadError as exc:
             return exc
 

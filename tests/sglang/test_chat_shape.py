@@ -484,8 +484,9 @@ def test_a_template_file_is_read_as_sglang_reads_it(tmp_path: Path) -> None:
     path.write_text("\n\n{% for m in messages %}{{ m['content'] }}\\n{% endfor %}\n\n")
     manager = SimpleNamespace(tokenizer=SimpleNamespace(chat_template=None))
     TemplateManager()._load_explicit_chat_template(manager, str(path))  # type: ignore[arg-type]
-    assert sglang_template(str(path)) == manager.tokenizer.chat_template
-    assert manager.tokenizer.chat_template != engine_template(str(path))
+    vllm = engine_template(str(path))
+    assert sglang_template(str(path), vllm) == manager.tokenizer.chat_template
+    assert manager.tokenizer.chat_template != vllm
     conversation = tmp_path / "conversation.json"
     conversation.write_text(json.dumps({
         "name": "warply-probe", "system": "S", "user": "U", "assistant": "A",
@@ -496,4 +497,4 @@ def test_a_template_file_is_read_as_sglang_reads_it(tmp_path: Path) -> None:
     sglang._load_explicit_chat_template(manager, str(conversation))  # type: ignore[arg-type]
     assert sglang.chat_template_name == "warply-probe" and manager.tokenizer.chat_template is None
     with pytest.raises(TemplateLoadError, match="as a JSON conversation template"):
-        sglang_template(str(conversation))
+        sglang_template(str(conversation), engine_template(str(conversation)))
